@@ -1,0 +1,1 @@
+"""Tenants' LoRA adapters: storage, validation, versions, and the engine fetch protocol."""

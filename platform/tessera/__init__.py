@@ -1,0 +1,1 @@
+"""Tessera platform application (APIs, auth, quotas, billing, CLI). Imported as `tessera`."""

@@ -1,0 +1,1 @@
+"""SGMV/BGMV batched-LoRA kernels."""

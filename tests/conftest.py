@@ -1,0 +1,4 @@
+import os
+
+# Triton kernels run on this CPU-only machine through the interpreter; set before triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
