@@ -1,0 +1,1 @@
+"""LoRA adapters in the engine: PEFT format, fetch protocol, tiered manager, LoRA-aware layers."""
