@@ -1,0 +1,53 @@
+"""Database plumbing: the declarative Base every Tessera table shares, engines and sessions.
+
+One MetaData for the registry's tables and the platform's (keys, plans, usage, billing), so one
+Alembic history covers them all. A naming convention makes constraint names deterministic on
+Postgres and SQLite alike, which migrations rely on.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import MetaData, create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, sessionmaker
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every Tessera table (registry and platform)."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now, the default of every timestamp column."""
+    return datetime.now(timezone.utc)
+
+
+def make_engine(url: str) -> Engine:
+    """An Engine for `url`. SQLite gets foreign keys enforced and a busy timeout, so the embedded
+    mode keeps the same integrity guarantees as Postgres."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):  # pragma: no cover - trivial
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def make_session_factory(engine: Engine) -> sessionmaker:
+    """Session factory; expire_on_commit=False so returned ORM objects stay readable after commit."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
