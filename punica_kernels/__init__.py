@@ -1,1 +1,106 @@
-"""SGMV/BGMV batched-LoRA kernels."""
+"""SGMV/BGMV batched-LoRA kernels: many adapters in one batch, one function per op.
+
+Contract (what the engine calls):
+
+Weights are stacked per adapter slot and zero-padded to the stack's max rank R:
+    lora_a: [S, R, K]   (shrink: x [T, K] -> v [T, R])
+    lora_b: [S, N, R]   (expand: v [T, R] -> added into y[:, off:off+N])
+    ranks:  [S] int32/int64, the true rank of each slot; only the first ranks[s] rows of A[s]
+            and columns of B[s] are read, so the work per token is proportional to its rank.
+    scales: [S] float32, alpha / r (or the rsLoRA scale), applied in shrink.
+Slot -1 means "no adapter": shrink writes zeros, expand leaves y untouched.
+Several slices in one call (q, k, v; gate, up): pass a sequence of stacks (all sharing S and R;
+expand stacks may differ in N) and, for expand, the first output column of each slice
+(`offsets`, default: packed side by side from column 0). With a sequence, shrink returns the
+fp32 intermediate v as [L, T, R] and expand takes it as such; with a single tensor, v is [T, R].
+
+    v = bgmv_shrink(x, lora_a, token_slots, scales, ranks, *, meta=None, out=None)
+    bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta=None) -> y
+    v = sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None, meta=None, out=None)
+    sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None, meta=None) -> y
+    meta = build_lora_metadata(slot_per_token, *, num_slots=None, device=None)
+
+BGMV (decode) takes a slot per token; SGMV (prefill) takes segments: `seg_starts` [n+1]
+(0 ... T, empty segments allowed) and `seg_slots` [n]. `build_lora_metadata` produces both from
+one slot list without permuting tokens. x, weights and y: fp16, bf16 or fp32 (x matches
+lora_a, y matches lora_b), contiguous, one device; v is always fp32. y is updated in place.
+
+Dispatch: CUDA tensors run the Triton kernels (punica_kernels.kernels); CPU tensors run the torch
+path (punica_kernels.cpu). `meta` is optional: the CPU path reuses its token grouping across the
+many layers of one step. `punica_kernels.reference` is a slow float64 reference for tests.
+
+Bad calls raise TypeError (dtype) or ValueError (shape, device, contiguity, slot or rank value).
+Checks that read tensor values run for CPU tensors only; on CUDA they would sync the device and
+break graph capture, so slots are checked on the host by `build_lora_metadata(num_slots=S)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu, reference
+from .metadata import LoRAMetadata, build_lora_metadata
+
+__all__ = [
+    "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand",
+    "build_lora_metadata", "LoRAMetadata", "reference",
+]
+
+
+def _use_triton(t) -> bool:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "cuda":
+        return True
+    if t.device.type == "cpu":
+        return False
+    raise ValueError(f"punica_kernels runs on CUDA or CPU tensors, not {t.device.type}")
+
+
+def bgmv_shrink(x, lora_a, token_slots, scales, ranks, *, meta: LoRAMetadata | None = None, out=None):
+    """Decode shrink: v[t] = scales[s] * x[t] @ A[s, :ranks[s]].T with s = token_slots[t] (0 if s == -1).
+
+    Returns fp32 v: [T, R] for one stack, [L, T, R] for a sequence of L stacks.
+    """
+    if _use_triton(x):
+        from .kernels import bgmv_shrink_triton
+
+        return bgmv_shrink_triton(x, lora_a, token_slots, scales, ranks, out=out)
+    return cpu.bgmv_shrink(x, lora_a, token_slots, scales, ranks, meta=meta, out=out)
+
+
+def bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta: LoRAMetadata | None = None):
+    """Decode expand: y[t, off:off+N] += v[t, :r] @ B[s, :, :r].T with s = token_slots[t], r = ranks[s].
+
+    Skips tokens with slot -1. Updates y in place and returns it.
+    """
+    if _use_triton(y):
+        from .kernels import bgmv_expand_triton
+
+        return bgmv_expand_triton(v, lora_b, token_slots, ranks, y, offsets=offsets)
+    return cpu.bgmv_expand(v, lora_b, token_slots, ranks, y, offsets=offsets, meta=meta)
+
+
+def sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None,
+                meta: LoRAMetadata | None = None, out=None):
+    """Prefill shrink: as bgmv_shrink, with one slot per segment [seg_starts[i], seg_starts[i+1]).
+
+    max_segment_len (host int, e.g. meta.max_segment_len) bounds the Triton grid; None means T.
+    """
+    if _use_triton(x):
+        from .kernels import sgmv_shrink_triton
+
+        return sgmv_shrink_triton(x, lora_a, seg_starts, seg_slots, scales, ranks,
+                                  max_segment_len=max_segment_len, out=out)
+    return cpu.sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, meta=meta, out=out)
+
+
+def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None,
+                meta: LoRAMetadata | None = None):
+    """Prefill expand: as bgmv_expand, with one slot per segment. Updates y in place and returns it."""
+    if _use_triton(y):
+        from .kernels import sgmv_expand_triton
+
+        return sgmv_expand_triton(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=offsets,
+                                  max_segment_len=max_segment_len)
+    return cpu.sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=offsets, meta=meta)

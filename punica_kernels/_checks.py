@@ -1,0 +1,193 @@
+"""Argument checks shared by the Triton launchers, the CPU path and the dispatcher.
+
+Every op validates its arguments here first, so a bad call raises one clear `TypeError`
+(wrong dtype) or `ValueError` (wrong shape, device, contiguity, slot or rank value) before
+any kernel runs. Value checks (slot range, ranks <= R, segment bounds) read the tensors, so
+they run only for CPU tensors: on CUDA they would force a device sync and break CUDA-graph
+capture; there `build_lora_metadata` checks slots on the host instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_tensor(t, name: str, *, ndim: int, dtypes, device: torch.device | None = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of: {allowed}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()); got strides {t.stride()}")
+
+
+def _as_slices(w, name: str) -> tuple[list[torch.Tensor], bool]:
+    """A weight stack or a sequence of them -> (list of stacks, whether a single tensor was given)."""
+    if isinstance(w, torch.Tensor):
+        return [w], True
+    if isinstance(w, Sequence) and len(w) > 0 and all(isinstance(t, torch.Tensor) for t in w):
+        return list(w), False
+    raise TypeError(f"{name} must be a tensor or a non-empty sequence of tensors")
+
+
+def _check_slot_values(slots: torch.Tensor, num_slots: int, name: str) -> None:
+    if slots.device.type != "cpu" or slots.numel() == 0:
+        return
+    lo, hi = int(slots.min()), int(slots.max())
+    if lo < -1 or hi >= num_slots:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"{name} holds slot {bad}, outside [-1, {num_slots}) for a stack of {num_slots} slots "
+            "(-1 means no adapter)"
+        )
+
+
+def _check_ranks_scales(ranks, scales, num_slots: int, max_rank: int, device) -> None:
+    _check_tensor(ranks, "ranks", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if ranks.shape[0] != num_slots:
+        raise ValueError(f"ranks has {ranks.shape[0]} entries but the stack has {num_slots} slots")
+    if ranks.device.type == "cpu" and num_slots > 0:
+        lo, hi = int(ranks.min()), int(ranks.max())
+        if lo < 0 or hi > max_rank:
+            raise ValueError(f"ranks must lie in [0, {max_rank}] (the stack's padded rank R); got {lo}..{hi}")
+    if scales is not None:
+        _check_tensor(scales, "scales", ndim=1, dtypes=(torch.float32,), device=device)
+        if scales.shape[0] != num_slots:
+            raise ValueError(f"scales has {scales.shape[0]} entries but the stack has {num_slots} slots")
+
+
+@dataclass(frozen=True)
+class ShrinkArgs:
+    """Validated shrink call: x [T, K], slices of [S, R, K], output [L, T, R] (fp32)."""
+
+    x: torch.Tensor
+    slices: list[torch.Tensor]
+    single: bool  # lora_a was one tensor: the caller gets v as [T, R] rather than [1, T, R]
+    num_tokens: int
+    num_slots: int
+    max_rank: int
+    hidden: int
+    out: torch.Tensor  # always [L, T, R] fp32, contiguous
+
+
+def check_shrink(x, lora_a, scales, ranks, out=None) -> ShrinkArgs:
+    slices, single = _as_slices(lora_a, "lora_a")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    device = x.device
+    num_tokens, hidden = x.shape
+    s0 = slices[0]
+    for i, a in enumerate(slices):
+        name = "lora_a" if single else f"lora_a[{i}]"
+        _check_tensor(a, name, ndim=3, dtypes=FLOAT_DTYPES, device=device)
+        if a.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {_dtype_name(a.dtype)} but x has {_dtype_name(x.dtype)}; they must match")
+        if a.shape[2] != hidden:
+            raise ValueError(f"{name} has shape {tuple(a.shape)} (expected [S, R, {hidden}]): its last dim must equal x's width {hidden}")
+        if a.shape[:2] != s0.shape[:2]:
+            raise ValueError(f"all lora_a slices must share [S, R]; got {tuple(s0.shape)} and {tuple(a.shape)}")
+    num_slots, max_rank = s0.shape[0], s0.shape[1]
+    _check_ranks_scales(ranks, scales, num_slots, max_rank, device)
+    want = (len(slices), num_tokens, max_rank)
+    if out is None:
+        out = torch.zeros(want, dtype=torch.float32, device=device)
+    else:
+        _check_tensor(out, "out", ndim=2 if single else 3, dtypes=(torch.float32,), device=device)
+        out3 = out.unsqueeze(0) if single else out
+        if tuple(out3.shape) != want:
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected {want[1:] if single else want}")
+        out = out3
+        out.zero_()
+    return ShrinkArgs(x, slices, single, num_tokens, num_slots, max_rank, hidden, out)
+
+
+@dataclass(frozen=True)
+class ExpandArgs:
+    """Validated expand call: v [L, T, R] fp32, slices of [S, N_i, R], y [T, width]."""
+
+    v: torch.Tensor  # always [L, T, R]
+    slices: list[torch.Tensor]
+    y: torch.Tensor
+    offsets: list[int]
+    widths: list[int]
+    num_tokens: int
+    num_slots: int
+    max_rank: int
+
+
+def check_expand(v, lora_b, ranks, y, offsets=None) -> ExpandArgs:
+    slices, single = _as_slices(lora_b, "lora_b")
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    _check_tensor(y, "y", ndim=2, dtypes=FLOAT_DTYPES)
+    device = y.device
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
+    _check_tensor(v, "v", ndim=2 if single else 3, dtypes=(torch.float32,), device=device)
+    v3 = v.unsqueeze(0) if single else v
+    s0 = slices[0]
+    for i, b in enumerate(slices):
+        name = "lora_b" if single else f"lora_b[{i}]"
+        _check_tensor(b, name, ndim=3, dtypes=FLOAT_DTYPES, device=device)
+        if b.dtype != y.dtype:
+            raise TypeError(f"{name} has dtype {_dtype_name(b.dtype)} but y has {_dtype_name(y.dtype)}; they must match")
+        if b.shape[0] != s0.shape[0] or b.shape[2] != s0.shape[2]:
+            raise ValueError(f"all lora_b slices must share S and R ([S, N_i, R]); got {tuple(s0.shape)} and {tuple(b.shape)}")
+    num_slots, max_rank = s0.shape[0], s0.shape[2]
+    num_tokens = y.shape[0]
+    want = (len(slices), num_tokens, max_rank)
+    if tuple(v3.shape) != want:
+        raise ValueError(f"v has shape {tuple(v.shape)}; expected {want[1:] if single else want} "
+                         "(the shrink output for these stacks and y's token count)")
+    widths = [b.shape[1] for b in slices]
+    if offsets is None:
+        offsets, acc = [], 0
+        for n in widths:
+            offsets.append(acc)
+            acc += n
+    else:
+        if isinstance(offsets, int):
+            offsets = [offsets]
+        offsets = [int(o) for o in offsets]
+        if len(offsets) != len(slices):
+            raise ValueError(f"got {len(offsets)} offsets for {len(slices)} lora_b slices")
+    for o, n in zip(offsets, widths):
+        if o < 0 or o + n > y.shape[1]:
+            raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")
+    _check_ranks_scales(ranks, None, num_slots, max_rank, device)
+    return ExpandArgs(v3, slices, y, offsets, widths, num_tokens, num_slots, max_rank)
+
+
+def check_token_slots(token_slots, num_tokens: int, num_slots: int, device) -> None:
+    _check_tensor(token_slots, "token_slots", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if token_slots.shape[0] != num_tokens:
+        raise ValueError(f"token_slots has {token_slots.shape[0]} entries for {num_tokens} tokens")
+    _check_slot_values(token_slots, num_slots, "token_slots")
+
+
+def check_segments(seg_starts, seg_slots, num_tokens: int, num_slots: int, device) -> None:
+    _check_tensor(seg_starts, "seg_starts", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    _check_tensor(seg_slots, "seg_slots", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if seg_starts.shape[0] != seg_slots.shape[0] + 1:
+        raise ValueError(f"seg_starts must have one more entry than seg_slots; got {seg_starts.shape[0]} and {seg_slots.shape[0]}")
+    _check_slot_values(seg_slots, num_slots, "seg_slots")
+    if seg_starts.device.type == "cpu":
+        st = seg_starts.tolist()
+        if st[0] != 0 or st[-1] != num_tokens or any(b < a for a, b in zip(st, st[1:])):
+            raise ValueError(f"seg_starts must be non-decreasing from 0 to the token count {num_tokens}; got {st[:8]}{'...' if len(st) > 8 else ''}")

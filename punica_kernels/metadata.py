@@ -1,0 +1,94 @@
+"""Per-step LoRA batch metadata: one slot list in, what SGMV, BGMV and the CPU path need out.
+
+Tokens are never permuted: segments are runs of equal slots in the batch's own token order
+(a prefill sequence's tokens are contiguous, so each becomes one segment), and the BGMV kernels
+read each token's slot directly. The tensors' shapes depend only on the token count and the
+run structure; a decode step captured in a CUDA graph copies `token_slots` (shape [T], fixed
+for the batch size) into its static buffer and the BGMV launch shape stays the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LoRAMetadata:
+    """What the four ops need for one batch. All tensors live on `device`."""
+
+    token_slots: torch.Tensor  # [T] int32: slot of each token, -1 = no adapter (BGMV input)
+    seg_starts: torch.Tensor  # [n+1] int32: boundaries of runs of equal slots (SGMV input)
+    seg_slots: torch.Tensor  # [n] int32: slot of each run, -1 = no adapter (SGMV input)
+    max_segment_len: int  # longest run, host int: SGMV grid height without a device sync
+    sorted_tokens: torch.Tensor  # [T'] int64: tokens that have an adapter, stably sorted by slot
+    distinct_slots: torch.Tensor  # [U] int32: distinct slots in use (ascending, -1 excluded)
+    distinct_slots_list: tuple[int, ...]  # the same on the host (for loaders and the scheduler)
+    num_tokens: int  # T
+    num_slots: int | None  # size of the slot stack the slots were checked against, if given
+    _cpu_plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def cpu_plan(self, ranks: torch.Tensor):
+        """The CPU path's token grouping for these slots and `ranks`, cached by rank values."""
+        from .cpu import plan_tokens  # cpu imports this module; import late to avoid a cycle
+
+        key = tuple(ranks.tolist())
+        plan = self._cpu_plans.get(key)
+        if plan is None:
+            plan = plan_tokens(self.token_slots, ranks)
+            self._cpu_plans[key] = plan
+        return plan
+
+
+def build_lora_metadata(slot_per_token: Sequence[int] | torch.Tensor, *, num_slots: int | None = None,
+                        device: torch.device | str | None = None) -> LoRAMetadata:
+    """Turn a per-token slot list into the kernels' metadata, without permuting tokens.
+
+    Args:
+        slot_per_token: [T] ints (list or 1-D integer tensor); -1 = no adapter.
+        num_slots: size S of the weight stacks; when given, every slot must be in [-1, S).
+        device: where the tensors go (default: the input tensor's device, else CPU).
+    Raises:
+        TypeError if the slots are not integers; ValueError if a slot is out of range.
+    """
+    if isinstance(slot_per_token, torch.Tensor):
+        if slot_per_token.dtype.is_floating_point or slot_per_token.dtype == torch.bool or slot_per_token.dim() != 1:
+            raise TypeError(f"slot_per_token must be a 1-D integer tensor; got {slot_per_token.dtype} {tuple(slot_per_token.shape)}")
+        if device is None:
+            device = slot_per_token.device
+        slots = slot_per_token.detach().to("cpu", torch.int64)
+    else:
+        vals = list(slot_per_token)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in vals):
+            raise TypeError("slot_per_token must hold ints (-1 for no adapter)")
+        slots = torch.tensor(vals, dtype=torch.int64)
+    device = torch.device(device if device is not None else "cpu")
+    T = slots.shape[0]
+    if T:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < -1:
+            raise ValueError(f"slot {lo} is invalid: slots are >= 0, or -1 for no adapter")
+        if num_slots is not None and hi >= num_slots:
+            raise ValueError(f"slot {hi} is out of range for {num_slots} slots")
+    if T:
+        run_slots, run_lens = torch.unique_consecutive(slots, return_counts=True)
+    else:
+        run_slots = run_lens = torch.zeros(0, dtype=torch.int64)
+    starts = torch.zeros(run_lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(run_lens, 0, out=starts[1:])
+    has = (slots >= 0).nonzero().squeeze(1)
+    sorted_tokens = has[torch.argsort(slots[has], stable=True)]
+    distinct = torch.unique(slots[has])
+    return LoRAMetadata(
+        token_slots=slots.to(device=device, dtype=torch.int32),
+        seg_starts=starts.to(device=device, dtype=torch.int32),
+        seg_slots=run_slots.to(device=device, dtype=torch.int32),
+        max_segment_len=int(run_lens.max()) if T else 0,
+        sorted_tokens=sorted_tokens.to(device),
+        distinct_slots=distinct.to(device=device, dtype=torch.int32),
+        distinct_slots_list=tuple(distinct.tolist()),
+        num_tokens=T,
+        num_slots=num_slots,
+    )
