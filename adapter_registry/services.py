@@ -1,0 +1,373 @@
+"""Registry operations: tenants, adapter uploads, versions, the current pointer, soft deletion.
+
+Every function is keyword-only and takes the caller's Session; every adapter operation takes the
+tenant and only ever sees that tenant's rows (another tenant's adapter is NotFound, the same
+message as a name that does not exist).
+
+Upload protocol (nothing is left half-made):
+1. stage the files locally and refuse unsafe/oversized uploads (no storage touched yet);
+2. put content-addressed blobs in the object store (skipped for bytes already stored);
+3. one transaction inserts blob rows, the adapter (if new) and a 'validating' version;
+4. validation runs (inline in embedded mode, else a Celery task) and marks it ready or rejected.
+A store failure in 2 leaves no rows; a database failure in 3 leaves objects without rows, which
+cleanup.collect_garbage removes after a grace period; a failure to start validation in 4 removes
+the version again. The caller gets RegistryUnavailable (503) in each case.
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from adapter_registry.archive import ArchiveLimits, stage_upload
+from adapter_registry.content import blob_key, sha256_file, version_digest
+from adapter_registry.db import utcnow
+from adapter_registry.errors import (
+    Conflict,
+    NotFound,
+    ObjectStoreError,
+    QuotaExceeded,
+    RegistryUnavailable,
+    UploadRejected,
+)
+from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
+from adapter_registry.objectstore import ObjectStore
+from adapter_registry.settings import RegistrySettings
+from adapter_registry.validation import AdapterRejected, validate_adapter_files
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_name(name: str, what: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise UploadRejected(
+            f"invalid {what} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def _db_unavailable(e: SQLAlchemyError) -> RegistryUnavailable:
+    return RegistryUnavailable(f"database unavailable ({type(e).__name__}); nothing was stored, try again")
+
+
+# ---------------------------------------------------------------- tenants
+
+
+def create_tenant(*, session: Session, name: str, max_adapters: int | None = None,
+                  max_adapter_bytes: int | None = None) -> Tenant:
+    """Create and commit a tenant. Conflict if a live tenant has the name."""
+    _check_name(name, "tenant")
+    if session.scalar(select(Tenant.id).where(Tenant.name == name, Tenant.deleted_at.is_(None))) is not None:
+        raise Conflict(f"tenant {name!r} already exists")
+    tenant = Tenant(name=name, max_adapters=max_adapters, max_adapter_bytes=max_adapter_bytes)
+    session.add(tenant)
+    session.commit()
+    return tenant
+
+
+def get_tenant(*, session: Session, name: str | None = None, tenant_id: int | None = None) -> Tenant:
+    """The live tenant with this name or id, else NotFound."""
+    q = select(Tenant).where(Tenant.deleted_at.is_(None))
+    q = q.where(Tenant.name == name) if name is not None else q.where(Tenant.id == tenant_id)
+    tenant = session.scalar(q)
+    if tenant is None:
+        raise NotFound(f"tenant {name if name is not None else tenant_id!r} not found")
+    return tenant
+
+
+# ---------------------------------------------------------------- lookups (tenant-scoped)
+
+
+def _adapter_or_none(session: Session, tenant: Tenant, name: str, *, lock: bool = False) -> Adapter | None:
+    q = select(Adapter).where(Adapter.tenant_id == tenant.id, Adapter.name == name, Adapter.deleted_at.is_(None))
+    if lock:
+        q = q.with_for_update()
+    return session.scalar(q)
+
+
+def get_adapter(*, session: Session, tenant: Tenant, name: str) -> Adapter:
+    """The tenant's live adapter `name`, else NotFound."""
+    adapter = _adapter_or_none(session, tenant, name)
+    if adapter is None:
+        raise NotFound(f"adapter {name!r} not found")
+    return adapter
+
+
+def list_adapters(*, session: Session, tenant: Tenant) -> list[Adapter]:
+    """The tenant's live adapters, by name."""
+    return list(session.scalars(
+        select(Adapter).where(Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)).order_by(Adapter.name)
+    ))
+
+
+def list_versions(*, session: Session, tenant: Tenant, name: str) -> list[AdapterVersion]:
+    """The live versions of the tenant's adapter `name`, oldest first (any status)."""
+    adapter = get_adapter(session=session, tenant=tenant, name=name)
+    return list(session.scalars(
+        select(AdapterVersion)
+        .where(AdapterVersion.adapter_id == adapter.id, AdapterVersion.deleted_at.is_(None))
+        .order_by(AdapterVersion.version)
+    ))
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """Split `name` or `name@version` (version: a number or a 64-hex sha256)."""
+    name, sep, version = ref.partition("@")
+    if sep and not (version.isdigit() or _SHA.match(version)):
+        raise NotFound(f"invalid version {version!r} in {ref!r}: use name@<number> or name@<sha256>")
+    return name, (version if sep else None)
+
+
+def resolve_version(*, session: Session, tenant: Tenant, ref: str, require_ready: bool = True) -> AdapterVersion:
+    """The version `ref` names within the tenant: `name` is the current version, `name@3` version
+    3, `name@<sha256>` the version with that digest. With require_ready, a version that is not
+    ready is a Conflict naming its status (and reason); an adapter with no current version is a
+    Conflict too. Unknown or another tenant's: NotFound."""
+    name, version = parse_ref(ref)
+    adapter = get_adapter(session=session, tenant=tenant, name=name)
+    if version is None:
+        if adapter.current_version_id is None:
+            raise Conflict(f"adapter {name!r} has no ready version yet")
+        v = session.get(AdapterVersion, adapter.current_version_id)
+    else:
+        cond = AdapterVersion.version == int(version) if version.isdigit() else AdapterVersion.sha256 == version
+        v = session.scalar(select(AdapterVersion).where(
+            AdapterVersion.adapter_id == adapter.id, AdapterVersion.deleted_at.is_(None), cond))
+    if v is None or v.deleted_at is not None:
+        raise NotFound(f"adapter version {ref!r} not found")
+    if require_ready and v.status != "ready":
+        reason = f": {v.rejection_reason}" if v.rejection_reason else ""
+        raise Conflict(f"adapter version {v.ref} is {v.status}{reason}")
+    return v
+
+
+# ---------------------------------------------------------------- upload
+
+
+def _limits_for(tenant: Tenant, settings: RegistrySettings) -> tuple[int, int]:
+    max_bytes = tenant.max_adapter_bytes if tenant.max_adapter_bytes is not None else settings.default_max_adapter_bytes
+    max_count = tenant.max_adapters if tenant.max_adapters is not None else settings.default_max_adapters
+    return max_bytes, max_count
+
+
+def _put_blob(session: Session, store: ObjectStore, sha: str, path: Path) -> None:
+    # A committed blob row means the object is stored; otherwise (re)upload: content-addressed
+    # puts of the same bytes are idempotent, and a concurrent uploader's object is identical.
+    if session.get(Blob, sha) is None:
+        store.put_file(blob_key(sha), path)
+
+
+def _insert_blob(session: Session, sha: str, size: int) -> None:
+    if session.get(Blob, sha) is not None:
+        return
+    try:
+        with session.begin_nested():  # a concurrent upload of the same bytes may win the insert
+            session.add(Blob(sha256=sha, object_key=blob_key(sha), size_bytes=size))
+    except IntegrityError:
+        pass
+
+
+def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySettings, tenant: Tenant,
+                   name: str, source: Path, base_model: str | None = None) -> AdapterVersion:
+    """Store the adapter at `source` (folder, .zip or .tar.gz) as a new version of the tenant's
+    adapter `name`, and validate it.
+
+    Returns the version: 'ready' or 'rejected' (with its reason) when validation runs inline
+    (settings.celery_eager), else 'validating' until the worker is done; poll with
+    `resolve_version(..., require_ready=False)`. Uploading bytes that already are a version of
+    this adapter returns that version (a rejected one is validated again, a deleted one restored).
+    A version becomes current once ready unless a newer one already is.
+
+    Raises UploadRejected (unsafe archive, pickle weights, missing files), QuotaExceeded (size or
+    adapter count over the tenant's limits), Conflict (tenant suspended), RegistryUnavailable
+    (database, object store or task queue failed; nothing half-made remains).
+    """
+    _check_name(name, "adapter")
+    if tenant.status != "active":
+        raise Conflict(f"tenant {tenant.name!r} is {tenant.status}; uploads are refused")
+    max_bytes, max_count = _limits_for(tenant, settings)
+    limits = ArchiveLimits(settings.archive_max_uncompressed_bytes, settings.archive_max_files)
+    with tempfile.TemporaryDirectory(prefix="tessera-upload-") as work:
+        staged = stage_upload(Path(source), Path(work), limits)
+        weights_size = staged.weights_path.stat().st_size
+        if weights_size > max_bytes:
+            raise QuotaExceeded(
+                f"adapter weights are {weights_size} bytes; tenant {tenant.name!r} may upload at most {max_bytes} bytes"
+            )
+        config_sha, config_size = sha256_file(staged.config_path)
+        weights_sha, weights_size = sha256_file(staged.weights_path)
+        digest = version_digest(config_sha, weights_sha)
+
+        try:
+            adapter = _adapter_or_none(session, tenant, name)
+            if adapter is None:
+                count = session.scalar(select(func.count(Adapter.id)).where(
+                    Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)))
+                if count >= max_count:
+                    raise QuotaExceeded(f"tenant {tenant.name!r} already has {count} adapters (limit {max_count})")
+            else:
+                existing = session.scalar(select(AdapterVersion).where(
+                    AdapterVersion.adapter_id == adapter.id, AdapterVersion.sha256 == digest))
+                if existing is not None:
+                    return _reupload(session=session, store=store, settings=settings, version=existing,
+                                     base_model=base_model)
+            _put_blob(session, store, config_sha, staged.config_path)
+            _put_blob(session, store, weights_sha, staged.weights_path)
+            session.rollback()  # end the read transaction before the write one
+
+            _insert_blob(session, config_sha, config_size)
+            _insert_blob(session, weights_sha, weights_size)
+            adapter = _adapter_or_none(session, tenant, name, lock=True)
+            created = adapter is None
+            if created:
+                adapter = Adapter(tenant_id=tenant.id, name=name, next_version=1)
+                session.add(adapter)
+                session.flush()
+            version = AdapterVersion(
+                adapter=adapter, version=adapter.next_version, sha256=digest,
+                config_sha256=config_sha, weights_sha256=weights_sha,
+                object_key=blob_key(weights_sha), config_object_key=blob_key(config_sha),
+                size_bytes=weights_size, status="validating", base_model=base_model,
+            )
+            adapter.next_version += 1
+            session.add(version)
+            session.commit()
+        except IntegrityError:
+            session.rollback()
+            raise Conflict(f"adapter {name!r} was changed by a concurrent upload; try again") from None
+        except SQLAlchemyError as e:
+            session.rollback()
+            raise _db_unavailable(e) from e
+        except ObjectStoreError:
+            session.rollback()
+            raise
+    return _start_validation(session=session, store=store, settings=settings, version=version,
+                             discard_on_failure=created)
+
+
+def _reupload(*, session: Session, store: ObjectStore, settings: RegistrySettings, version: AdapterVersion,
+              base_model: str | None) -> AdapterVersion:
+    if version.deleted_at is None and version.status != "rejected":
+        return version
+    version.deleted_at = None
+    version.status = "validating"
+    version.rejection_reason = None
+    version.base_model = base_model
+    session.commit()
+    return _start_validation(session=session, store=store, settings=settings, version=version, discard_on_failure=False)
+
+
+def _start_validation(*, session: Session, store: ObjectStore, settings: RegistrySettings, version: AdapterVersion,
+                      discard_on_failure: bool) -> AdapterVersion:
+    try:
+        if settings.celery_eager:
+            return validate_version(session=session, store=store, settings=settings, version_id=version.id)
+        from adapter_registry.tasks import validate_version_task
+
+        validate_version_task.apply_async(args=[version.id], queue=settings.celery_queue)
+        return version
+    except RegistryUnavailable:
+        _discard(session, version, drop_adapter=discard_on_failure)
+        raise
+    except Exception as e:  # the broker refused the task (kombu raises many types)
+        _discard(session, version, drop_adapter=discard_on_failure)
+        raise RegistryUnavailable(f"validation queue unavailable ({type(e).__name__}: {e}); nothing was stored") from e
+
+
+def _discard(session: Session, version: AdapterVersion, *, drop_adapter: bool) -> None:
+    """Remove a version that never became visible as validated (its blobs are left to GC)."""
+    try:
+        session.rollback()
+        adapter = version.adapter
+        session.delete(version)
+        session.flush()
+        if drop_adapter:
+            remaining = session.scalar(select(func.count(AdapterVersion.id)).where(AdapterVersion.adapter_id == adapter.id))
+            if remaining == 0:
+                session.delete(adapter)
+        session.commit()
+    except SQLAlchemyError:
+        session.rollback()  # the database is gone too; cleanup.collect_garbage handles stale rows
+
+
+def validate_version(*, session: Session, store: ObjectStore, settings: RegistrySettings, version_id: int) -> AdapterVersion:
+    """Validate a 'validating' version from its stored files and commit 'ready' (with the parsed
+    rank, alpha, modules, base, dtype; current pointer moved when it is the newest ready) or
+    'rejected' (with the reason). Versions already decided are returned unchanged, so a retried
+    task is harmless. Raises RegistryUnavailable if the store or database fails (retry later)."""
+    version = session.get(AdapterVersion, version_id)
+    if version is None:
+        raise NotFound(f"adapter version id {version_id} not found")
+    if version.status != "validating":
+        return version
+    with tempfile.TemporaryDirectory(prefix="tessera-validate-") as work:
+        config_path, weights_path = Path(work) / "config.json", Path(work) / "weights.safetensors"
+        store.get_file(version.config_object_key, config_path)
+        store.get_file(version.object_key, weights_path)
+        if sha256_file(config_path)[0] != version.config_sha256 or sha256_file(weights_path)[0] != version.weights_sha256:
+            raise RegistryUnavailable(f"stored files of {version.ref} do not match their sha256; object store corrupt")
+        try:
+            result = validate_adapter_files(config_path=config_path, weights_path=weights_path,
+                                            settings=settings, base_model=version.base_model)
+        except AdapterRejected as e:
+            version.status = "rejected"
+            version.rejection_reason = str(e)
+        else:
+            c = result.config
+            version.status = "ready"
+            version.base_model = result.base.name
+            version.rank, version.alpha, version.use_rslora = c.rank, c.alpha, c.use_rslora
+            version.target_modules = list(c.target_modules)
+            version.dtype = result.dtype
+    version.validated_at = utcnow()
+    try:
+        if version.status == "ready":
+            adapter = version.adapter
+            current = session.get(AdapterVersion, adapter.current_version_id) if adapter.current_version_id else None
+            if current is None or current.version < version.version:
+                adapter.current_version_id = version.id
+        session.commit()
+    except SQLAlchemyError as e:
+        session.rollback()
+        raise _db_unavailable(e) from e
+    return version
+
+
+# ---------------------------------------------------------------- current pointer, deletion
+
+
+def set_current_version(*, session: Session, tenant: Tenant, ref: str) -> AdapterVersion:
+    """Point the adapter's current version at `ref` (name@N); it must be ready (else Conflict)."""
+    version = resolve_version(session=session, tenant=tenant, ref=ref, require_ready=True)
+    version.adapter.current_version_id = version.id
+    session.commit()
+    return version
+
+
+def delete_adapter(*, session: Session, tenant: Tenant, ref: str) -> None:
+    """Soft-delete the tenant's adapter `name` with all its versions, or one version `name@N`.
+    Deleting the current version moves the pointer to the newest remaining ready version."""
+    name, version = parse_ref(ref)
+    adapter = get_adapter(session=session, tenant=tenant, name=name)
+    now = utcnow()
+    if version is None:
+        for v in list_versions(session=session, tenant=tenant, name=name):
+            v.deleted_at = now
+        adapter.deleted_at = now
+        adapter.current_version_id = None
+    else:
+        v = resolve_version(session=session, tenant=tenant, ref=ref, require_ready=False)
+        v.deleted_at = now
+        if adapter.current_version_id == v.id:
+            session.flush()
+            adapter.current_version_id = session.scalar(
+                select(AdapterVersion.id)
+                .where(AdapterVersion.adapter_id == adapter.id, AdapterVersion.status == "ready",
+                       AdapterVersion.deleted_at.is_(None))
+                .order_by(AdapterVersion.version.desc()).limit(1))
+    session.commit()
