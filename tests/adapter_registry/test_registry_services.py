@@ -73,15 +73,19 @@ def test_new_versions_move_current_and_can_be_pinned(ctx, session, tmp_path):
 def test_rejected_version_is_not_served_and_keeps_its_reason(ctx, session, tmp_path):
     tenant = services.create_tenant(session=session, name="acme")
     good = _upload(ctx, session, tenant, "bot", write_adapter(tmp_path / "good"))
-    bad = _upload(ctx, session, tenant, "bot", write_adapter(tmp_path / "bad", rank=128))
-    assert bad.status == "rejected" and "rank 128 exceeds the maximum rank 64" in bad.rejection_reason
+    bad = _upload(ctx, session, tenant, "bot", write_adapter(tmp_path / "bad", tensors_hook=_poison))
+    assert bad.status == "rejected" and "contains NaN or Inf" in bad.rejection_reason
     assert services.resolve_version(session=session, tenant=tenant, ref="bot").id == good.id
-    with pytest.raises(Conflict, match="bot@2 is rejected: rank 128"):
+    with pytest.raises(Conflict, match="bot@2 is rejected: tensor .* contains NaN"):
         services.resolve_version(session=session, tenant=tenant, ref="bot@2")
     with pytest.raises(Conflict):
         services.set_current_version(session=session, tenant=tenant, ref="bot@2")
     again = services.resolve_version(session=session, tenant=tenant, ref="bot@2", require_ready=False)
     assert again.rejection_reason == bad.rejection_reason
+
+
+def _poison(tensors):
+    next(iter(tensors.values()))[0, 0] = float("nan")
 
 
 def test_delete_version_then_adapter(ctx, session, tmp_path):

@@ -1,0 +1,244 @@
+"""Every validation rule, each with a real malformed file, each refused with its own message.
+
+Refusals at upload (unsafe archive, pickle, size) store nothing; refusals of content leave a
+'rejected' version with the reason, never a ready one.
+"""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import zipfile
+
+import pytest
+import torch
+from registry_helpers import write_adapter
+
+from adapter_registry import services
+from adapter_registry.content import BLOB_PREFIX
+from adapter_registry.errors import QuotaExceeded, UploadRejected
+from adapter_registry.models import AdapterVersion
+
+
+@pytest.fixture
+def reg(make_ctx):
+    return make_ctx("sqlite", max_rank=16, archive_max_uncompressed_bytes=8 * 1024 * 1024, archive_max_files=8)
+
+
+@pytest.fixture
+def tenant(reg):
+    with reg.session_factory() as s:
+        return services.create_tenant(session=s, name="acme")
+
+
+def upload(reg, tenant, path, **kw):
+    with reg.session_factory() as s:
+        return services.upload_adapter(session=s, store=reg.store, settings=reg.settings, tenant=tenant,
+                                       name="bot", source=path, **kw)
+
+
+def assert_refused_and_nothing_stored(reg, tenant, path, error, message):
+    with pytest.raises(error, match=message):
+        upload(reg, tenant, path)
+    assert list(reg.store.list(BLOB_PREFIX)) == []
+    with reg.session_factory() as s:
+        assert s.query(AdapterVersion).count() == 0
+
+
+def assert_rejected(reg, tenant, path, message, **kw):
+    v = upload(reg, tenant, path, **kw)
+    assert v.status == "rejected", v.status
+    assert message in v.rejection_reason, v.rejection_reason
+    return v
+
+
+# ------------------------------------------------------------ refused at upload
+
+
+def test_pickle_bin_is_refused(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a")
+    (d / "adapter_model.safetensors").unlink()
+    torch.save({"w": torch.zeros(2)}, d / "adapter_model.bin")  # a real pickle checkpoint
+    assert_refused_and_nothing_stored(reg, tenant, d, UploadRejected, r"adapter_model\.bin is a pickle file.*arbitrary code")
+
+
+def test_pickle_bin_inside_an_archive_is_refused(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a")
+    torch.save({"w": torch.zeros(2)}, d / "adapter_model.bin")
+    z = tmp_path / "a.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for f in d.iterdir():
+            zf.write(f, f.name)
+    assert_refused_and_nothing_stored(reg, tenant, z, UploadRejected, "pickle file")
+
+
+@pytest.mark.parametrize("member", ["../evil.json", "/etc/evil.json", "a/../../evil.json"])
+def test_zip_path_traversal_is_refused(reg, tenant, tmp_path, member):
+    z = tmp_path / "t.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr(member, "{}")
+    assert_refused_and_nothing_stored(reg, tenant, z, UploadRejected, "unsafe path")
+    assert not (tmp_path.parent / "evil.json").exists()
+
+
+def test_tar_path_traversal_is_refused(reg, tenant, tmp_path):
+    t = tmp_path / "t.tar.gz"
+    with tarfile.open(t, "w:gz") as tf:
+        info = tarfile.TarInfo("../../adapter_config.json")
+        info.size = 2
+        tf.addfile(info, io.BytesIO(b"{}"))
+    assert_refused_and_nothing_stored(reg, tenant, t, UploadRejected, "unsafe path")
+
+
+def test_tar_symlink_is_refused(reg, tenant, tmp_path):
+    t = tmp_path / "t.tar.gz"
+    with tarfile.open(t, "w:gz") as tf:
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(info)
+    assert_refused_and_nothing_stored(reg, tenant, t, UploadRejected, "is a link; links are refused")
+
+
+def test_zip_symlink_is_refused(reg, tenant, tmp_path):
+    z = tmp_path / "t.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        info = zipfile.ZipInfo("adapter_model.safetensors")
+        info.external_attr = (0o120777 << 16)  # S_IFLNK, as `zip --symlinks` writes it
+        zf.writestr(info, "/etc/passwd")
+    assert_refused_and_nothing_stored(reg, tenant, z, UploadRejected, "symbolic link")
+
+
+def test_zip_bomb_is_refused(reg, tenant, tmp_path):
+    z = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(z, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("adapter_model.safetensors", b"\0" * (32 * 1024 * 1024))  # 32 MiB -> ~32 KiB
+        zf.writestr("adapter_config.json", "{}")
+    assert z.stat().st_size < 100_000
+    assert_refused_and_nothing_stored(reg, tenant, z, UploadRejected, "possible zip bomb")
+
+
+def test_tar_gz_bomb_is_refused(reg, tenant, tmp_path):
+    t = tmp_path / "bomb.tar.gz"
+    with tarfile.open(t, "w:gz") as tf:
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = 32 * 1024 * 1024
+        tf.addfile(info, io.BytesIO(b"\0" * info.size))
+    assert_refused_and_nothing_stored(reg, tenant, t, UploadRejected, "possible zip bomb")
+
+
+def test_archive_with_too_many_files_is_refused(reg, tenant, tmp_path):
+    z = tmp_path / "many.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for i in range(50):
+            zf.writestr(f"f{i}.txt", "")
+    assert_refused_and_nothing_stored(reg, tenant, z, UploadRejected, "archive holds 50 entries; at most 8")
+
+
+def test_oversized_adapter_is_refused_by_the_tenant_plan(make_ctx, tmp_path):
+    reg = make_ctx("sqlite")
+    with reg.session_factory() as s:
+        tenant = services.create_tenant(session=s, name="tiny", max_adapter_bytes=100_000)
+    d = write_adapter(tmp_path / "a")  # ~460 KB of weights
+    assert_refused_and_nothing_stored(reg, tenant, d, QuotaExceeded, "tenant 'tiny' may upload at most 100000 bytes")
+
+
+def test_missing_weights_file_is_refused(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a")
+    (d / "adapter_model.safetensors").unlink()
+    assert_refused_and_nothing_stored(reg, tenant, d, UploadRejected, "holds no adapter_model.safetensors")
+
+
+# ------------------------------------------------------------ rejected by validation
+
+
+def test_wrong_shapes_are_rejected(reg, tenant, tmp_path):
+    def shrink(t):
+        name = next(n for n in t if n.endswith("q_proj.lora_A.weight"))
+        t[name] = t[name][:, :512].contiguous()
+    d = write_adapter(tmp_path / "a", tensors_hook=shrink)
+    assert_rejected(reg, tenant, d, "has shape [4, 512], expected [4, 576]")
+
+
+def test_tensor_for_a_layer_the_base_lacks_is_rejected(reg, tenant, tmp_path):
+    def extra(t):
+        t["base_model.model.model.layers.40.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 576, dtype=torch.float16)
+    assert_rejected(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=extra), "is for layer 40, but")
+
+
+def test_missing_tensors_are_rejected(reg, tenant, tmp_path):
+    def drop(t):
+        del t["base_model.model.model.layers.3.self_attn.v_proj.lora_B.weight"]
+    assert_rejected(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=drop), "1 LoRA tensors are missing")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_weights_are_rejected(reg, tenant, tmp_path, bad):
+    def poison(t):
+        t["base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight"][3, 1] = bad
+    v = assert_rejected(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=poison), "contains NaN or Inf values")
+    assert "layers.7.self_attn.q_proj.lora_B" in v.rejection_reason
+
+
+def test_unsupported_modules_are_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", config_overrides={"target_modules": ["q_proj", "lm_head"]})
+    assert_rejected(reg, tenant, d, "targets embedding/lm_head modules (lm_head), which are not supported")
+
+
+def test_unknown_module_name_is_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", config_overrides={"target_modules": ["q_proj", "c_attn"]})
+    assert_rejected(reg, tenant, d, "target module 'c_attn' is not supported")
+
+
+def test_rank_above_the_maximum_is_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", rank=32, modules=("q",))
+    assert_rejected(reg, tenant, d, "rank 32 exceeds the maximum rank 16")
+
+
+def test_disallowed_dtype_is_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", dtype=torch.float64)
+    assert_rejected(reg, tenant, d, "tensor dtype F64 is not allowed (allowed: F16, BF16, F32)")
+
+
+def test_base_model_not_served_is_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", config_overrides={"base_model_name_or_path": "mistralai/Mistral-7B-v0.1"})
+    assert_rejected(reg, tenant, d, "base model 'mistralai/Mistral-7B-v0.1' is not served by this platform")
+
+
+def test_base_model_given_at_upload_overrides_a_local_path(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", config_overrides={"base_model_name_or_path": "/home/me/checkpoints/base"})
+    assert_rejected(reg, tenant, d, "'/home/me/checkpoints/base' is not served")
+    d2 = write_adapter(tmp_path / "b", seed=5, config_overrides={"base_model_name_or_path": "/home/me/checkpoints/base"})
+    assert upload(reg, tenant, d2, base_model="HuggingFaceTB/SmolLM2-135M-Instruct").status == "ready"
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"use_dora": True}, "DoRA (use_dora=True) is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias='all' is not supported"),
+    ({"layers_to_transform": [0, 1]}, "LoRA on selected layers only"),
+    ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+])
+def test_unsupported_peft_variants_are_rejected(reg, tenant, tmp_path, override, message):
+    assert_rejected(reg, tenant, write_adapter(tmp_path / "a", config_overrides=override), message)
+
+
+def test_config_that_is_not_json_is_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a")
+    (d / "adapter_config.json").write_text("{'r': 8,")
+    assert_rejected(reg, tenant, d, "adapter_config.json is not valid JSON")
+
+
+def test_weights_that_are_not_safetensors_are_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a")
+    (d / "adapter_model.safetensors").write_bytes(b"\x80\x04\x95" + b"\0" * 64)  # pickle bytes, renamed
+    assert_rejected(reg, tenant, d, "is not a safetensors file")
+
+
+def test_a_rejected_upload_can_be_fixed_and_uploaded_again(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", config_overrides={"use_dora": True})
+    assert_rejected(reg, tenant, d, "DoRA")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["use_dora"] = False
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    v = upload(reg, tenant, d)
+    assert (v.status, v.version) == ("ready", 2)
