@@ -39,10 +39,17 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record):  # pragma: no cover - trivial
+        def _sqlite_connect(dbapi_conn, _record):
+            # pysqlite's own transaction handling defers BEGIN and breaks SAVEPOINT; turn it off
+            # and emit BEGIN ourselves (SQLAlchemy's documented recipe).
+            dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):
+            conn.exec_driver_sql("BEGIN")
 
         return engine
     return create_engine(url, pool_pre_ping=True)

@@ -267,9 +267,13 @@ def _start_validation(*, session: Session, store: ObjectStore, settings: Registr
     try:
         if settings.celery_eager:
             return validate_version(session=session, store=store, settings=settings, version_id=version.id)
-        from adapter_registry.tasks import validate_version_task
+        from adapter_registry.tasks import VALIDATE_TASK, celery_app
 
-        validate_version_task.apply_async(args=[version.id], queue=settings.celery_queue)
+        # send_task, not apply_async: never run eagerly here, and use the broker these settings
+        # name (the process-wide Celery config may come from other settings).
+        with celery_app.connection_for_write(url=settings.celery_broker_url) as conn:
+            celery_app.send_task(VALIDATE_TASK, args=[version.id], queue=settings.celery_queue,
+                                 connection=conn, retry=False)
         return version
     except RegistryUnavailable:
         _discard(session, version, drop_adapter=discard_on_failure)

@@ -15,6 +15,7 @@ from adapter_registry.errors import RegistryUnavailable
 from adapter_registry.settings import get_settings
 
 celery_app = Celery("adapter_registry")
+VALIDATE_TASK = "adapter_registry.validate_version"
 
 
 @celery_app.on_configure.connect
@@ -34,7 +35,7 @@ def _configure(sender: Celery, **_kwargs) -> None:
     )
 
 
-@celery_app.task(name="adapter_registry.validate_version", autoretry_for=(RegistryUnavailable,),
+@celery_app.task(name=VALIDATE_TASK, autoretry_for=(RegistryUnavailable,),
                  retry_backoff=True, max_retries=5)
 def validate_version_task(version_id: int) -> str:
     """Validate adapter version `version_id`; returns its final status ('ready' or 'rejected')."""

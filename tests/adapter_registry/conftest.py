@@ -110,7 +110,7 @@ def make_ctx(request, tmp_path, pg_url, s3_endpoint):
     is given. Tables are emptied and engines disposed after the test."""
     made: list[RegistryContext] = []
 
-    def make(backend: str = "sqlite", **overrides) -> RegistryContext:
+    def make(backend: str = "sqlite", create_bucket: bool = True, **overrides) -> RegistryContext:
         base = dict(object_store_root=tmp_path / "objects", adapter_cache_dir=tmp_path / "cache")
         if backend == "postgres":
             base.update(database_url=pg_url)
@@ -122,7 +122,7 @@ def make_ctx(request, tmp_path, pg_url, s3_endpoint):
         if backend != "postgres":
             upgrade(settings)
         ctx = build_context(settings)
-        if isinstance(ctx.store, S3Store):
+        if isinstance(ctx.store, S3Store) and create_bucket:
             ctx.store.ensure_bucket()
         made.append(ctx)
         return ctx
