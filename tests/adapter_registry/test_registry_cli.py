@@ -1,0 +1,67 @@
+"""`tessera adapters upload|list|show|delete` as an operator uses it (embedded SQLite + local dir)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from registry_helpers import write_adapter
+
+from adapter_registry.context import get_context
+from adapter_registry.settings import get_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_DATABASE_URL", f"sqlite:///{tmp_path / 'var' / 'tessera.db'}")
+    monkeypatch.setenv("TESSERA_OBJECT_STORE_ROOT", str(tmp_path / "var" / "objects"))
+    get_settings.cache_clear()
+    get_context.cache_clear()
+    from tessera.cli import main
+
+    yield main
+    get_context().engine.dispose()
+    get_settings.cache_clear()
+    get_context.cache_clear()
+
+
+def test_upload_list_show_delete(cli, capsys, tmp_path):
+    src = write_adapter(tmp_path / "a")
+    assert cli(["adapters", "upload", "--tenant", "acme", "--create-tenant", "support", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("support@1 ready sha256=")
+    assert cli(["adapters", "list", "--tenant", "acme"]) == 0
+    assert "support" in capsys.readouterr().out
+    assert cli(["adapters", "show", "--tenant", "acme", "support@1"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["status"], shown["rank"], shown["current"]) == ("ready", 4, True)
+    assert cli(["adapters", "delete", "--tenant", "acme", "support"]) == 0
+    capsys.readouterr()
+    assert cli(["adapters", "list", "--tenant", "acme", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_user_errors_are_one_line_and_non_zero(cli, capsys, tmp_path):
+    src = write_adapter(tmp_path / "a")
+    assert cli(["adapters", "upload", "--tenant", "nobody", "x", str(src)]) == 2
+    assert capsys.readouterr().err.strip() == "tessera: error: tenant 'nobody' not found (pass --create-tenant to create it)"
+    bad = write_adapter(tmp_path / "b", config_overrides={"use_dora": True})
+    assert cli(["adapters", "upload", "--tenant", "acme", "--create-tenant", "x", str(bad)]) == 1
+    assert "x@1 rejected: DoRA (use_dora=True) is not supported" in capsys.readouterr().err
+    assert cli(["adapters", "show", "--tenant", "acme", "nope"]) == 2
+    assert "adapter 'nope' not found" in capsys.readouterr().err
+
+
+def test_console_entry_point_in_a_fresh_process(tmp_path):
+    env = {**os.environ, "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path / 't.db'}",
+           "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects")}
+    src = write_adapter(tmp_path / "a")
+    r = subprocess.run([sys.executable, "-m", "tessera.cli", "adapters", "upload", "--tenant", "acme",
+                        "--create-tenant", "bot", str(src)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "bot@1 ready" in r.stdout
