@@ -20,12 +20,12 @@ VALIDATE_TASK = "adapter_registry.validate_version"
 
 @celery_app.on_configure.connect
 def _configure(sender: Celery, **_kwargs) -> None:
-    # Read settings when Celery first needs its configuration, not at import time.
+    # Read settings when Celery first needs its configuration, not at import time. Eagerness is
+    # not set here: services run validation inline themselves when settings.celery_eager.
     s = get_settings()
     sender.conf.update(
         broker_url=s.celery_broker_url,
         task_default_queue=s.celery_queue,
-        task_always_eager=s.celery_eager,
         task_acks_late=True,  # a worker that dies mid-validation leaves the task for another
         task_reject_on_worker_lost=True,
         broker_connection_retry_on_startup=True,

@@ -171,11 +171,13 @@ def test_missing_tensors_are_rejected(reg, tenant, tmp_path):
     assert_rejected(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=drop), "1 LoRA tensors are missing")
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_or_inf_weights_are_rejected(reg, tenant, tmp_path, bad):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_nan_or_inf_weights_are_rejected(reg, tenant, tmp_path, bad, dtype):
     def poison(t):
         t["base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight"][3, 1] = bad
-    v = assert_rejected(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=poison), "contains NaN or Inf values")
+    d = write_adapter(tmp_path / "a", tensors_hook=poison, dtype=dtype)
+    v = assert_rejected(reg, tenant, d, "contains NaN or Inf values")
     assert "layers.7.self_attn.q_proj.lora_B" in v.rejection_reason
 
 
@@ -226,6 +228,13 @@ def test_config_that_is_not_json_is_rejected(reg, tenant, tmp_path):
     d = write_adapter(tmp_path / "a")
     (d / "adapter_config.json").write_text("{'r': 8,")
     assert_rejected(reg, tenant, d, "adapter_config.json is not valid JSON")
+
+
+def test_truncated_weights_are_rejected(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a")
+    w = d / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])
+    assert_rejected(reg, tenant, d, "adapter_model.safetensors is corrupt: bad data offsets")
 
 
 def test_weights_that_are_not_safetensors_are_rejected(reg, tenant, tmp_path):

@@ -1,0 +1,59 @@
+"""Validation on a real Celery worker process, through the real Redis broker, against Postgres + S3."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from adapter_registry import services
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _redis_up() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 6379), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
+def test_worker_validates_an_upload(make_ctx, adapter_dir, tmp_path):
+    queue = f"registry-test-{uuid.uuid4().hex[:8]}"  # our own queue: no other worker takes the task
+    ctx = make_ctx("postgres", celery_eager=False, celery_queue=queue, celery_broker_url="redis://127.0.0.1:6379/0")
+    s = ctx.settings
+    env = {**os.environ, "TESSERA_DATABASE_URL": s.database_url, "TESSERA_OBJECT_STORE": "s3",
+           "TESSERA_S3_ENDPOINT_URL": s.s3_endpoint_url, "TESSERA_S3_BUCKET": s.s3_bucket,
+           "TESSERA_S3_ACCESS_KEY_ID": "testing", "TESSERA_S3_SECRET_ACCESS_KEY": "testing",
+           "TESSERA_CELERY_EAGER": "false", "TESSERA_CELERY_QUEUE": queue,
+           "TESSERA_CELERY_BROKER_URL": s.celery_broker_url}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "adapter_registry.tasks", "worker", "-Q", queue, "--pool", "solo",
+         "--concurrency", "1", "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "WARNING"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "worker.log", "w"))
+    try:
+        with ctx.session_factory() as session:
+            tenant = services.create_tenant(session=session, name="acme")
+            v = services.upload_adapter(session=session, store=ctx.store, settings=s, tenant=tenant,
+                                        name="bot", source=adapter_dir)
+            assert v.status == "validating"  # the caller sees the status while the worker runs
+        deadline = time.monotonic() + 90
+        status = "validating"
+        while status == "validating" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with ctx.session_factory() as session:
+                status = services.resolve_version(session=session, tenant=tenant, ref="bot@1", require_ready=False).status
+        assert status == "ready", (tmp_path / "worker.log").read_text()[-2000:]
+        with ctx.session_factory() as session:
+            assert services.resolve_version(session=session, tenant=tenant, ref="bot").version == 1
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
