@@ -8,7 +8,7 @@ committed) safe. Run it periodically (the Celery task `adapter_registry.collect_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import delete, select, union
 from sqlalchemy.orm import Session
@@ -27,9 +27,8 @@ class GarbageReport:
     unused_blobs_deleted: list[str]
 
 
-def _as_aware(dt):
-    from datetime import timezone
-
+def _as_aware(dt: datetime) -> datetime:
+    # SQLite returns naive datetimes for timezone=True columns; they were written in UTC.
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 

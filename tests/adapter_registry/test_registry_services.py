@@ -2,8 +2,6 @@
 directory and on Postgres + S3 (loopback moto server)."""
 from __future__ import annotations
 
-import io
-import shutil
 import tarfile
 import zipfile
 
