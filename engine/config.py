@@ -1,0 +1,85 @@
+"""Configuration of the model (read from weights metadata) and of the engine (chosen by the caller)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, as read from GGUF metadata or a HF config.json."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V cache one token takes across all layers."""
+        return 2 * self.num_layers * self.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine instance. Defaults suit the embedded CPU mode."""
+
+    #: Paged KV cache block size in tokens.
+    block_size: int = 16
+    #: Number of KV blocks; None sizes the cache from `kv_cache_bytes`.
+    num_kv_blocks: int | None = None
+    #: Memory for the KV cache when `num_kv_blocks` is None.
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    #: Token budget of one step (decode tokens + prefill chunk tokens).
+    max_num_batched_tokens: int = 512
+    #: Most sequences running at once.
+    max_num_seqs: int = 64
+    #: Longest prompt + completion; None takes the model's context length.
+    max_model_len: int | None = None
+    #: Activation and KV-cache dtype. fp32 is exact; bf16 is faster on CPUs with avx512_bf16.
+    dtype: torch.dtype = torch.float32
+    #: Weight storage for the base model's linear layers ("auto" picks by device, see layers.linear).
+    weight_format: str = "auto"
+    #: Seconds a waiting request needs to be promoted one priority class (prevents starvation).
+    aging_seconds: float = 10.0
+    #: Distinct LoRA adapters in one step (device slots).
+    max_loras: int = 8
+    #: Largest LoRA rank the slots hold.
+    max_lora_rank: int = 64
+    #: CPU-tier budget for loaded adapters, in bytes.
+    lora_cpu_cache_bytes: int = 1 << 30
+    #: Torch intra-op threads; None leaves torch's default.
+    num_threads: int | None = None
+    device: str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError("dtype must be float32, bfloat16 or float16")

@@ -1,0 +1,244 @@
+"""The synchronous engine: add requests, step, abort. One step reads:
+
+    sched = scheduler.schedule(); logits, seqs = runner.execute(sched);
+    tokens = sample(logits, seqs); outputs = self._postprocess(seqs, tokens)
+
+The async API (engine.async_engine) drives `step()` from a background thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import default_model_path, load_checkpoint
+from engine.model.attention import KVCache
+from engine.model.llama import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.sampler import sample
+from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def pick_weight_format(cfg: EngineConfig) -> str:
+    """"auto": on CPU, int8 weight-only when activations are bf16 (1 byte/weight, the fastest
+    measured here, see bench/RESULTS.md), else dense weights in the activation dtype."""
+    if cfg.weight_format != "auto":
+        return cfg.weight_format
+    return "int8" if cfg.dtype == torch.bfloat16 else "fp32"
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, *,
+                 checkpoint=None, tokenizer: TextTokenizer | None = None):
+        """Load a GGUF file or HF safetensors directory (default: the embedded SmolLM2 GGUF).
+
+        `checkpoint` may pass an already loaded (ModelConfig, tensors, metadata) triple.
+        """
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        path = Path(model_path) if model_path else default_model_path()
+        model_cfg, weights, meta = checkpoint or load_checkpoint(path)
+        self.model_config: ModelConfig = model_cfg
+        if tokenizer is None:
+            tokenizer = (TextTokenizer.from_gguf_metadata(meta) if meta
+                         else TextTokenizer.from_hf_directory(path))
+        self.tokenizer = tokenizer
+        self.weight_format = pick_weight_format(self.config)
+        self.model = LlamaModel(model_cfg, weights, fmt=self.weight_format, dtype=self.config.dtype)
+        del weights
+
+        ec = self.config
+        self.max_model_len = min(ec.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        num_blocks = ec.num_kv_blocks or max(
+            1, ec.kv_cache_bytes // (model_cfg.kv_bytes_per_token(ec.dtype) * ec.block_size))
+        self.kv = KVCache(model_cfg.num_layers, num_blocks, ec.block_size, model_cfg.num_kv_heads,
+                          model_cfg.head_dim, ec.dtype)
+        self.block_manager = BlockManager(num_blocks, ec.block_size)
+        # A sequence must fit the cache on its own, or it could never be scheduled.
+        self.max_model_len = min(self.max_model_len, num_blocks * ec.block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=ec.max_num_batched_tokens,
+                                   max_num_seqs=ec.max_num_seqs, aging_seconds=ec.aging_seconds,
+                                   max_loras=ec.max_loras, adapter_ready=self._adapter_ready)
+        self.runner = ModelRunner(self.model, self.kv, ec.block_size)
+        self.eos_token_ids = set(model_cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.requests: dict[str, Sequence] = {}
+        self.lora_manager = None  # set by engine.lora when adapters are enabled
+        self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> Sequence:
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued then)."""
+        if not request.request_id:
+            raise InvalidRequestError("request_id is required", "request_id")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request_id {request.request_id!r}", "request_id")
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        elif request.prompt is not None:
+            if not isinstance(request.prompt, str):
+                raise InvalidRequestError("prompt must be a string", "prompt")
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            raise InvalidRequestError("prompt is required", "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        params = request.params
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_model_len} tokens", "max_tokens")
+        priority = Priority.parse(request.priority)
+        if request.adapter is not None and self.lora_manager is None:
+            raise InvalidRequestError("this engine serves no adapters", "model")
+        seq = Sequence(request.request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
+                       tenant_id=request.tenant_id, priority=priority, adapter=request.adapter)
+        if request.adapter is not None:
+            self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its final output (None if unknown)."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the deltas it produced (finished ones included)."""
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        outputs.extend(self._fail_broken_adapters())
+        sched = self.scheduler.schedule()
+        self.stats["preemptions"] += len(sched.preempted)
+        if sched.is_empty:
+            return outputs
+        lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None
+        logits, seqs = self.runner.execute(sched, lora)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+        tokens = sample(logits, seqs) if seqs else []
+        outputs.extend(self._postprocess(seqs, tokens))
+        self.stats["steps"] += 1
+        self.stats["last_step_s"] = time.perf_counter() - t0
+        self.stats["last_batch_tokens"] = sched.num_tokens
+        return outputs
+
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        if self.lora_manager is None:
+            return []
+        outs = []
+        for seq in list(self.scheduler.waiting):
+            if seq.adapter is not None:
+                err = self.lora_manager.load_error(seq.adapter)
+                if err is not None:
+                    outs.append(self._finish(seq, "error", error=err))
+        return outs
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        for seq, tok in zip(seqs, tokens):
+            seq.append_token(tok)
+            p = seq.params
+            reason = None
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                reason = "stop"
+            elif tok in p.stop_token_ids:
+                reason = "stop"
+            else:
+                seq.output_text += seq.detokenizer.push(tok)
+                if p.stop and self._truncate_at_stop(seq):
+                    reason = "stop"
+            if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                outputs.append(self._finish(seq, reason))
+            else:
+                out = self._delta(seq)
+                if out.text or out.token_ids:
+                    outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        # A stop string can straddle tokens: search from where a new match could begin.
+        begin = max(0, seq.emitted_text_len - longest + 1)
+        hits = [i for i in (seq.output_text.find(s, begin) for s in seq.params.stop) if i != -1]
+        if not hits:
+            return False
+        seq.output_text = seq.output_text[:min(hits)]
+        return True
+
+    def _delta(self, seq: Sequence, final: bool = False) -> RequestOutput:
+        end = len(seq.output_text)
+        if not final and seq.params.stop:
+            # Hold back text that may be the start of a stop string.
+            end = max(seq.emitted_text_len, end - (max(len(s) for s in seq.params.stop) - 1))
+        text = seq.output_text[seq.emitted_text_len:end]
+        toks = seq.output_token_ids[seq.emitted_token_len:]
+        seq.emitted_text_len = end
+        seq.emitted_token_len = len(seq.output_token_ids)
+        return RequestOutput(seq.request_id, text, toks, prompt_tokens=seq.num_prompt_tokens,
+                             completion_tokens=len(seq.output_token_ids))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if self.lora_manager is not None and seq.adapter is not None:
+            self.lora_manager.release(seq.adapter)
+        out = self._delta(seq, final=True)
+        out.finished = True
+        out.finish_reason = reason
+        out.error = error
+        del self.requests[seq.request_id]
+        return out
+
+    def _adapter_ready(self, adapter: str) -> bool:
+        return self.lora_manager is not None and self.lora_manager.is_ready(adapter)
+
+    # -- convenience --------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
+        """Run requests to completion (blocking); returns one aggregated output per request."""
+        agg: dict[str, RequestOutput] = {}
+        for r in requests:
+            self.add_request(r)
+            agg[r.request_id] = RequestOutput(r.request_id, "", [])
+        while self.has_unfinished():
+            for out in self.step():
+                a = agg[out.request_id]
+                a.text += out.text
+                a.token_ids += out.token_ids
+                if out.finished:
+                    a.finished, a.finish_reason, a.error = True, out.finish_reason, out.error
+                    a.prompt_tokens, a.completion_tokens = out.prompt_tokens, out.completion_tokens
+        return agg

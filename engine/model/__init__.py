@@ -1,0 +1,1 @@
+"""Llama-family model code. Layers never see a Sequence: they get tensors and metadata."""

@@ -1,0 +1,79 @@
+"""Grouped-query attention over the paged KV cache.
+
+The step's tokens are laid out decode-first: tokens [0, num_decode) are one new token each of
+`num_decode` decoding sequences; after them come prefill chunks, one contiguous run per sequence.
+K/V of every token are written to their cache slots first, then each query attends to its
+sequence's cached keys (which now include itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk inside the step."""
+
+    start: int                 #: index of the chunk's first token in the step's token list
+    num_tokens: int            #: tokens in this chunk
+    context_len: int           #: tokens cached for the sequence after this chunk (incl. the chunk)
+    context_slots: torch.Tensor | None  #: [context_len] cache slots; None when the chunk is the whole context
+    mask: torch.Tensor | None  #: [num_tokens, context_len] bool (True = attend); None = causal from 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step (built by the model runner)."""
+
+    slot_mapping: torch.Tensor            #: [T] int64: flat cache slot of each token's K/V
+    num_decode: int                       #: leading tokens that are single decode tokens
+    decode_slots: torch.Tensor | None     #: [num_decode, Lmax] int64 cache slots (0-padded)
+    decode_mask: torch.Tensor | None      #: [num_decode, 1, 1, Lmax] bool, True = attend
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class KVCache:
+    """Paged K/V storage: per layer, `[num_blocks * block_size, num_kv_heads, head_dim]`.
+
+    A token's slot is `block_id * block_size + offset`; the block manager owns which blocks
+    belong to which sequence.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+        slots = num_blocks * block_size
+        self.k = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's new keys/values) -> out [T, Hq, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)                            # [B, Hq, 1, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                            scale=scale, enable_gqa=True)
+        out[:nd] = od.squeeze(2)
+    for p in meta.prefills:
+        s, e = p.start, p.start + p.num_tokens
+        qp = q[s:e].transpose(0, 1)  # [Hq, Q, D]
+        if p.context_slots is None:
+            kp, vp = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+        else:
+            kp = k_cache[p.context_slots].transpose(0, 1)  # [Hkv, L, D]
+            vp = v_cache[p.context_slots].transpose(0, 1)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+                                            scale=scale, enable_gqa=True)
+        out[s:e] = op.transpose(0, 1)
+    return out

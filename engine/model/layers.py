@@ -1,0 +1,84 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, and base linear weights in the
+storage format chosen by measurement (fp32, bf16, or int8 weight-only)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
+        # Statistics in fp32 whatever the activation dtype, as HF's LlamaRMSNorm does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(self.weight.dtype)).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-layout (rotate-half) RoPE with cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)  # [P, D]
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class BaseLinear(nn.Module):
+    """y = x @ W.T for a frozen base weight W [out, in], stored as `fmt`.
+
+    fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
+    fmt "int8": per-output-channel symmetric int8 with fp scales, multiplied by torch's fused
+    weight-only kernel (`_weight_int8pack_mm`), which reads 1 byte per weight.
+    The output has the activation dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, fmt: str):
+        super().__init__()
+        self.fmt = fmt
+        self.out_features, self.in_features = weight.shape
+        w = weight.float()
+        if fmt == "fp32":
+            self.register_buffer("weight", w.contiguous())
+        elif fmt == "bf16":
+            self.register_buffer("weight", w.to(torch.bfloat16).contiguous())
+        elif fmt == "int8":
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self.register_buffer("weight", q.contiguous())
+            self.register_buffer("scales", scale.to(torch.bfloat16))
+        else:
+            raise ValueError(f"unknown weight format {fmt!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        if self.fmt == "int8":
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+            return y.to(x.dtype)
+        if x.dtype != self.weight.dtype:
+            return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as fp32 [out, in] (for references and tests)."""
+        if self.fmt == "int8":
+            return self.weight.float() * self.scales.float()[:, None]
+        return self.weight.float()

@@ -1,0 +1,89 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3 shapes) over a paged KV cache.
+
+Weights come in HF layout from engine.loader; q/k/v and gate/up are fused into one matmul each.
+LoRA is added by an optional `lora` object passed to forward (engine.lora.layers), whose
+`apply(layer, group, x, y)` adds each token's adapter term into y in place for the fused groups
+"qkv", "o", "gate_up" and "down".
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.attention import AttentionMetadata, KVCache, paged_attention
+from engine.model.layers import BaseLinear, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype):
+        super().__init__()
+        p = f"model.layers.{idx}."
+        self.idx = idx
+        self.cfg = cfg
+        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
+        self.qkv_proj = BaseLinear(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]), fmt)
+        self.o_proj = BaseLinear(w[p + "self_attn.o_proj.weight"], fmt)
+        self.gate_up_proj = BaseLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), fmt)
+        self.down_proj = BaseLinear(w[p + "mlp.down_proj.weight"], fmt)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, kv: KVCache, attn: AttentionMetadata, lora):
+        cfg = self.cfg
+        h = self.input_norm(x)
+        qkv = self.qkv_proj(h)
+        if lora is not None:
+            lora.apply(self.idx, "qkv", h, qkv)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        T = x.shape[0]
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope(positions, q, k)
+        o = paged_attention(q, k, v.contiguous(), kv.k[self.idx], kv.v[self.idx], attn, self.scale)
+        o = o.reshape(T, cfg.q_size)
+        out = self.o_proj(o)
+        if lora is not None:
+            lora.apply(self.idx, "o", o, out)
+        x = x + out
+        h = self.post_attn_norm(x)
+        gu = self.gate_up_proj(h)
+        if lora is not None:
+            lora.apply(self.idx, "gate_up", h, gu)
+        g, u = gu.split(cfg.intermediate_size, dim=-1)
+        m = F.silu(g) * u
+        d = self.down_proj(m)
+        if lora is not None:
+            lora.apply(self.idx, "down", m, d)
+        return x + d
+
+
+class LlamaModel(nn.Module):
+    """forward(input_ids [T], positions [T], kv, attn, lora) -> hidden [T, H];
+    compute_logits(hidden [N, H]) -> fp32 logits [N, V]."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, fmt: str, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        embed = weights["model.embed_tokens.weight"].to(dtype)
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, weights, fmt, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(weights["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
+        head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = BaseLinear(head, fmt)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                attn: AttentionMetadata, lora=None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, kv, attn, lora)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,92 @@
+"""Turns a SchedulerOutput into model inputs, runs the model, returns last-token logits."""
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from engine.model.llama import LlamaModel
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache, block_size: int, device: str = "cpu"):
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.device = device
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat cache slots of positions [start, end) of a sequence."""
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        bt = torch.tensor(block_table, dtype=torch.int64)
+        return bt[pos // bs] * bs + pos % bs
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        """Build (input_ids [T], positions [T], attention metadata, logit row indices, sampled seqs)."""
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        logit_rows: list[int] = []
+        sampled: list[Sequence] = []
+        bs = self.block_size
+
+        decodes = sched.decodes
+        decode_slots = decode_mask = None
+        if decodes:
+            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
+            max_blocks = max(len(s.seq.block_table) for s in decodes)
+            bt = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
+            for i, s in enumerate(decodes):
+                bt[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table)
+            lmax = int(ctx.max())
+            decode_slots = (bt[:, :, None] * bs + torch.arange(bs)).reshape(len(decodes), -1)[:, :lmax].contiguous()
+            decode_mask = (torch.arange(lmax)[None, :] < ctx[:, None])[:, None, None, :]
+            positions = ctx - 1
+            slot_parts.append(decode_slots.gather(1, positions[:, None]).squeeze(1))
+            pos.append(positions)
+            for i, s in enumerate(decodes):
+                ids.append(s.seq.token_ids[-1])
+                logit_rows.append(i)
+                sampled.append(s.seq)
+
+        prefills: list[PrefillChunk] = []
+        start = len(decodes)
+        for s in sched.prefills:
+            seq, n = s.seq, s.num_tokens
+            c0 = seq.num_computed_tokens
+            c1 = c0 + n
+            ids.extend(seq.token_ids[c0:c1])
+            pos.append(torch.arange(c0, c1))
+            slots = self._slots(seq.block_table, 0, c1)
+            slot_parts.append(slots[c0:c1])
+            if c0 == 0:
+                chunk = PrefillChunk(start, n, c1, None, None)
+            else:
+                # Query i (position c0 + i) attends keys 0..c0 + i.
+                mask = torch.arange(c1)[None, :] <= (c0 + torch.arange(n))[:, None]
+                chunk = PrefillChunk(start, n, c1, slots, mask)
+            prefills.append(chunk)
+            if c1 == seq.num_tokens:  # the chunk reaches the end: sample the next token
+                logit_rows.append(start + n - 1)
+                sampled.append(seq)
+            start += n
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts),
+            num_decode=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return torch.tensor(ids, dtype=torch.int64), torch.cat(pos), meta, logit_rows, sampled
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, lora=None) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step. Returns (fp32 logits [N, V] for `seqs` that sample, seqs)."""
+        ids, pos, meta, rows, sampled = self.prepare(sched)
+        hidden = self.model(ids, pos, self.kv, meta, lora)
+        if not rows:
+            return torch.empty(0, self.model.cfg.vocab_size), []
+        return self.model.compute_logits(hidden[rows]), sampled

@@ -1,0 +1,108 @@
+"""Per-request sampling parameters and the request/response types of the engine API."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; `param` names the offending field (OpenAI style)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class Priority(enum.IntEnum):
+    """Priority classes; a lower value is served first."""
+
+    realtime = 0
+    standard = 1
+    batch = 2
+
+    @classmethod
+    def parse(cls, value: "str | Priority") -> "Priority":
+        if isinstance(value, Priority):
+            return value
+        try:
+            return cls[value]
+        except KeyError:
+            raise InvalidRequestError(
+                f"unknown priority class {value!r} (use realtime, standard or batch)", "priority") from None
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request's completion. Unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1, description="most completion tokens")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
+    top_k: int = Field(-1, description="-1 disables; otherwise >= 1")
+    seed: int | None = Field(None, description="same seed, same output")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings, matched on text")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        """Validate user input; raises InvalidRequestError naming the first bad field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(x) for x in err.get("loc", ())) or None
+            msg = err.get("msg", "invalid value")
+            if err.get("type") == "extra_forbidden":
+                msg = f"unknown field {param!r}"
+            raise InvalidRequestError(f"{param}: {msg}" if param else msg, param) from None
+
+
+@dataclass
+class GenerationRequest:
+    """One request to the engine. Give `prompt` (text) or `prompt_token_ids`."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tenant_id: str = "default"
+    priority: Priority = Priority.standard
+    #: Immutable adapter version id (the engine fetches it through its AdapterSource); None = base.
+    adapter: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A delta of one request's completion. The last one has `finished` set and the exact counts."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None

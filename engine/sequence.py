@@ -1,0 +1,87 @@
+"""Request state inside the engine."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import Priority, SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens, KV blocks and output state of one request.
+
+    The KV of tokens [0, num_computed_tokens) is in the cache (block_table). A step computes the
+    next tokens [num_computed_tokens, num_computed_tokens + n); when that reaches num_tokens the
+    step's logits for the last token are sampled and the new token appended.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, *, tenant_id: str = "default",
+                 priority: Priority = Priority.standard, adapter: str | None = None):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.tenant_id = tenant_id
+        self.priority = priority
+        self.adapter = adapter
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt_token_ids)  # prompt + output, appended in place
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.detokenizer = detokenizer
+        self.output_text = ""
+        self.emitted_text_len = 0
+        self.emitted_token_len = 0
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            seed = params.seed if params.seed is not None else torch.seed()
+            self.generator.manual_seed(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the KV is gone; prompt + output so far will be prefilled again."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,81 @@
+"""The async API: streaming deltas, cancellation, and an event loop that never blocks."""
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.sampling_params import InvalidRequestError
+
+from .conftest import chat
+from .helpers import greedy
+
+
+@pytest.fixture
+def aengine(engine):
+    a = AsyncLLMEngine(engine)
+    yield a
+    a.shutdown()
+
+
+def test_stream_and_cancel_without_blocking_the_loop(aengine, engine, tokenizer):
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.create_task(ticker())
+        deltas = []
+        async for out in aengine.generate(greedy("s", chat(tokenizer, "What is the capital of France?"), 32)):
+            deltas.append(out)
+        # Cancel a long generation after a few deltas by leaving the loop.
+        got = 0
+        async for out in aengine.generate(greedy("c", "Write a very long essay about the ocean.", 500, ignore_eos=True)):
+            got += 1
+            if got == 3:
+                break
+        # A bad request fails only itself.
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate(greedy("bad", "", 5)):
+                pass
+        stop.set()
+        await t
+        return deltas, ticks
+
+    deltas, ticks = asyncio.run(main())
+    assert deltas[-1].finished and "Paris" in "".join(d.text for d in deltas)
+    assert deltas[-1].completion_tokens == sum(len(d.token_ids) for d in deltas)
+    assert ticks > 20  # the loop kept running while the model computed
+    # The aborted request's blocks return once the engine thread processes the abort.
+    import time
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        time.sleep(0.05)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.requests
+
+
+def test_task_cancellation_aborts(aengine, engine):
+    async def main():
+        async def consume():
+            async for _ in aengine.generate(greedy("tc", "Tell me everything about space.", 500, ignore_eos=True)):
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(1.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    import time
+    for _ in range(100):
+        if not engine.requests:
+            break
+        time.sleep(0.05)
+    assert not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
