@@ -39,10 +39,12 @@ def pick_weight_format(cfg: EngineConfig) -> str:
 
 class LLMEngine:
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, *,
-                 checkpoint=None, tokenizer: TextTokenizer | None = None):
+                 checkpoint=None, tokenizer: TextTokenizer | None = None, adapter_source=None):
         """Load a GGUF file or HF safetensors directory (default: the embedded SmolLM2 GGUF).
 
         `checkpoint` may pass an already loaded (ModelConfig, tensors, metadata) triple.
+        `adapter_source` (an engine.lora.source.AdapterSource) enables LoRA adapters: requests
+        then name an adapter version id in GenerationRequest.adapter.
         """
         self.config = config or EngineConfig()
         if self.config.num_threads:
@@ -76,7 +78,13 @@ class LLMEngine:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, Sequence] = {}
-        self.lora_manager = None  # set by engine.lora when adapters are enabled
+        self.lora_manager = None
+        if adapter_source is not None:
+            from engine.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(adapter_source, model_cfg, num_slots=ec.max_loras,
+                                            max_rank=ec.max_lora_rank, cpu_budget_bytes=ec.lora_cpu_cache_bytes,
+                                            dtype=ec.dtype)
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
 
     # -- requests -----------------------------------------------------------------------------

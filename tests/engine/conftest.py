@@ -20,9 +20,10 @@ def tokenizer(smollm_checkpoint) -> TextTokenizer:
 
 @pytest.fixture(scope="session")
 def make_engine(smollm_checkpoint, tokenizer):
-    def make(**overrides) -> LLMEngine:
+    def make(adapter_source=None, **overrides) -> LLMEngine:
         cfg = EngineConfig(**{"dtype": torch.float32, "kv_cache_bytes": 96 << 20, **overrides})
-        return LLMEngine(config=cfg, checkpoint=smollm_checkpoint, tokenizer=tokenizer)
+        return LLMEngine(config=cfg, checkpoint=smollm_checkpoint, tokenizer=tokenizer,
+                         adapter_source=adapter_source)
     return make
 
 

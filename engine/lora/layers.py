@@ -1,0 +1,91 @@
+"""Device slots for adapters and the per-step LoRA batch the model's layers call.
+
+The slot stacks hold, per (layer, fused group), one zero-padded A and B stack per slice:
+    qkv:     A q/k/v [S, R, hidden]      B q [S, q, R], k/v [S, kv, R]
+    o:       A [S, R, q]                 B [S, hidden, R]
+    gate_up: A gate/up [S, R, hidden]    B gate/up [S, inter, R]
+    down:    A [S, R, inter]             B [S, hidden, R]
+A module an adapter does not target stays zero in its slot. `ranks[s]` is the slot's true rank,
+so punica_kernels does work proportional to it, not to R.
+"""
+from __future__ import annotations
+
+import torch
+
+import punica_kernels
+from engine.config import ModelConfig
+from engine.lora.weights import LoRAWeights
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q", "k", "v"),
+    "o": ("o",),
+    "gate_up": ("gate", "up"),
+    "down": ("down",),
+}
+
+
+class LoRASlots:
+    """`num_slots` adapter slots of rank <= `max_rank` for every layer (the device tier)."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu"):
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        dims = {
+            "q": (cfg.hidden_size, cfg.q_size), "k": (cfg.hidden_size, cfg.kv_size),
+            "v": (cfg.hidden_size, cfg.kv_size), "o": (cfg.q_size, cfg.hidden_size),
+            "gate": (cfg.hidden_size, cfg.intermediate_size), "up": (cfg.hidden_size, cfg.intermediate_size),
+            "down": (cfg.intermediate_size, cfg.hidden_size),
+        }
+        S, R = num_slots, max_rank
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(cfg.num_layers):
+            for m, (fan_in, fan_out) in dims.items():
+                self.a[(layer, m)] = torch.zeros(S, R, fan_in, dtype=dtype, device=device)
+                self.b[(layer, m)] = torch.zeros(S, fan_out, R, dtype=dtype, device=device)
+        self.ranks = torch.zeros(S, dtype=torch.int32, device=device)
+        self.scales = torch.zeros(S, dtype=torch.float32, device=device)
+        self.num_layers = cfg.num_layers
+        self.offsets = {"qkv": [0, cfg.q_size, cfg.q_size + cfg.kv_size], "gate_up": [0, cfg.intermediate_size]}
+
+    def write(self, slot: int, w: LoRAWeights) -> None:
+        """Copy adapter `w` into `slot` (zeroing modules it does not target)."""
+        r = w.rank
+        for key, a in self.a.items():
+            a[slot].zero_()
+            self.b[key][slot].zero_()
+            if key in w.a:
+                a[slot, :r].copy_(w.a[key])
+                self.b[key][slot, :, :r].copy_(w.b[key])
+        self.ranks[slot] = r
+        self.scales[slot] = w.scale
+
+    def clear(self, slot: int) -> None:
+        self.ranks[slot] = 0
+        self.scales[slot] = 0.0
+
+
+class LoRABatch:
+    """The adapter term of one step: `apply(layer, group, x, y)` adds, for every token t with
+    slot s = token_slots[t] != -1, `scale[s] * x[t] @ A[s].T @ B[s].T` into y[t] (per slice).
+
+    One shrink and one expand launch per (layer, group) for the whole mixed batch; tokens without
+    an adapter (slot -1) cost nothing in the CPU path.
+    """
+
+    def __init__(self, slots: LoRASlots, token_slots: list[int]):
+        self.slots = slots
+        self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        s = self.slots
+        mods = GROUPS[group]
+        if len(mods) == 1:
+            a, b, offsets = s.a[(layer, mods[0])], s.b[(layer, mods[0])], None
+        else:
+            a = [s.a[(layer, m)] for m in mods]
+            b = [s.b[(layer, m)] for m in mods]
+            offsets = s.offsets[group]
+        x = x if x.is_contiguous() else x.contiguous()
+        v = punica_kernels.bgmv_shrink(x, a, self.meta.token_slots, s.scales, s.ranks, meta=self.meta)
+        punica_kernels.bgmv_expand(v, b, self.meta.token_slots, s.ranks, y, offsets=offsets, meta=self.meta)

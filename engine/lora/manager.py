@@ -1,0 +1,179 @@
+"""LoRA manager: device slots, a CPU tier (LRU, bounded in bytes), and fetching off the step loop.
+
+Tiers: the AdapterSource's on-disk files (fetched versions) -> `LoRAWeights` in the CPU tier
+(parsed, checked, budgeted by their real byte size, so rank matters) -> a device slot used by
+the step. Lifecycle of one version:
+  request_adapter(v)   at add_request: +1 reference (pins it in the CPU tier) and, if it is not
+                       loaded, a background fetch + parse starts while the request waits;
+  is_ready(v)          the scheduler admits the request only once it is loaded;
+  batch_for(sched)     each step: every scheduled adapter gets a slot (an idle slot, or the
+                       least recently used slot whose adapter no running sequence uses);
+  release(v)           at finish/abort: -1 reference; unreferenced versions may be evicted.
+A load failure is remembered for the version (versions are immutable) and fails only the
+requests naming it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.config import ModelConfig
+from engine.lora.layers import LoRABatch, LoRASlots
+from engine.lora.source import AdapterFetchError, AdapterSource
+from engine.lora.weights import AdapterLoadError, LoRAWeights, load_lora_weights
+
+log = logging.getLogger(__name__)
+
+# A fetch that failed for a transient reason may be retried after this long.
+_ERROR_TTL_S = 30.0
+
+
+class LoRAManager:
+    def __init__(self, source: AdapterSource, cfg: ModelConfig, *, num_slots: int, max_rank: int,
+                 cpu_budget_bytes: int, dtype: torch.dtype, device: str = "cpu", load_workers: int = 2):
+        self.source = source
+        self.cfg = cfg
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.cpu_budget_bytes = cpu_budget_bytes
+        self.slots = LoRASlots(cfg, num_slots, max_rank, dtype, device)
+        self._lock = threading.Lock()
+        self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU: oldest first
+        self._loading: dict[str, Future] = {}
+        self._errors: dict[str, tuple[str, float]] = {}
+        self._refs: dict[str, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._slot_owner: list[str | None] = [None] * num_slots
+        self._slot_used_at: list[float] = [0.0] * num_slots
+        self._pool = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="lora-load")
+        self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0,
+                      "evictions": 0, "load_ms": []}
+
+    # -- request lifecycle --------------------------------------------------------------------
+
+    def request_adapter(self, version: str) -> None:
+        """Pin `version` for a new request and start loading it if it is not in the CPU tier."""
+        with self._lock:
+            self._refs[version] = self._refs.get(version, 0) + 1
+            if version in self._cpu:
+                self._cpu.move_to_end(version)
+                self.stats["cpu_hits"] += 1
+                return
+            err = self._errors.get(version)
+            if err is not None and time.monotonic() - err[1] < _ERROR_TTL_S:
+                return
+            self._errors.pop(version, None)
+            if version not in self._loading:
+                self.stats["cpu_misses"] += 1
+                self._loading[version] = self._pool.submit(self._load, version)
+
+    def release(self, version: str) -> None:
+        with self._lock:
+            n = self._refs.get(version, 0) - 1
+            if n <= 0:
+                self._refs.pop(version, None)
+            else:
+                self._refs[version] = n
+            self._evict_cpu_locked()
+
+    def is_ready(self, version: str) -> bool:
+        return version in self._cpu
+
+    def load_error(self, version: str) -> str | None:
+        err = self._errors.get(version)
+        return err[0] if err is not None else None
+
+    def wait_loaded(self, version: str, timeout: float = 30.0) -> None:
+        """Block until a pending load of `version` finishes (tests, warm-up)."""
+        fut = self._loading.get(version)
+        if fut is not None:
+            fut.result(timeout=timeout)
+
+    # -- loading (background threads) ---------------------------------------------------------
+
+    def _load(self, version: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = self.source.fetch(version)
+            weights = load_lora_weights(path, version, self.cfg, max_rank=self.max_rank, dtype=self.dtype)
+        except (AdapterFetchError, AdapterLoadError) as e:
+            msg = f"adapter {version} cannot be loaded: {e}"
+            with self._lock:
+                self._errors[version] = (msg, time.monotonic())
+                self._loading.pop(version, None)
+            log.warning(msg)
+            return
+        except Exception as e:  # noqa: BLE001 - any failure fails only this adapter's requests
+            msg = f"adapter {version} cannot be loaded: {type(e).__name__}: {e}"
+            with self._lock:
+                self._errors[version] = (msg, time.monotonic())
+                self._loading.pop(version, None)
+            log.exception("adapter load failed")
+            return
+        with self._lock:
+            self._cpu[version] = weights
+            self._loading.pop(version, None)
+            self.stats["load_ms"].append((time.perf_counter() - t0) * 1000)
+            self._evict_cpu_locked()
+
+    def _evict_cpu_locked(self) -> None:
+        total = sum(w.nbytes for w in self._cpu.values())
+        for version in list(self._cpu):
+            if total <= self.cpu_budget_bytes:
+                break
+            if self._refs.get(version) or version in self._slot_of:
+                continue  # pinned by a request, or resident in a slot
+            total -= self._cpu.pop(version).nbytes
+            self.stats["evictions"] += 1
+
+    # -- per step -----------------------------------------------------------------------------
+
+    def batch_for(self, sched) -> LoRABatch | None:
+        """Slots for this step's adapters and the LoRABatch for the model; None if no token has one.
+
+        The scheduler guarantees at most `num_slots` distinct adapters among running sequences.
+        """
+        seqs = [s.seq for s in sched.decodes] + [s.seq for s in sched.prefills]
+        counts = [1] * len(sched.decodes) + [s.num_tokens for s in sched.prefills]
+        if all(seq.adapter is None for seq in seqs):
+            return None
+        now = time.monotonic()
+        needed = {seq.adapter for seq in seqs if seq.adapter is not None}
+        token_slots: list[int] = []
+        for seq, n in zip(seqs, counts):
+            slot = -1 if seq.adapter is None else self._slot_for(seq.adapter, needed, now)
+            token_slots.extend([slot] * n)
+        return LoRABatch(self.slots, token_slots)
+
+    def _slot_for(self, version: str, needed: set[str], now: float) -> int:
+        slot = self._slot_of.get(version)
+        if slot is not None:
+            self.stats["slot_hits"] += 1
+        else:
+            free = [i for i, o in enumerate(self._slot_owner) if o is None]
+            if free:
+                slot = free[0]
+            else:
+                # Least recently used slot whose adapter is not in this step.
+                candidates = [i for i, o in enumerate(self._slot_owner) if o not in needed]
+                if not candidates:
+                    raise RuntimeError("more distinct adapters in one step than LoRA slots")
+                slot = min(candidates, key=lambda i: self._slot_used_at[i])
+                del self._slot_of[self._slot_owner[slot]]
+            with self._lock:
+                weights = self._cpu[version]
+                self._cpu.move_to_end(version)
+            self.slots.write(slot, weights)
+            self._slot_of[version] = slot
+            self._slot_owner[slot] = version
+            self.stats["slot_loads"] += 1
+        self._slot_used_at[slot] = now
+        return slot
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,106 @@
+"""Reading one PEFT LoRA adapter from disk into per-layer, per-module A/B tensors."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from engine.config import ModelConfig
+from engine.lora.peft_format import (
+    BaseModelShape,
+    PeftAdapterConfig,
+    UnsupportedAdapterError,
+    check_not_pickle,
+    expected_tensor_shapes,
+    parse_adapter_config,
+    parse_tensor_name,
+)
+from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+
+class AdapterLoadError(ValueError):
+    """The adapter's files are missing, corrupt, or do not fit the base model."""
+
+
+@dataclass
+class LoRAWeights:
+    """An adapter in CPU memory: `a[(layer, module)]` [r, in] and `b[(layer, module)]` [out, r]."""
+
+    version: str
+    config: PeftAdapterConfig
+    a: dict[tuple[int, str], torch.Tensor]
+    b: dict[tuple[int, str], torch.Tensor]
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+
+
+def base_shape_of(cfg: ModelConfig) -> BaseModelShape:
+    return BaseModelShape(name=cfg.name, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                          num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                          head_dim=cfg.head_dim)
+
+
+def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_rank: int,
+                      dtype: torch.dtype = torch.float32) -> LoRAWeights:
+    """Load and check `path`/{adapter_config.json, adapter_model.safetensors}.
+
+    Raises AdapterLoadError (or its subclass-compatible UnsupportedAdapterError message) naming
+    what is wrong; nothing is kept on failure.
+    """
+    path = Path(path)
+    for f in path.iterdir() if path.is_dir() else []:
+        try:
+            check_not_pickle(f.name)
+        except UnsupportedAdapterError as e:
+            raise AdapterLoadError(str(e)) from None
+    try:
+        raw = json.loads((path / ADAPTER_CONFIG).read_text())
+        config = parse_adapter_config(raw, num_layers=cfg.num_layers)
+    except FileNotFoundError:
+        raise AdapterLoadError(f"{ADAPTER_CONFIG} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterLoadError(f"{ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    except UnsupportedAdapterError as e:
+        raise AdapterLoadError(str(e)) from None
+    if config.rank > max_rank:
+        raise AdapterLoadError(f"adapter rank {config.rank} exceeds this engine's max_lora_rank {max_rank}")
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except FileNotFoundError:
+        raise AdapterLoadError(f"{ADAPTER_WEIGHTS} is missing") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterLoadError(f"{ADAPTER_WEIGHTS} is corrupt: {e}") from None
+
+    expected = expected_tensor_shapes(base_shape_of(cfg), config)
+    a: dict = {}
+    b: dict = {}
+    for name, shape in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            raise AdapterLoadError(f"tensor {name} is missing")
+        if config.fan_in_fan_out:
+            t = t.T
+        if tuple(t.shape) != shape:
+            raise AdapterLoadError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.dtype.is_floating_point:
+            raise AdapterLoadError(f"tensor {name} has dtype {t.dtype}, expected a float type")
+        t = t.to(torch.float32)
+        if not torch.isfinite(t).all():
+            raise AdapterLoadError(f"tensor {name} has NaN or Inf values")
+        layer, module, which = parse_tensor_name(name)
+        (a if which == "A" else b)[(layer, module)] = t.to(dtype).contiguous()
+    return LoRAWeights(version=version, config=config, a=a, b=b)
