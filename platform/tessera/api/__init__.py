@@ -1,0 +1,1 @@
+"""HTTP routers: openai.py (the tenant-facing OpenAI-compatible API) and admin.py."""

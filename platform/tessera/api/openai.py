@@ -1,0 +1,403 @@
+"""The tenant-facing OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
+
+One request: authenticate (auth.py) -> resolve `model` within the caller's tenant (base model,
+adapter name or name@version; another tenant's adapter is the same 404 as an unknown name) ->
+pick the priority class -> tokenize and check the context -> reserve quota (prompt + max_tokens)
+-> stream from the engine -> record one usage event -> settle the quota to the real count.
+
+Billing of a client that disconnects mid-stream: the engine request is aborted (its KV blocks
+freed) and the usage event (status "aborted") counts the completion tokens the gateway had
+forwarded to the client; tokens the engine computed after the disconnect are never forwarded
+and never billed.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
+
+from adapter_registry import services as registry
+from adapter_registry.errors import NotFound, RegistryError
+from adapter_registry.models import Tenant
+from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput, SamplingParams
+from engine.tokenizer import ChatTemplateError
+from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
+from tessera.auth import CallerDep, GatewayDep
+from tessera.engine_client import EngineUnavailable
+from tessera.errors import ApiError
+from tessera.gateway import Gateway
+from tessera.metering import Usage
+from tessera.quota import Decision
+from tessera.services import Caller
+from tessera.streaming import DisconnectAwareStream
+
+router = APIRouter(prefix="/v1")
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
+
+
+# ------------------------------------------------------------------ models
+
+
+def _model_not_found(name: str) -> ApiError:
+    return ApiError(404, f"The model '{name}' does not exist or you do not have access to it.",
+                    param="model", code="model_not_found")
+
+
+async def _resolve_adapter(gw: Gateway, caller: Caller, model: str) -> str | None:
+    """The adapter version id (sha256) `model` names for this caller; None for the base model."""
+    if model == gw.engine.model_name:
+        return None
+
+    def resolve() -> str:
+        with gw.session_factory() as session:
+            tenant = session.get(Tenant, caller.tenant_id)
+            return registry.resolve_version(session=session, tenant=tenant, ref=model).sha256
+
+    try:
+        return await anyio.to_thread.run_sync(resolve)
+    except NotFound:
+        raise _model_not_found(model) from None
+    except RegistryError as e:
+        raise ApiError(e.http_status, str(e), param="model") from None
+    except SQLAlchemyError:
+        raise ApiError(503, "the adapter registry is unavailable; try again") from None
+
+
+def _model_obj(id: str, owned_by: str, created: float | None = None) -> dict:
+    return {"id": id, "object": "model", "created": int(created or 0), "owned_by": owned_by}
+
+
+@router.get("/models")
+async def list_models(caller: CallerDep, gw: GatewayDep):
+    """The base model and the caller's own adapters that have a ready version."""
+
+    def adapters() -> list[dict]:
+        with gw.session_factory() as session:
+            tenant = session.get(Tenant, caller.tenant_id)
+            return [_model_obj(a.name, caller.tenant_name, a.created_at.timestamp())
+                    for a in registry.list_adapters(session=session, tenant=tenant) if a.current_version_id]
+
+    data = [_model_obj(gw.engine.model_name, "tessera")] + await anyio.to_thread.run_sync(adapters)
+    return {"object": "list", "data": data}
+
+
+@router.get("/models/{model:path}")
+async def get_model(model: str, caller: CallerDep, gw: GatewayDep):
+    """One model the caller may use (base, adapter name or name@version); 404 otherwise."""
+    await _resolve_adapter(gw, caller, model)
+    return _model_obj(model, "tessera" if model == gw.engine.model_name else caller.tenant_name)
+
+
+# ------------------------------------------------------------------ completions
+
+
+@dataclass
+class _Job:
+    """Everything the engine call and the usage event need, fixed before admission."""
+
+    kind: str  # "chat" | "text"
+    request_id: str
+    model: str
+    adapter: str | None
+    priority: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    started: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _priority(caller: Caller, requested: str | None) -> str:
+    name = requested or caller.policy.default_priority
+    try:
+        Priority.parse(name)
+    except InvalidRequestError as e:
+        raise ApiError(400, e.message, param="priority", code="invalid_priority") from None
+    if name not in caller.policy.allowed_priorities:
+        raise ApiError(403, f"priority class {name!r} is not allowed on plan {caller.policy.plan!r} "
+                            f"(allowed: {', '.join(caller.policy.allowed_priorities)})",
+                       param="priority", code="priority_not_allowed")
+    return name
+
+
+def _prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    tok = gw.engine.tokenizer
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            text = tok.apply_chat_template([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                                            for m in body.messages])
+            ids = tok.encode(text)
+        elif isinstance(body.prompt, str):
+            ids = tok.encode(body.prompt) if body.prompt else []
+        elif body.prompt and all(isinstance(x, str) for x in body.prompt):
+            if len(body.prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            ids = tok.encode(body.prompt[0]) if body.prompt[0] else []
+        else:
+            ids = list(body.prompt)
+            vocab = tok.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    return ids
+
+
+def _params(gw: Gateway, body, n_prompt: int) -> SamplingParams:
+    ctx = gw.engine.max_model_len
+    if n_prompt >= ctx:
+        raise ApiError(400, f"the prompt has {n_prompt} tokens; this model's context is {ctx} tokens",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None:
+        max_tokens = min(gw.settings.default_max_tokens, ctx - n_prompt)
+    elif n_prompt + max_tokens > ctx:
+        raise ApiError(400, f"max_tokens is too large: the prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) "
+                            f"exceeds this model's context of {ctx} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    if body.n != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise ApiError(400, "presence_penalty and frequency_penalty are not supported (use 0)", param="presence_penalty")
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    raw = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(body, name) is not None:
+            raw[name] = getattr(body, name)
+    if body.stop is not None:
+        raw["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    try:
+        return SamplingParams.from_dict(raw)
+    except InvalidRequestError as e:
+        raise ApiError(400, e.message, param=e.param) from None
+
+
+def _fmt_reset(seconds: float) -> str:
+    s = max(0, int(round(seconds)))
+    return f"{s // 60}m{s % 60}s" if s >= 60 else f"{s}s"
+
+
+def _ratelimit_headers(d: Decision) -> dict[str, str]:
+    h = {}
+    if d.limits.requests_per_minute is not None:
+        h["x-ratelimit-limit-requests"] = str(d.limits.requests_per_minute)
+        h["x-ratelimit-remaining-requests"] = str(d.remaining_requests)
+        h["x-ratelimit-reset-requests"] = _fmt_reset(d.reset_requests_s)
+    if d.limits.tokens_per_minute is not None:
+        h["x-ratelimit-limit-tokens"] = str(d.limits.tokens_per_minute)
+        h["x-ratelimit-remaining-tokens"] = str(d.remaining_tokens)
+        h["x-ratelimit-reset-tokens"] = _fmt_reset(d.reset_tokens_s)
+    return h
+
+
+def _refusal(d: Decision, tokens: int) -> ApiError:
+    headers = _ratelimit_headers(d) | {"retry-after": str(int(d.retry_after_s))}
+    lim = d.limits
+    if d.reason == "budget":
+        return ApiError(429, f"you exceeded your monthly token budget ({lim.monthly_token_budget} tokens); "
+                             f"this request needs up to {tokens}", type="insufficient_quota",
+                        code="insufficient_quota", headers=headers)
+    msg = {
+        "concurrency": f"too many concurrent requests (limit {lim.max_concurrent_requests})",
+        "requests": f"rate limit reached: {lim.requests_per_minute} requests per minute",
+        "tokens": f"rate limit reached: {lim.tokens_per_minute} tokens per minute "
+                  f"(this request reserves {tokens} = prompt + max_tokens)",
+    }[d.reason]
+    return ApiError(429, f"{msg}; retry after {int(d.retry_after_s)}s", code="rate_limit_exceeded", headers=headers)
+
+
+async def _admit(gw: Gateway, caller: Caller, job: _Job) -> Decision:
+    tokens = len(job.prompt_ids) + job.params.max_tokens
+    d = await gw.quota.reserve(tenant=str(caller.tenant_id), request_id=job.request_id,
+                               limits=caller.policy.limits, tokens=tokens)
+    if not d.admitted:
+        raise _refusal(d, tokens)
+    return d
+
+
+async def _finish(gw: Gateway, caller: Caller, job: _Job, decision: Decision, *, status: str,
+                  finish_reason: str | None, completion_tokens: int, ttft: float | None) -> Usage:
+    """Record the usage event, then settle the quota to the tokens really used (shielded: runs
+    even when the request is being cancelled)."""
+    with anyio.CancelScope(shield=True):
+        prompt = len(job.prompt_ids) if status != "error" or completion_tokens else 0
+        usage = Usage(request_id=job.request_id, tenant_id=caller.tenant_id, api_key_id=caller.key_id,
+                      model=job.model, adapter_version=job.adapter, priority=job.priority,
+                      prompt_tokens=prompt, completion_tokens=completion_tokens, status=status,
+                      finish_reason=finish_reason, ttft_ms=None if ttft is None else ttft * 1000.0,
+                      duration_ms=(time.perf_counter() - job.started) * 1000.0)
+        await gw.meter.record(usage)
+        await gw.quota.settle(decision.reservation, used_tokens=prompt + completion_tokens)
+        return usage
+
+
+def _engine_error(out: RequestOutput) -> ApiError:
+    return ApiError(503, f"the engine could not complete the request: {out.error or 'engine error'}",
+                    type="server_error", code="engine_error")
+
+
+def _usage_dict(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chunk(job: _Job, text: str | None, finish: str | None, *, first: bool = False) -> dict:
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    c = {"id": job.request_id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
+    if job.include_usage:
+        c["usage"] = None
+    return c
+
+
+def _sse(data: dict | str) -> bytes:
+    return b"data: " + (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))).encode() + b"\n\n"
+
+
+async def _serve(gw: Gateway, caller: Caller, body, kind: str):
+    priority = _priority(caller, body.priority)
+    adapter = await _resolve_adapter(gw, caller, body.model)
+    ids = _prompt_ids(gw, body)
+    params = _params(gw, body, len(ids))
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    job = _Job(kind=kind, request_id=prefix + uuid.uuid4().hex, model=body.model, adapter=adapter, priority=priority,
+               prompt_ids=ids, params=params, stream=body.stream,
+               include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage))
+    decision = await _admit(gw, caller, job)
+    headers = _ratelimit_headers(decision) | {"x-request-id": job.request_id}
+    request = GenerationRequest(request_id=job.request_id, prompt_token_ids=ids, params=params,
+                                tenant_id=str(caller.tenant_id), priority=Priority.parse(priority), adapter=adapter)
+    stream = gw.engine.generate(request)
+    # Wait for the first delta before answering, so a refusal is a 4xx/503, not a broken stream.
+    try:
+        first = await stream.__anext__()
+    except InvalidRequestError as e:
+        await _finish(gw, caller, job, decision, status="error", finish_reason=None, completion_tokens=0, ttft=None)
+        raise ApiError(400, e.message, param=e.param) from None
+    except EngineUnavailable as e:
+        await _finish(gw, caller, job, decision, status="error", finish_reason=None, completion_tokens=0, ttft=None)
+        raise ApiError(503, f"no engine is available: {e}", type="server_error", code="engine_unavailable") from None
+    except BaseException:
+        await stream.aclose()
+        await _finish(gw, caller, job, decision, status="aborted", finish_reason=None, completion_tokens=0, ttft=None)
+        raise
+    ttft = time.perf_counter() - job.started
+    if job.stream:
+        return DisconnectAwareStream(_events(gw, caller, job, decision, stream, first, ttft),
+                                     media_type="text/event-stream",
+                                     headers=headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return await _collect(gw, caller, job, decision, stream, first, ttft, headers)
+
+
+async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> JSONResponse:
+    parts, out, completion = [], first, 0
+    try:
+        while True:
+            parts.append(out.text)
+            completion += len(out.token_ids)
+            if out.finished:
+                break
+            out = await stream.__anext__()
+    except EngineUnavailable as e:
+        await _finish(gw, caller, job, decision, status="error", finish_reason=None,
+                      completion_tokens=completion, ttft=ttft)
+        raise ApiError(503, f"the engine failed mid-request: {e}", type="server_error", code="engine_unavailable") from None
+    except BaseException:  # cancelled: the client went away before the answer was ready
+        await stream.aclose()
+        await _finish(gw, caller, job, decision, status="aborted", finish_reason=None,
+                      completion_tokens=completion, ttft=ttft)
+        raise
+    if out.finish_reason == "error":
+        await _finish(gw, caller, job, decision, status="error", finish_reason="error",
+                      completion_tokens=completion, ttft=ttft)
+        raise _engine_error(out)
+    await _finish(gw, caller, job, decision, status="completed", finish_reason=out.finish_reason,
+                  completion_tokens=completion, ttft=ttft)
+    text = "".join(parts)
+    finish = _FINISH.get(out.finish_reason, "stop")
+    if job.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return JSONResponse({"id": job.request_id, "object": obj, "created": job.created, "model": job.model,
+                         "choices": [choice], "usage": _usage_dict(len(job.prompt_ids), completion)}, headers=headers)
+
+
+async def _events(gw, caller, job, decision, stream, first, ttft):
+    """SSE body: one chunk per engine delta, the usage chunk if asked, then [DONE]. The usage event
+    is durable before [DONE] is sent; on a disconnect the `finally` records what was forwarded."""
+    completion, done = 0, False
+    try:
+        if job.kind == "chat":
+            yield _sse(_chunk(job, None, None, first=True))
+        out = first
+        while True:
+            completion += len(out.token_ids)  # counted as forwarded: the chunk is written next
+            if out.finished:
+                if out.finish_reason == "error":
+                    done = True
+                    await _finish(gw, caller, job, decision, status="error", finish_reason="error",
+                                  completion_tokens=completion, ttft=ttft)
+                    yield _sse(_engine_error(out).body())
+                    return
+                finish = _FINISH.get(out.finish_reason, "stop")
+                if job.kind == "chat" and out.text:
+                    yield _sse(_chunk(job, out.text, None))
+                    yield _sse(_chunk(job, None, finish))
+                else:
+                    yield _sse(_chunk(job, out.text if job.kind == "text" else None, finish))
+                break
+            if out.text:
+                yield _sse(_chunk(job, out.text, None))
+            out = await stream.__anext__()
+        done = True
+        await _finish(gw, caller, job, decision, status="completed", finish_reason=out.finish_reason,
+                      completion_tokens=completion, ttft=ttft)
+        if job.include_usage:
+            yield _sse({"id": job.request_id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+                        "created": job.created, "model": job.model, "choices": [],
+                        "usage": _usage_dict(len(job.prompt_ids), completion)})
+        yield _sse("[DONE]")
+    except EngineUnavailable as e:
+        if not done:
+            done = True
+            await _finish(gw, caller, job, decision, status="error", finish_reason=None,
+                          completion_tokens=completion, ttft=ttft)
+            yield _sse(ApiError(503, f"the engine failed mid-request: {e}", type="server_error",
+                                code="engine_unavailable").body())
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()  # aborts the engine request if it is still running
+            if not done:
+                await _finish(gw, caller, job, decision, status="aborted", finish_reason="abort",
+                              completion_tokens=completion, ttft=ttft)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, caller: CallerDep, gw: GatewayDep):
+    """OpenAI chat completions, streaming (SSE) or not."""
+    return await _serve(gw, caller, body, "chat")
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, caller: CallerDep, gw: GatewayDep):
+    """OpenAI (legacy) text completions, streaming (SSE) or not."""
+    return await _serve(gw, caller, body, "text")

@@ -1,0 +1,122 @@
+"""`create_app(settings)`: the FastAPI application (tenant API + admin API) and its lifespan.
+
+The lifespan builds the Gateway from settings: database + object store (the registry's context),
+the engine client (in-process engine with the registry as its adapter source, or HTTP engine
+workers), quota counters (Redis when configured, else in memory) and the usage meter. Tests and
+the benchmark may pass an engine client (a shared engine) and a quota backend.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI
+from sqlalchemy import event
+
+from adapter_registry.context import build_context
+from tessera.api import admin, openai
+from tessera.engine_client import EngineClient
+from tessera.errors import ApiError, install_handlers
+from tessera.gateway import Gateway
+from tessera.metering import Meter
+from tessera.quota import QuotaBackend, make_quota_backend
+from tessera.settings import PlatformSettings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def _sqlite_wal(db_engine) -> None:
+    # Many concurrent readers + one writer at a time, and a commit without a full fsync of the
+    # main file: usage inserts stay cheap in the embedded mode.
+    @event.listens_for(db_engine, "connect")
+    def _pragmas(dbapi_conn, _record):
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+
+def build_engine_client(settings: PlatformSettings, ctx) -> EngineClient:
+    """The engine client the settings ask for (loads the model when in-process)."""
+    if settings.engine_mode == "http":
+        from tessera.engine_client.http import HttpEngineClient
+
+        return HttpEngineClient(settings.engine_urls, secret=settings.engine_secret.get_secret_value(),
+                                model_path=settings.model_path, connect_timeout_s=settings.engine_connect_timeout_s,
+                                read_timeout_s=settings.engine_read_timeout_s)
+    from adapter_registry.engine_source import RegistryAdapterSource
+    from tessera.engine_client.inprocess import build_inprocess_client
+
+    source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
+                                   cache_dir=settings.adapter_cache_dir)
+    return build_inprocess_client(settings, adapter_source=source)
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with a 413 before reading them (Content-Length), or
+    as soon as a streamed body crosses the limit."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = ApiError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await too_big.response()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise too_big
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except ApiError as e:
+            await e.response()(scope, receive, send)
+
+
+def create_app(settings: PlatformSettings | None = None, *, engine_client: EngineClient | None = None,
+               quota: QuotaBackend | None = None) -> FastAPI:
+    """The platform's ASGI app. Clients passed in are used as they are and not closed."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx = build_context(settings)
+        if ctx.engine.dialect.name == "sqlite":
+            _sqlite_wal(ctx.engine)
+        client = engine_client or await anyio.to_thread.run_sync(build_engine_client, settings, ctx)
+        await client.start()
+        q = quota or make_quota_backend(settings.redis_url, key_prefix=settings.redis_key_prefix)
+        app.state.gateway = Gateway(settings=settings, db=ctx.engine, session_factory=ctx.session_factory,
+                                    store=ctx.store, engine=client, quota=q, meter=Meter(ctx.engine, ctx.session_factory))
+        try:
+            yield
+        finally:
+            if quota is None:
+                await q.close()
+            if engine_client is None:
+                await client.close()
+            ctx.engine.dispose()
+
+    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
+    install_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(admin.router)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,62 @@
+"""Authentication dependencies: tenants' API keys (Bearer) and the admin token.
+
+A key is checked against the database on every request (one indexed query), so revoking it takes
+effect on the very next request, on every gateway replica.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+import anyio
+from fastapi import Depends, Request
+from sqlalchemy.exc import SQLAlchemyError
+
+from tessera.errors import ApiError
+from tessera.gateway import Gateway, get_gateway
+from tessera.services import Caller, authenticate
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+async def get_caller(request: Request, gateway: GatewayDep) -> Caller:
+    """The tenant behind the request's API key; 401 if missing, unknown or revoked."""
+    key = _bearer(request)
+    if key is None:
+        raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <your key>'", code="missing_api_key")
+
+    def lookup() -> Caller | None:
+        with gateway.session_factory() as session:
+            return authenticate(session=session, key=key)
+
+    try:
+        caller = await anyio.to_thread.run_sync(lookup)
+    except SQLAlchemyError:
+        raise ApiError(503, "the key database is unavailable; try again", code="service_unavailable") from None
+    if caller is None:
+        raise ApiError(401, "invalid or revoked API key", code="invalid_api_key")
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+async def require_admin(request: Request, gateway: GatewayDep) -> None:
+    """401 unless the request carries the configured admin token."""
+    token = gateway.settings.admin_token
+    if token is None:
+        raise ApiError(401, "the admin API is disabled: set TESSERA_ADMIN_TOKEN", code="admin_disabled")
+    given = _bearer(request) or ""
+    if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+        raise ApiError(401, "invalid admin token", code="invalid_admin_token")
+
+
+AdminDep = Annotated[None, Depends(require_admin)]

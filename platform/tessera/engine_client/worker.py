@@ -1,0 +1,75 @@
+"""The engine worker's internal API (one process per GPU, `tessera engine-worker`).
+
+Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
+- GET  /internal/info      -> {"model", "max_model_len", "alive"}
+- POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter}
+  -> 200 application/x-ndjson, one RequestOutput per line, the last with "finished": true;
+     400 {"message", "param"} when the engine refuses the request; 503 when it is dead.
+Closing the connection mid-stream aborts the request in the engine (frees its KV blocks).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import asdict
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, SamplingParams
+from tessera.streaming import DisconnectAwareStream
+
+
+def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
+    """The internal API over `aengine`; every route needs the shared `secret`."""
+    app = FastAPI(title="tessera engine worker", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {secret}".encode()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return JSONResponse({"message": "bad engine secret"}, status_code=401)
+        return await call_next(request)
+
+    @app.get("/internal/info")
+    async def info():
+        return {"model": aengine.engine.model_config.name, "max_model_len": aengine.engine.max_model_len,
+                "alive": aengine.is_alive}
+
+    @app.post("/internal/generate")
+    async def generate(request: Request):
+        try:
+            body = await request.json()
+            req = GenerationRequest(
+                request_id=str(body["request_id"]), prompt_token_ids=list(body["prompt_token_ids"]),
+                params=SamplingParams.from_dict(body.get("params") or {}), tenant_id=str(body.get("tenant_id", "default")),
+                priority=Priority.parse(body.get("priority", "standard")), adapter=body.get("adapter"))
+        except InvalidRequestError as e:
+            return JSONResponse({"message": e.message, "param": e.param}, status_code=400)
+        except (KeyError, TypeError, ValueError) as e:
+            return JSONResponse({"message": f"malformed internal request: {e}", "param": None}, status_code=400)
+        stream = aengine.generate(req)
+        try:
+            first = await stream.__anext__()  # surfaces a refusal as a status code, not mid-stream
+        except InvalidRequestError as e:
+            return JSONResponse({"message": e.message, "param": e.param}, status_code=400)
+        except EngineDeadError as e:
+            return JSONResponse({"message": str(e), "param": None}, status_code=503)
+
+        async def lines():
+            try:
+                yield (json.dumps(asdict(first)) + "\n").encode()
+                if first.finished:
+                    return
+                async for out in stream:
+                    yield (json.dumps(asdict(out)) + "\n").encode()
+            except EngineDeadError as e:
+                yield (json.dumps({"engine_dead": str(e)}) + "\n").encode()
+            finally:
+                await stream.aclose()  # aborts the request if it did not finish
+
+        return DisconnectAwareStream(lines(), media_type="application/x-ndjson")
+
+    return app

@@ -1,0 +1,30 @@
+"""The gateway's runtime objects, built once per app by the lifespan (see app.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import sessionmaker
+
+from adapter_registry.objectstore import ObjectStore
+from tessera.engine_client import EngineClient
+from tessera.metering import Meter
+from tessera.quota import QuotaBackend
+from tessera.settings import PlatformSettings
+
+
+@dataclass
+class Gateway:
+    settings: PlatformSettings
+    db: Engine
+    session_factory: sessionmaker
+    store: ObjectStore
+    engine: EngineClient
+    quota: QuotaBackend
+    meter: Meter
+
+
+def get_gateway(request: Request) -> Gateway:
+    """The app's Gateway (a dependency)."""
+    return request.app.state.gateway

@@ -1,0 +1,65 @@
+"""Usage metering: one usage event per request, keyed by its request id.
+
+`record` inserts the event and commits before the response ends (the gateway awaits it before
+sending the last bytes), so a finished response always has a durable event. Inserting the same
+request id again keeps the first event (INSERT ... ON CONFLICT DO NOTHING on Postgres and SQLite),
+which makes retries of the write safe.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import anyio
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import sessionmaker
+
+from tessera.models import UsageEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Usage:
+    """What one request used. status: completed, aborted (client went away) or error."""
+
+    request_id: str
+    tenant_id: int
+    api_key_id: int | None
+    model: str
+    adapter_version: str | None
+    priority: str
+    prompt_tokens: int
+    completion_tokens: int
+    status: str
+    finish_reason: str | None
+    ttft_ms: float | None
+    duration_ms: float
+
+
+class Meter:
+    """Writes usage events through its own session factory (a thread per write keeps the event loop free)."""
+
+    def __init__(self, engine: Engine, session_factory: sessionmaker):
+        self.engine = engine
+        self.session_factory = session_factory
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    def record_sync(self, usage: Usage) -> bool:
+        """Insert the event and commit; False if one with this request id already exists."""
+        stmt = self._insert(UsageEvent).values(**asdict(usage)).on_conflict_do_nothing(
+            index_elements=[UsageEvent.request_id])
+        with self.session_factory() as session:
+            result = session.execute(stmt)
+            session.commit()
+            return result.rowcount == 1
+
+    async def record(self, usage: Usage) -> bool:
+        """`record_sync` on a worker thread; shielded so a cancelled request still gets its event."""
+        with anyio.CancelScope(shield=True):
+            try:
+                return await anyio.to_thread.run_sync(self.record_sync, usage)
+            except Exception:  # noqa: BLE001 - a lost event must be loud, not crash the response
+                log.exception("could not record usage for request %s", usage.request_id)
+                return False

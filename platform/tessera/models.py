@@ -1,0 +1,84 @@
+"""The platform's tables on the shared metadata: plans, per-tenant quota overrides, API keys and
+usage events. (Tenants and adapters are the registry's, in adapter_registry.models.)
+
+A NULL limit means unlimited; a NULL override means "the plan's value".
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, Float, ForeignKey, Integer, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from adapter_registry.db import Base, utcnow
+
+PRIORITIES = ("realtime", "standard", "batch")
+USAGE_STATUSES = ("completed", "aborted", "error")
+
+
+class Plan(Base):
+    """Quotas and priority classes a tenant gets unless its TenantPolicy overrides them."""
+
+    __tablename__ = "plans"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    allowed_priorities: Mapped[list[Any]] = mapped_column(JSON, default=lambda: ["standard", "batch"])
+    default_priority: Mapped[str] = mapped_column(String(16), default="standard")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantPolicy(Base):
+    """A tenant's plan and its overrides (one row per tenant the platform serves)."""
+
+    __tablename__ = "tenant_policies"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"))
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    allowed_priorities: Mapped[list[Any] | None] = mapped_column(JSON)
+    default_priority: Mapped[str | None] = mapped_column(String(16))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class ApiKey(Base):
+    """A tenant's API key: only `prefix` (for lookup) and the sha256 of the whole key are kept."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class UsageEvent(Base):
+    """One request's usage, keyed by its request id (recording it twice keeps the first)."""
+
+    __tablename__ = "usage_events"
+    __table_args__ = (CheckConstraint("status IN ('completed', 'aborted', 'error')", name="status"),)
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
+    model: Mapped[str] = mapped_column(String(200))
+    adapter_version: Mapped[str | None] = mapped_column(String(64))  # sha256; NULL = base model
+    priority: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)

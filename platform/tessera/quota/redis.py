@@ -1,0 +1,83 @@
+"""Redis quota counters, shared by every gateway replica. Check-and-count is one Lua script, which
+Redis runs atomically. Keys per tenant (one hash slot through the {tenant} tag):
+  req:{t}:<minute>, tok:{t}:<minute>  fixed-window counters, expire after 2 minutes
+  conc:{t}                            sorted set request_id -> lease deadline (a crashed gateway's
+                                      slots expire after `lease_s` instead of leaking forever)
+  budget:{t}:<YYYY-MM>                tokens reserved or used this month, kept 40 days
+"""
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from tessera.quota import Decision, Limits, Reservation, decide, minute_of, month_of
+
+_RESERVE = """
+local now = tonumber(ARGV[1])
+local rid = ARGV[2]
+local tokens = tonumber(ARGV[3])
+local rpm, tpm, conc, budget = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local lease = tonumber(ARGV[8])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
+local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+local inflight = redis.call('ZCARD', KEYS[3])
+local spent = tonumber(redis.call('GET', KEYS[4]) or '0')
+if budget >= 0 and spent + tokens > budget then return {0, 'budget', reqs, used} end
+if conc >= 0 and inflight + 1 > conc then return {0, 'concurrency', reqs, used} end
+if rpm >= 0 and reqs + 1 > rpm then return {0, 'requests', reqs, used} end
+if tpm >= 0 and used + tokens > tpm then return {0, 'tokens', reqs, used} end
+redis.call('INCR', KEYS[1]); redis.call('EXPIRE', KEYS[1], 120)
+redis.call('INCRBY', KEYS[2], tokens); redis.call('EXPIRE', KEYS[2], 120)
+redis.call('ZADD', KEYS[3], now + lease, rid); redis.call('EXPIRE', KEYS[3], lease)
+redis.call('INCRBY', KEYS[4], tokens); redis.call('EXPIRE', KEYS[4], 3456000)
+return {1, 'ok', reqs + 1, used + tokens}
+"""
+
+_SETTLE = """
+local delta = tonumber(ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCRBY', KEYS[2], delta) end
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], delta) end
+return 1
+"""
+
+
+def _lim(v: int | None) -> int:
+    return -1 if v is None else int(v)
+
+
+class RedisQuota:
+    """QuotaBackend over Redis (see module docstring)."""
+
+    def __init__(self, url: str, *, key_prefix: str = "tessera:quota:", lease_s: int = 900):
+        self.client = aioredis.from_url(url)
+        self.prefix = key_prefix
+        self.lease_s = lease_s
+        self._reserve = self.client.register_script(_RESERVE)
+        self._settle = self.client.register_script(_SETTLE)
+
+    def _keys(self, tenant: str, minute: int, month: str) -> list[str]:
+        t, p = "{" + tenant + "}", self.prefix
+        return [f"{p}req:{t}:{minute}", f"{p}tok:{t}:{minute}", f"{p}conc:{t}", f"{p}budget:{t}:{month}"]
+
+    async def reserve(self, *, tenant: str, request_id: str, limits: Limits, tokens: int,
+                      now: float | None = None) -> Decision:
+        now = time.time() if now is None else now
+        minute, month = minute_of(now), month_of(now)
+        ok, reason, reqs, used = await self._reserve(
+            keys=self._keys(tenant, minute, month),
+            args=[repr(now), request_id, tokens, _lim(limits.requests_per_minute), _lim(limits.tokens_per_minute),
+                  _lim(limits.max_concurrent_requests), _lim(limits.monthly_token_budget), self.lease_s])
+        reservation = Reservation(tenant, request_id, tokens, minute, month) if ok == 1 else None
+        reason = None if ok == 1 else (reason.decode() if isinstance(reason, bytes) else reason)
+        return decide(reason=reason, reservation=reservation, limits=limits, now=now,
+                      requests=int(reqs), tokens_used=int(used))
+
+    async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
+        await self._settle(keys=self._keys(reservation.tenant, reservation.minute, reservation.month),
+                           args=[used_tokens - reservation.tokens, reservation.request_id])
+
+    async def close(self) -> None:
+        await self.client.aclose()

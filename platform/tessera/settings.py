@@ -1,0 +1,55 @@
+"""Platform settings: the registry's settings plus the gateway's, read once from TESSERA_* env vars
+(or a .env file) or built explicitly (tests, the demo command).
+
+The embedded defaults (SQLite under ./var, local object store, eager Celery, in-memory quota
+counters, the engine in this process) need nothing configured. Scale-out sets
+TESSERA_DATABASE_URL (Postgres), TESSERA_OBJECT_STORE=s3, TESSERA_REDIS_URL (quota counters),
+TESSERA_ENGINE_MODE=http with TESSERA_ENGINE_URLS and TESSERA_ENGINE_SECRET.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from adapter_registry.settings import RegistrySettings
+
+
+class PlatformSettings(RegistrySettings):
+    """Everything `tessera serve` needs. Every field can be set as TESSERA_<FIELD>."""
+
+    model_config = SettingsConfigDict(env_prefix="TESSERA_", env_file=".env", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on (0 picks a free one).")
+    admin_token: SecretStr | None = Field(None, description="Bearer token of the admin API; unset disables it.")
+    redis_url: str | None = Field(None, description="Redis for quota counters; unset keeps them in this process (embedded).")
+    redis_key_prefix: str = Field("tessera:quota:", description="Prefix of every quota key in Redis.")
+
+    engine_mode: Literal["inprocess", "http"] = Field("inprocess", description="Engine in this process, or engine workers over HTTP.")
+    engine_urls: list[str] = Field(default_factory=list, description="Engine worker base URLs (engine_mode=http).")
+    engine_secret: SecretStr | None = Field(None, description="Shared secret of the engine workers' internal API.")
+    engine_connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to an engine worker.")
+    engine_read_timeout_s: float = Field(120.0, gt=0, description="Longest silence from an engine worker mid-request.")
+    model_path: Path | None = Field(None, description="Base model GGUF/safetensors; unset takes the embedded SmolLM2.")
+    engine_threads: int | None = Field(None, ge=1, description="Torch threads of an in-process engine.")
+    engine_kv_cache_mib: int = Field(256, ge=16, description="KV cache of an in-process engine, in MiB.")
+
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 beyond).")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context).")
+    default_plan: str = Field("default", description="Plan of tenants created without one.")
+
+    @model_validator(mode="after")
+    def _http_mode_needs_workers(self) -> "PlatformSettings":
+        if self.engine_mode == "http" and (not self.engine_urls or self.engine_secret is None):
+            raise ValueError("engine_mode=http needs engine_urls and engine_secret")
+        return self
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> PlatformSettings:
+    """Process-wide settings from the environment (a FastAPI dependency; tests build their own)."""
+    return PlatformSettings()

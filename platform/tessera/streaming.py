@@ -1,0 +1,50 @@
+"""A streaming HTTP response that stops its producer the moment the client disconnects.
+
+Starlette's StreamingResponse only notices a disconnect when a write fails, which some servers
+never report; this one listens for `http.disconnect` next to the producer and cancels it, then
+closes the body iterator (shielded), so the producer's cleanup (aborting the engine request,
+recording usage) always runs.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+
+class DisconnectAwareStream(Response):
+    """Send each bytes chunk of `body` as soon as it is produced (no buffering)."""
+
+    def __init__(self, body: AsyncIterator[bytes], *, media_type: str, headers: dict[str, str] | None = None,
+                 status_code: int = 200):
+        self.body_iterator = body
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch_disconnect(cancel: anyio.CancelScope) -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    cancel.cancel()
+                    return
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_disconnect, tg.cancel_scope)
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        except OSError:
+            pass  # the client went away while we were writing; cleanup below
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
