@@ -1,0 +1,103 @@
+"""Engine throughput and TTFT against Hugging Face transformers on the same weights and prompts.
+
+    python bench/engine.py [--formats int8,bf16,fp32] [--skip-hf]
+
+Prints one JSON object. `tok_s_c{N}`: aggregate completion tokens/s with N concurrent requests
+of 64 new tokens each (greedy, EOS ignored, wall time including prefill), for the engine's
+default CPU configuration (the fastest measured format, see `formats`); `hf_tok_s_c{N}`:
+transformers' generate on the same dequantized GGUF weights (fp32, batch N, left padding);
+`ttft_ms_p50_512`: median time to first token of a 512-token prompt on an idle engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import PROMPTS, engine_tok_s, fixed_requests, machine, median  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import default_model_path, load_gguf  # noqa: E402
+from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E402
+from engine.tokenizer import TextTokenizer  # noqa: E402
+
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}
+NEW_TOKENS = 64
+
+
+def run_engine(checkpoint, tokenizer, fmt: str, concurrencies) -> dict:
+    eng = LLMEngine(config=EngineConfig(dtype=FORMATS[fmt], weight_format=fmt, kv_cache_bytes=256 << 20),
+                    checkpoint=checkpoint, tokenizer=tokenizer)
+    engine_tok_s(eng, fixed_requests(tokenizer, 2, 8, "warm"))
+    res = {}
+    for c in concurrencies:
+        res[f"tok_s_c{c}"] = round(engine_tok_s(eng, fixed_requests(tokenizer, c, NEW_TOKENS, f"c{c}-")), 2)
+    long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]
+    ttfts = []
+    for i in range(3):
+        eng.add_request(GenerationRequest(f"ttft{i}", prompt_token_ids=long_prompt,
+                                          params=SamplingParams(max_tokens=1, temperature=0)))
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            outs = eng.step()
+            if any(o.token_ids for o in outs):
+                break
+        ttfts.append((time.perf_counter() - t0) * 1000)
+    res["ttft_ms_p50_512"] = round(median(ttfts), 1)
+    return res
+
+
+def run_hf(concurrencies) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    res = {}
+    for c in concurrencies:
+        texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                         add_generation_prompt=True, tokenize=False) for i in range(c)]
+        batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            model.generate(**batch, max_new_tokens=4, do_sample=False)  # warm-up
+            t0 = time.perf_counter()
+            out = model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            dt = time.perf_counter() - t0
+        new = (out.shape[1] - batch["input_ids"].shape[1]) * c
+        res[f"hf_tok_s_c{c}"] = round(new / dt, 2)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="int8,bf16,fp32")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    checkpoint = load_gguf(default_model_path())
+    tokenizer = TextTokenizer.from_gguf_metadata(checkpoint[2])
+    formats = {f: run_engine(checkpoint, tokenizer, f, conc) for f in args.formats.split(",")}
+    best = max(formats, key=lambda f: formats[f].get("tok_s_c1", 0) + formats[f].get("tok_s_c32", 0) / 8)
+    result = {"engine_format": best, **formats[best]}
+    if not args.skip_hf:
+        result.update(run_hf([c for c in conc if c in (1, 32)] or conc))
+        for c in (1, 32):
+            if f"tok_s_c{c}" in result and f"hf_tok_s_c{c}" in result:
+                result[f"speedup_c{c}"] = round(result[f"tok_s_c{c}"] / result[f"hf_tok_s_c{c}"], 2)
+    result["formats"] = formats
+    result["machine"] = machine()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
