@@ -9,6 +9,8 @@ graph capture requires.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _TABLE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -28,6 +30,18 @@ def slice_tables(slices: list[torch.Tensor], widths: list[int], offsets: list[in
     geo = torch.tensor([widths, offsets], dtype=torch.int64, device=device)
     _TABLE_CACHE[key] = (ptrs, geo)
     return ptrs, geo
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether a kernel's tl.dot runs on fp32 tiles (IEEE products) for inputs of `dtype`.
+
+    fp32 inputs always do (TF32 would keep only 10 mantissa bits). bf16 does only under
+    TRITON_INTERPRET=1: the interpreter's bf16 tl.dot returns garbage (fp16 is fine), so there
+    the tiles are widened first; on a GPU, bf16 tiles go to the tensor cores as they are.
+    """
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def next_pow2(n: int) -> int:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_expand, check_segments
-from ._common import slice_tables
+from ._common import dot_in_fp32, slice_tables
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _sgmv_expand_kernel(
         bt = tl.load(b_base + offs_n[None, :].to(tl.int64) * R + offs_r[:, None],
                      mask=mask_n[None, :] & mask_r[:, None], other=0.0)
         if IEEE:
-            acc += tl.dot(vt, bt, input_precision="ieee")
+            acc += tl.dot(vt, bt.to(tl.float32), input_precision="ieee")
         else:
             # Half weights: round the fp32 intermediate tile to the weight dtype so the product
             # runs on tensor cores; accumulation stays fp32.
@@ -103,6 +103,6 @@ def sgmv_expand_triton(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=No
     _sgmv_expand_kernel[grid](
         vv, ptrs, args.slices[0], geo, seg_starts, seg_slots, ranks, y,
         R, L, m_blocks, vv.stride(0), vv.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=y.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=dot_in_fp32(y.dtype),
     )
     return y

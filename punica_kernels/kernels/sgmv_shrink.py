@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_segments, check_shrink
-from ._common import slice_tables
+from ._common import dot_in_fp32, slice_tables
 
 
 @triton.jit
@@ -61,8 +61,8 @@ def _sgmv_shrink_kernel(
         at = tl.load(a_base + offs_r[None, :].to(tl.int64) * stride_ar + offs_k[:, None],
                      mask=mask_r[None, :] & mask_k[:, None], other=0.0)
         if IEEE:
-            # fp32 inputs: full-precision products, not TF32 (which keeps only 10 mantissa bits)
-            acc += tl.dot(xt, at, input_precision="ieee")
+            # full-precision fp32 products, not TF32 (see _common.dot_in_fp32)
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(xt, at)
     acc = acc * tl.load(scale_ptr + s)
@@ -103,6 +103,6 @@ def sgmv_shrink_triton(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_s
     _sgmv_shrink_kernel[grid](
         x, ptrs, a0, seg_starts, seg_slots, scales, ranks, v,
         K, m_blocks, x.stride(0), a0.stride(0), a0.stride(1), v.stride(0), v.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=dot_in_fp32(x.dtype),
     )
     return v[0] if args.single else v

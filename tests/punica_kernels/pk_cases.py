@@ -1,0 +1,124 @@
+"""Random LoRA batches for the punica_kernels tests (imported by the test modules beside it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from punica_kernels import reference as ref
+
+TOL = {  # (rtol, atol) of a result against the float64 reference, by input dtype
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor  # [T, K]
+    a: list[torch.Tensor]  # per slice [S, R, K]; rows past a slot's rank hold NaN
+    b: list[torch.Tensor]  # per slice [S, N_i, R]; columns past a slot's rank hold NaN
+    ranks: torch.Tensor  # [S] int32
+    scales: torch.Tensor  # [S] float32
+    token_slots: torch.Tensor  # [T] int32
+    seg_starts: torch.Tensor  # [n+1] int32, may contain empty segments
+    seg_slots: torch.Tensor  # [n] int32
+    v: torch.Tensor  # [L, T, R] fp32 input for the expand tests
+    y: torch.Tensor  # [T, width] output buffer with random contents
+    offsets: list[int]
+    max_segment_len: int
+
+
+def make_batch(*, T: int, K: int, S: int, R: int, widths=(None,), dtype=torch.float32, mode="mixed",
+               seed: int = 0, ranks=None, y_width=None, offsets=None) -> Batch:
+    """mode: "mixed" (random slots, some -1, random ranks), "none" (all -1), "one" (one slot, full rank).
+
+    widths: output width of each expand slice (None = K). Padding past each slot's rank is NaN, so
+    any kernel that reads past the true rank produces NaN and fails the comparison.
+    """
+    g = torch.Generator().manual_seed(seed)
+    widths = [K if w is None else w for w in widths]
+    L = len(widths)
+    if ranks is None:
+        ranks = torch.randint(1, R + 1, (S,), generator=g) if mode == "mixed" else torch.full((S,), R)
+    ranks = torch.as_tensor(ranks, dtype=torch.int32)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    a, b = [], []
+    for n in widths:
+        A = torch.randn(S, R, K, generator=g) / K ** 0.5
+        B = torch.randn(S, n, R, generator=g) / R ** 0.5
+        for s in range(S):
+            A[s, ranks[s]:] = float("nan")
+            B[s, :, ranks[s]:] = float("nan")
+        a.append(A.to(dtype))
+        b.append(B.to(dtype))
+    scales = (torch.rand(S, generator=g) + 0.5).float()
+    if mode == "none":
+        token_slots = torch.full((T,), -1)
+    elif mode == "one":
+        token_slots = torch.full((T,), S - 1)
+    else:
+        token_slots = torch.randint(-1, S, (T,), generator=g)
+    # Segments: random cut points (repeats make empty segments), one slot each.
+    n_cuts = int(torch.randint(0, max(1, min(T, 12)) + 1, (1,), generator=g))
+    cuts = sorted(torch.randint(0, T + 1, (n_cuts,), generator=g).tolist())
+    seg_starts = torch.tensor([0, *cuts, T], dtype=torch.int32)
+    n_seg = seg_starts.numel() - 1
+    if mode == "none":
+        seg_slots = torch.full((n_seg,), -1)
+    elif mode == "one":
+        seg_slots = torch.full((n_seg,), S - 1)
+    else:
+        seg_slots = torch.randint(-1, S, (n_seg,), generator=g)
+    v = torch.randn(L, T, R, generator=g)
+    if y_width is None:
+        y_width = sum(widths)
+    y = torch.randn(T, y_width, generator=g).to(dtype)
+    max_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if n_seg else 0
+    return Batch(x, a, b, ranks, scales, token_slots.to(torch.int32), seg_starts,
+                 seg_slots.to(torch.int32), v, y, offsets, max_len)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
+
+
+def reference_v(bt: Batch, op: str, single: bool) -> torch.Tensor:
+    a = bt.a[0] if single else bt.a
+    if op == "bgmv":
+        return ref.bgmv_shrink(bt.x, a, bt.token_slots, bt.scales, bt.ranks)
+    return ref.sgmv_shrink(bt.x, a, bt.seg_starts, bt.seg_slots, bt.scales, bt.ranks)
+
+
+def reference_y(bt: Batch, op: str, single: bool) -> torch.Tensor:
+    b = bt.b[0] if single else bt.b
+    v = bt.v[0] if single else bt.v
+    if op == "bgmv":
+        return ref.bgmv_expand(v, b, bt.token_slots, bt.ranks, bt.y, bt.offsets)
+    return ref.sgmv_expand(v, b, bt.seg_starts, bt.seg_slots, bt.ranks, bt.y, bt.offsets)
+
+
+def run_shrink(fns: dict, bt: Batch, op: str, single: bool, **kw) -> torch.Tensor:
+    """fns maps "bgmv"/"sgmv" to a shrink function with the package's signature."""
+    a = bt.a[0] if single else bt.a
+    if op == "bgmv":
+        return fns["bgmv"](bt.x, a, bt.token_slots, bt.scales, bt.ranks, **kw)
+    return fns["sgmv"](bt.x, a, bt.seg_starts, bt.seg_slots, bt.scales, bt.ranks,
+                       max_segment_len=bt.max_segment_len, **kw)
+
+
+def run_expand(fns: dict, bt: Batch, op: str, single: bool, **kw) -> torch.Tensor:
+    """Runs the expand on a copy of bt.y and returns that copy."""
+    b = bt.b[0] if single else bt.b
+    v = bt.v[0] if single else bt.v
+    y = bt.y.clone()
+    if op == "bgmv":
+        out = fns["bgmv"](v, b, bt.token_slots, bt.ranks, y, offsets=bt.offsets, **kw)
+    else:
+        out = fns["sgmv"](v, b, bt.seg_starts, bt.seg_slots, bt.ranks, y, offsets=bt.offsets,
+                          max_segment_len=bt.max_segment_len, **kw)
+    assert out is y  # updated in place
+    return y
