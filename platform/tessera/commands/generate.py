@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--model", default=None, help="GGUF file or HF safetensors directory (default: embedded SmolLM2)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), "
+                        "e.g. platform/tessera/demo_adapters/pirate")
     p.set_defaults(func=run)
 
 
@@ -37,8 +40,21 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
     if not args.prompt.strip():
         raise CLIError("prompt is empty")
+    import logging
+
+    logging.getLogger("engine").setLevel(logging.ERROR)  # errors reach the user once, as CLIError
+    source = version = None
+    if args.adapter:
+        from pathlib import Path
+
+        from engine.lora.source import LocalDirectoryAdapterSource
+
+        adapter_dir = Path(args.adapter).resolve()
+        if not adapter_dir.is_dir():
+            raise CLIError(f"--adapter {args.adapter}: not a directory")
+        source, version = LocalDirectoryAdapterSource(adapter_dir.parent), adapter_dir.name
     try:
-        engine = LLMEngine(args.model)
+        engine = LLMEngine(args.model, adapter_source=source)
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(str(e)) from None
     if args.raw:
@@ -46,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
-    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt=prompt, params=params)
+    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt=prompt, params=params, adapter=version)
 
     async def stream() -> None:
         aengine = AsyncLLMEngine(engine)
@@ -56,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if out.finished:
                     sys.stdout.write("\n")
+                    if out.error:
+                        raise CLIError(out.error)
                     print(f"[{out.finish_reason}; prompt {out.prompt_tokens} tokens, "
                           f"completion {out.completion_tokens} tokens]", file=sys.stderr)
         finally:
