@@ -54,8 +54,8 @@ def build_engine_client(settings: PlatformSettings, ctx) -> EngineClient:
 
 
 class BodyLimit:
-    """Refuse request bodies over `max_bytes` with a 413 before reading them (Content-Length), or
-    as soon as a streamed body crosses the limit."""
+    """Refuse request bodies over `max_bytes` with a 413: from Content-Length before reading, and
+    for a body without one (chunked) by reading it up to the limit first, then replaying it."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -65,24 +65,33 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         too_big = ApiError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+        length = None
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+            if name == b"content-length":
+                length = int(value) if value.isdigit() else None
+        if length is not None:
+            if length > self.max_bytes:
                 return await too_big.response()(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+            return await self.app(scope, receive, send)
+        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        # No Content-Length: buffer (at most max_bytes) so the limit holds before the app parses.
+        messages, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise too_big
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                return await too_big.response()(scope, receive, send)
+            if not message.get("more_body"):
+                break
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except ApiError as e:
-            await e.response()(scope, receive, send)
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
 def create_app(settings: PlatformSettings | None = None, *, engine_client: EngineClient | None = None,

@@ -33,7 +33,7 @@ from tessera.engine_client import EngineUnavailable
 from tessera.errors import ApiError
 from tessera.gateway import Gateway
 from tessera.metering import Usage
-from tessera.quota import Decision
+from tessera.quota import Decision, QuotaUnavailable
 from tessera.services import Caller
 from tessera.streaming import DisconnectAwareStream
 
@@ -220,8 +220,11 @@ def _refusal(d: Decision, tokens: int) -> ApiError:
 
 async def _admit(gw: Gateway, caller: Caller, job: _Job) -> Decision:
     tokens = len(job.prompt_ids) + job.params.max_tokens
-    d = await gw.quota.reserve(tenant=str(caller.tenant_id), request_id=job.request_id,
-                               limits=caller.policy.limits, tokens=tokens)
+    try:
+        d = await gw.quota.reserve(tenant=str(caller.tenant_id), request_id=job.request_id,
+                                   limits=caller.policy.limits, tokens=tokens)
+    except QuotaUnavailable as e:
+        raise ApiError(503, f"{e}; try again", type="server_error", code="quota_unavailable") from None
     if not d.admitted:
         raise _refusal(d, tokens)
     return d

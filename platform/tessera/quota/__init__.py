@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+class QuotaUnavailable(RuntimeError):
+    """The counters cannot be reached; the gateway refuses with 503 rather than admit unchecked."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """A tenant's effective limits; None means unlimited."""

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import time
 
-import redis.asyncio as aioredis
+import logging
 
-from tessera.quota import Decision, Limits, Reservation, decide, minute_of, month_of
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from tessera.quota import Decision, Limits, QuotaUnavailable, Reservation, decide, minute_of, month_of
+
+log = logging.getLogger(__name__)
 
 _RESERVE = """
 local now = tonumber(ARGV[1])
@@ -51,8 +56,11 @@ def _lim(v: int | None) -> int:
 class RedisQuota:
     """QuotaBackend over Redis (see module docstring)."""
 
-    def __init__(self, url: str, *, key_prefix: str = "tessera:quota:", lease_s: int = 900):
-        self.client = aioredis.from_url(url)
+    def __init__(self, url: str, *, key_prefix: str = "tessera:quota:", lease_s: int = 900,
+                 max_connections: int = 64):
+        # A blocking pool: a burst waits for a free connection instead of failing.
+        self.client = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=5))
         self.prefix = key_prefix
         self.lease_s = lease_s
         self._reserve = self.client.register_script(_RESERVE)
@@ -66,18 +74,26 @@ class RedisQuota:
                       now: float | None = None) -> Decision:
         now = time.time() if now is None else now
         minute, month = minute_of(now), month_of(now)
-        ok, reason, reqs, used = await self._reserve(
-            keys=self._keys(tenant, minute, month),
-            args=[repr(now), request_id, tokens, _lim(limits.requests_per_minute), _lim(limits.tokens_per_minute),
-                  _lim(limits.max_concurrent_requests), _lim(limits.monthly_token_budget), self.lease_s])
+        try:
+            ok, reason, reqs, used = await self._reserve(
+                keys=self._keys(tenant, minute, month),
+                args=[repr(now), request_id, tokens, _lim(limits.requests_per_minute), _lim(limits.tokens_per_minute),
+                      _lim(limits.max_concurrent_requests), _lim(limits.monthly_token_budget), self.lease_s])
+        except RedisError as e:
+            raise QuotaUnavailable(f"quota counters unavailable ({type(e).__name__})") from e
         reservation = Reservation(tenant, request_id, tokens, minute, month) if ok == 1 else None
         reason = None if ok == 1 else (reason.decode() if isinstance(reason, bytes) else reason)
         return decide(reason=reason, reservation=reservation, limits=limits, now=now,
                       requests=int(reqs), tokens_used=int(used))
 
     async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
-        await self._settle(keys=self._keys(reservation.tenant, reservation.minute, reservation.month),
-                           args=[used_tokens - reservation.tokens, reservation.request_id])
+        try:
+            await self._settle(keys=self._keys(reservation.tenant, reservation.minute, reservation.month),
+                               args=[used_tokens - reservation.tokens, reservation.request_id])
+        except RedisError:
+            # The reservation stays counted (the tenant is over- not under-charged) and its
+            # concurrency slot expires with the lease.
+            log.exception("could not settle quota for request %s", reservation.request_id)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -1,0 +1,49 @@
+"""The Redis quota backend against the real Redis at 127.0.0.1:6379: the same semantics as the
+in-memory one, and the 200-concurrent burst through a gateway that keeps its counters in Redis."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis
+
+from tessera.app import create_app
+from tessera.engine_client.inprocess import InProcessEngineClient
+from tessera.quota.redis import RedisQuota
+
+from .conftest import Platform, ServerThread
+from .test_gateway_quota import avoid_minute_edge, backend_semantics, burst, check_burst
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="module")
+def redis_prefix():
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError as e:
+        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {e}")
+    prefix = f"tessera-test:{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    r = redis.Redis.from_url(REDIS_URL)
+    for key in r.scan_iter(match=prefix + "*"):
+        r.delete(key)
+
+
+def test_redis_backend_semantics(redis_prefix):
+    backend_semantics(lambda: RedisQuota(REDIS_URL, key_prefix=redis_prefix))
+
+
+def test_200_concurrent_requests_with_redis_counters(platform, aengine, redis_prefix):
+    settings = platform.settings.model_copy(update={"redis_url": REDIS_URL, "redis_key_prefix": redis_prefix})
+    app = create_app(settings, engine_client=InProcessEngineClient(aengine))
+    with ServerThread(app) as server:
+        p = Platform(server.url, settings, app)
+        n = 4
+        t = p.tenant(requests_per_minute=n, tokens_per_minute=1_000_000)
+        avoid_minute_edge()
+        results = asyncio.run(burst(p.async_openai(t), 200))
+        check_burst(p, t, results, n)
+        keys = redis.Redis.from_url(REDIS_URL).keys(redis_prefix + "*")
+        assert keys  # the counters really live in Redis
