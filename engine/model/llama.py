@@ -30,7 +30,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = BaseLinear(w[p + "mlp.down_proj.weight"], fmt)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, positions, rope, kv: KVCache, attn: AttentionMetadata, lora):
+    def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora):
         cfg = self.cfg
         h = self.input_norm(x)
         qkv = self.qkv_proj(h)
@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         o = paged_attention(q, k, v.contiguous(), kv.k[self.idx], kv.v[self.idx], attn, self.scale)
         o = o.reshape(T, cfg.q_size)
         out = self.o_proj(o)
@@ -80,8 +80,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 attn: AttentionMetadata, lora=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, kv, attn, lora)
+            x = layer(x, cos_sin, kv, attn, lora)
         return self.norm(x)
 
     @torch.inference_mode()
