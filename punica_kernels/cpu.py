@@ -70,11 +70,19 @@ def plan_tokens(token_slots: torch.Tensor, ranks: torch.Tensor) -> list[RankGrou
     return groups
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte aligned strides and base (e.g. not fp32 rows of width 129)."""
+    size, strides = t.element_size(), sorted(t.stride())
+    # one unit-stride (inner) dim; every other stride a multiple of 16 bytes
+    return t.data_ptr() % 16 == 0 and strides[0] == 1 and all((st * size) % 16 == 0 for st in strides[1:])
+
+
 def _group_matmul(rows: torch.Tensor, w_t: torch.Tensor, g: RankGroup) -> torch.Tensor:
     """rows [n, K] sorted by slot; w_t [slot_hi - slot_lo, K, N] -> [n, N], each row times its slot's matrix."""
     if w_t.shape[0] == 1:
         return rows @ w_t[0]
-    if _HAS_GROUPED_MM:
+    # its output rows [n, N] must be 16-byte aligned too
+    if _HAS_GROUPED_MM and _aligned(rows) and _aligned(w_t) and (w_t.shape[2] * rows.element_size()) % 16 == 0:
         return torch._grouped_mm(rows, w_t, offs=g.offs)
     out = rows.new_empty(rows.shape[0], w_t.shape[2])
     i = 0
