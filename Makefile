@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: setup
-	$(VENV)/bin/tessera generate "$(PROMPT)"
+	$(VENV)/bin/tessera demo
 
 test: setup
 	$(PY) -m pytest -q tests

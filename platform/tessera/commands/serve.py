@@ -1,0 +1,88 @@
+"""`tessera serve`: the gateway with settings from TESSERA_* env vars / .env (the scale-out form:
+Postgres, S3, Redis, engine workers), and `tessera engine-worker`: one engine process serving the
+internal streaming API the gateway's HTTP engine client talks to."""
+from __future__ import annotations
+
+import argparse
+import socket
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the gateway (OpenAI-compatible + admin API) from TESSERA_* settings")
+    p.add_argument("--host", default=None, help="listen address (default: TESSERA_HOST)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default: TESSERA_PORT)")
+    p.set_defaults(func=_serve)
+
+    w = sub.add_parser("engine-worker", help="run one engine process with the internal streaming API")
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=8100)
+    w.add_argument("--secret", default=None, help="shared secret (default: TESSERA_ENGINE_SECRET)")
+    w.set_defaults(func=_worker)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """CLIError with one line if host:port cannot be bound (instead of uvicorn's traceback)."""
+    from tessera.cli import CLIError
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CLIError(f"cannot listen on {host}:{port} ({e.strerror}); choose another with --port or TESSERA_PORT") from None
+
+
+def load_settings(**overrides):
+    from pydantic import ValidationError
+
+    from tessera.cli import CLIError
+    from tessera.settings import PlatformSettings
+
+    try:
+        s = PlatformSettings()
+        return s.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise CLIError(f"invalid setting {'.'.join(map(str, err['loc'])) or ''}: {err['msg']}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tessera.app import create_app
+
+    settings = load_settings(host=args.host, port=args.port)
+    check_port_free(settings.host, settings.port)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from tessera.cli import CLIError
+    from tessera.engine_client.worker import create_worker_app
+
+    settings = load_settings()
+    secret = args.secret or (settings.engine_secret.get_secret_value() if settings.engine_secret else None)
+    if not secret:
+        raise CLIError("the engine worker needs a shared secret: --secret or TESSERA_ENGINE_SECRET")
+    check_port_free(args.host, args.port)
+    from adapter_registry.context import build_context
+    from adapter_registry.engine_source import RegistryAdapterSource
+
+    ctx = build_context(settings)
+    source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
+                                   cache_dir=settings.adapter_cache_dir)
+    engine = LLMEngine(settings.model_path, EngineConfig(kv_cache_bytes=settings.engine_kv_cache_mib << 20,
+                                                         num_threads=settings.engine_threads),
+                       adapter_source=source)
+    aengine = AsyncLLMEngine(engine)
+    try:
+        uvicorn.run(create_worker_app(aengine, secret=secret), host=args.host, port=args.port, log_level="warning")
+    finally:
+        aengine.shutdown()
+    return 0
