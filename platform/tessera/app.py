@@ -17,6 +17,7 @@ from sqlalchemy import event
 from adapter_registry.context import build_context
 from tessera.api import admin, openai
 from tessera.engine_client import EngineClient
+from tessera.epoch import make_epoch
 from tessera.errors import ApiError, install_handlers
 from tessera.gateway import Gateway
 from tessera.metering import Meter
@@ -107,11 +108,14 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
         client = engine_client or await anyio.to_thread.run_sync(build_engine_client, settings, ctx)
         await client.start()
         q = quota or make_quota_backend(settings.redis_url, key_prefix=settings.redis_key_prefix)
+        epoch = make_epoch(settings.redis_url, key_prefix=settings.redis_key_prefix)
         app.state.gateway = Gateway(settings=settings, db=ctx.engine, session_factory=ctx.session_factory,
-                                    store=ctx.store, engine=client, quota=q, meter=Meter(ctx.engine, ctx.session_factory))
+                                    store=ctx.store, engine=client, quota=q, meter=Meter(ctx.engine, ctx.session_factory),
+                                    epoch=epoch)
         try:
             yield
         finally:
+            await epoch.close()
             if quota is None:
                 await q.close()
             if engine_client is None:

@@ -1,7 +1,9 @@
 """Authentication dependencies: tenants' API keys (Bearer) and the admin token.
 
-A key is checked against the database on every request (one indexed query), so revoking it takes
-effect on the very next request, on every gateway replica.
+A key is looked up by its prefix and checked by the sha256 of the whole key. Authenticated callers
+are cached per gateway under the configuration epoch (epoch.py): every admin change (revoking a
+key, changing quotas) bumps the epoch, so the next request on any replica reads the database
+again and a revoked key is refused on the very next request.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tessera.errors import ApiError
 from tessera.gateway import Gateway, get_gateway
-from tessera.services import Caller, authenticate
+from tessera.services import Caller, authenticate, hash_key
 
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
@@ -33,6 +35,12 @@ async def get_caller(request: Request, gateway: GatewayDep) -> Caller:
     if key is None:
         raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <your key>'", code="missing_api_key")
 
+    digest = hash_key(key)
+    epoch = await gateway.epoch.current()  # read before the lookup: a change after it invalidates
+    cached = gateway.callers.get(digest, epoch)
+    if cached is not None:
+        return cached
+
     def lookup() -> Caller | None:
         with gateway.session_factory() as session:
             return authenticate(session=session, key=key)
@@ -43,6 +51,7 @@ async def get_caller(request: Request, gateway: GatewayDep) -> Caller:
         raise ApiError(503, "the key database is unavailable; try again", code="service_unavailable") from None
     if caller is None:
         raise ApiError(401, "invalid or revoked API key", code="invalid_api_key")
+    gateway.callers.put(digest, epoch, caller)
     return caller
 
 

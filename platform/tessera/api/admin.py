@@ -57,15 +57,19 @@ def _policy_dict(p: services.Policy) -> dict:
             "default_priority": p.default_priority}
 
 
-async def _db(gw, fn) -> Any:
-    """Run fn(session) on a thread; registry errors and bad values become OpenAI-shaped errors."""
+async def _db(gw, fn, *, changes: bool = True) -> Any:
+    """Run fn(session) on a thread; registry errors and bad values become OpenAI-shaped errors.
+    After a change the configuration epoch is bumped: every gateway drops its cached callers."""
 
     def run():
         with gw.session_factory() as session:
             return fn(session)
 
     try:
-        return await anyio.to_thread.run_sync(run)
+        result = await anyio.to_thread.run_sync(run)
+        if changes:
+            await gw.epoch.bump()
+        return result
     except RegistryError as e:
         raise ApiError(e.http_status, str(e)) from None
     except ValueError as e:
@@ -139,4 +143,4 @@ async def usage(tenant: str, _: AdminDep, gw: GatewayDep):
         return {"tenant": t.name, "by_status": {s: {"requests": n, "prompt_tokens": int(p), "completion_tokens": int(c)}
                                                 for s, n, p, c in rows}}
 
-    return await _db(gw, run)
+    return await _db(gw, run, changes=False)

@@ -345,40 +345,42 @@ async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> J
 
 
 async def _events(gw, caller, job, decision, stream, first, ttft):
-    """SSE body: one chunk per engine delta, the usage chunk if asked, then [DONE]. The usage event
-    is durable before [DONE] is sent; on a disconnect the `finally` records what was forwarded."""
+    """SSE body: one chunk per engine delta, the usage chunk if asked, then [DONE]. Chunks produced
+    at the same moment go out in one write (the role chunk with the first delta; the last delta,
+    usage and [DONE] together). The usage event is durable before the last write; on a disconnect
+    the `finally` records what was forwarded."""
     completion, done = 0, False
     try:
-        if job.kind == "chat":
-            yield _sse(_chunk(job, None, None, first=True))
+        pending = _sse(_chunk(job, None, None, first=True)) if job.kind == "chat" else b""
         out = first
         while True:
             completion += len(out.token_ids)  # counted as forwarded: the chunk is written next
             if out.finished:
-                if out.finish_reason == "error":
-                    done = True
-                    await _finish(gw, caller, job, decision, status="error", finish_reason="error",
-                                  completion_tokens=completion, ttft=ttft)
-                    yield _sse(_engine_error(out).body())
-                    return
-                finish = _FINISH.get(out.finish_reason, "stop")
-                if job.kind == "chat" and out.text:
-                    yield _sse(_chunk(job, out.text, None))
-                    yield _sse(_chunk(job, None, finish))
-                else:
-                    yield _sse(_chunk(job, out.text if job.kind == "text" else None, finish))
                 break
             if out.text:
-                yield _sse(_chunk(job, out.text, None))
+                yield pending + _sse(_chunk(job, out.text, None))
+                pending = b""
             out = await stream.__anext__()
         done = True
+        if out.finish_reason == "error":
+            await _finish(gw, caller, job, decision, status="error", finish_reason="error",
+                          completion_tokens=completion, ttft=ttft)
+            yield pending + _sse(_engine_error(out).body())
+            return
+        finish = _FINISH.get(out.finish_reason, "stop")
+        if job.kind == "chat":
+            if out.text:
+                pending += _sse(_chunk(job, out.text, None))
+            pending += _sse(_chunk(job, None, finish))
+        else:
+            pending += _sse(_chunk(job, out.text, finish))
         await _finish(gw, caller, job, decision, status="completed", finish_reason=out.finish_reason,
                       completion_tokens=completion, ttft=ttft)
         if job.include_usage:
-            yield _sse({"id": job.request_id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-                        "created": job.created, "model": job.model, "choices": [],
-                        "usage": _usage_dict(len(job.prompt_ids), completion)})
-        yield _sse("[DONE]")
+            pending += _sse({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
+                             "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+                             "usage": _usage_dict(len(job.prompt_ids), completion)})
+        yield pending + _sse("[DONE]")
     except EngineUnavailable as e:
         if not done:
             done = True

@@ -1,0 +1,166 @@
+"""Added latency of the gateway (auth + quota + metering + SSE over HTTP) over the engine itself.
+
+The real app runs under uvicorn in this process with the in-process engine (embedded settings:
+SQLite, in-memory quotas). A load generator in a separate process streams chat completions
+(max_tokens small, greedy) at concurrency 1 and 32 and reports each request's end-to-end time.
+The engine client is wrapped to time, per request, the span from handing the request to the
+engine to its last delta; a request's added latency is its end-to-end time minus that span.
+Prints one JSON object.
+
+    .venv/bin/python bench/gateway.py [--requests-c1 60] [--requests-c32 128] [--max-tokens 4]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform as pyplatform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(ROOT))
+
+LOAD = r"""
+import asyncio, json, sys, time
+import httpx
+url, key, conc, total, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": max_tokens, "temperature": 0, "stream": True}
+async def main():
+    out = []
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(base_url=url, headers={"authorization": "Bearer " + key}, timeout=300, limits=limits) as c:
+        todo = list(range(total))
+        async def worker():
+            while todo:
+                todo.pop()
+                t0 = time.perf_counter()
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200, r.status_code
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            break
+                out.append((r.headers["x-request-id"], (time.perf_counter() - t0) * 1000.0))
+        await asyncio.gather(*(worker() for _ in range(conc)))
+    print(json.dumps(out))
+asyncio.run(main())
+"""
+
+
+class TimingEngineClient:
+    """Passes everything to the real client; records engine-side time per request id."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.tokenizer, self.model_name, self.max_model_len = inner.tokenizer, inner.model_name, inner.max_model_len
+        self.engine_ms: dict[str, float] = {}
+
+    async def generate(self, request):
+        t0 = time.perf_counter()
+        async for out in self.inner.generate(request):
+            if out.finished:
+                self.engine_ms[request.request_id] = (time.perf_counter() - t0) * 1000.0
+            yield out
+
+    async def start(self):
+        await self.inner.start()
+
+    async def close(self):
+        await self.inner.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests-c1", type=int, default=60)
+    ap.add_argument("--requests-c32", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    args = ap.parse_args()
+
+    import uvicorn
+
+    from adapter_registry.context import build_context
+    from adapter_registry.migrate import upgrade
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import GenerationRequest, SamplingParams
+    from tessera import services
+    from tessera.app import create_app
+    from tessera.engine_client.inprocess import InProcessEngineClient
+    from tessera.settings import PlatformSettings
+
+    work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+    settings = PlatformSettings(_env_file=None, database_url=f"sqlite:///{work}/t.db", object_store_root=work / "obj",
+                                adapter_cache_dir=work / "cache", admin_token="bench-admin")
+    upgrade(settings)
+    ctx = build_context(settings)
+    with ctx.session_factory() as s:
+        services.upsert_plan(session=s, name="bench", requests_per_minute=1_000_000, tokens_per_minute=10**12,
+                             max_concurrent_requests=1000, monthly_token_budget=10**12)
+        tenant = services.create_tenant(session=s, name="bench", plan="bench")
+        _, key = services.issue_key(session=s, tenant=tenant)
+
+    aengine = AsyncLLMEngine(LLMEngine(config=EngineConfig(kv_cache_bytes=128 << 20)))
+    timing = TimingEngineClient(InProcessEngineClient(aengine))
+    app = create_app(settings, engine_client=timing)
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+
+    # The engine alone, for reference: the same request without the gateway.
+    async def direct(n: int) -> list[float]:
+        tok = aengine.tokenizer
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hello."}]))
+        res = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            async for _ in aengine.generate(GenerationRequest(f"direct-{i}", prompt_token_ids=ids,
+                                                              params=SamplingParams(max_tokens=args.max_tokens, temperature=0))):
+                pass
+            res.append((time.perf_counter() - t0) * 1000.0)
+        return res
+
+    direct_ms = asyncio.run(direct(max(10, args.requests_c1 // 2)))
+
+    result: dict = {}
+    for conc, total in ((1, args.requests_c1), (32, args.requests_c32)):
+        run = lambda n: json.loads(subprocess.run(  # noqa: E731
+            [sys.executable, "-c", LOAD, url, key, str(conc), str(n), str(args.max_tokens)],
+            check=True, capture_output=True, text=True).stdout)
+        run(min(total, 2 * conc))  # warm-up: connections, caches
+        samples = run(total)
+        added = [e2e - timing.engine_ms[rid] for rid, e2e in samples]
+        e2e = [e for _, e in samples]
+        result[f"added_ms_p50_c{conc}"] = round(pct(added, 50), 3)
+        result[f"added_ms_p99_c{conc}"] = round(pct(added, 99), 3)
+        result[f"e2e_ms_p50_c{conc}"] = round(pct(e2e, 50), 1)
+        result[f"requests_c{conc}"] = total
+    result["direct_engine_e2e_ms_p50_c1"] = round(statistics.median(direct_ms), 1)
+    result["max_tokens"] = args.max_tokens
+    result["setup"] = "embedded: SQLite usage + key lookup, in-memory quotas, in-process engine, uvicorn h11, SSE"
+    result["machine"] = f"{os.cpu_count()} CPUs {pyplatform.processor() or pyplatform.machine()}, no GPU"
+    server.should_exit = True
+    aengine.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
