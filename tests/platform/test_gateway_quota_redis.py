@@ -47,3 +47,21 @@ def test_200_concurrent_requests_with_redis_counters(platform, aengine, redis_pr
         check_burst(p, t, results, n)
         keys = redis.Redis.from_url(REDIS_URL).keys(redis_prefix + "*")
         assert keys  # the counters really live in Redis
+
+
+def test_revocation_reaches_every_replica_on_the_next_request(platform, aengine, redis_prefix):
+    """Two gateways sharing the database and Redis: a key revoked through one is refused by the
+    other on its next request, although that one had the caller cached."""
+    import openai
+
+    settings = platform.settings.model_copy(update={"redis_url": REDIS_URL, "redis_key_prefix": redis_prefix})
+    app_a = create_app(settings, engine_client=InProcessEngineClient(aengine))
+    app_b = create_app(settings, engine_client=InProcessEngineClient(aengine))
+    with ServerThread(app_a) as a, ServerThread(app_b) as b:
+        pa, pb = Platform(a.url, settings, app_a), Platform(b.url, settings, app_b)
+        t = pa.tenant()
+        for _ in range(2):  # the second call is served from replica B's cache
+            assert pb.openai(t).models.list().data
+        assert pa.admin.delete(f"/admin/v1/tenants/{t.name}/keys/{t.key_id}").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            pb.openai(t).models.list()
