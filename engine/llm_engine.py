@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 
 def pick_weight_format(cfg: EngineConfig) -> str:
-    """"auto": on CPU, int8 weight-only when activations are bf16 (1 byte/weight, the fastest
-    measured here, see bench/RESULTS.md), else dense weights in the activation dtype."""
+    """"auto": dense weights in the activation dtype. Measured on this CPU (bench/engine.py,
+    bench/RESULTS.md), fp32 beat bf16 and int8 weight-only at every batch size that matters:
+    torch's CPU kernels for small bf16 matmuls and for int8 weight-only with M > 1 are slow."""
     if cfg.weight_format != "auto":
         return cfg.weight_format
-    return "int8" if cfg.dtype == torch.bfloat16 else "fp32"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(cfg.dtype, "fp32")
 
 
 class LLMEngine:
