@@ -4,10 +4,12 @@ The real app runs under uvicorn in this process with the in-process engine (embe
 SQLite, in-memory quotas). A load generator in a separate process streams chat completions
 (max_tokens small, greedy) at concurrency 1 and 32 and reports each request's end-to-end time.
 The engine client is wrapped to time, per request, the span from handing the request to the
-engine to its last delta; a request's added latency is its end-to-end time minus that span.
+engine to its last delta; a request's added latency is its end-to-end time minus that span
+(so it includes the HTTP round trip itself; http_roundtrip_ms_p50_c1 is a bare GET /health on the
+same server and client, for scale).
 Prints one JSON object.
 
-    .venv/bin/python bench/gateway.py [--requests-c1 60] [--requests-c32 128] [--max-tokens 4]
+    .venv/bin/python bench/gateway.py [--requests-c1 60] [--requests-c32 128] [--max-tokens 4] [--engine-threads N]
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ async def main():
             while todo:
                 todo.pop()
                 t0 = time.perf_counter()
+                if max_tokens == 0:  # baseline: a bare HTTP round trip to the same server
+                    r = await c.get("/health")
+                    out.append(("", (time.perf_counter() - t0) * 1000.0))
+                    continue
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                     assert r.status_code == 200, r.status_code
                     async for line in r.aiter_lines():
@@ -87,6 +93,8 @@ def main() -> None:
     ap.add_argument("--requests-c1", type=int, default=60)
     ap.add_argument("--requests-c32", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="torch threads of the engine (default: torch's); 1 leaves a core to the gateway")
     args = ap.parse_args()
 
     import uvicorn
@@ -113,7 +121,7 @@ def main() -> None:
         tenant = services.create_tenant(session=s, name="bench", plan="bench")
         _, key = services.issue_key(session=s, tenant=tenant)
 
-    aengine = AsyncLLMEngine(LLMEngine(config=EngineConfig(kv_cache_bytes=128 << 20)))
+    aengine = AsyncLLMEngine(LLMEngine(config=EngineConfig(kv_cache_bytes=128 << 20, num_threads=args.engine_threads)))
     timing = TimingEngineClient(InProcessEngineClient(aengine))
     app = create_app(settings, engine_client=timing)
     with __import__("socket").socket() as sock:
@@ -153,8 +161,12 @@ def main() -> None:
         result[f"added_ms_p99_c{conc}"] = round(pct(added, 99), 3)
         result[f"e2e_ms_p50_c{conc}"] = round(pct(e2e, 50), 1)
         result[f"requests_c{conc}"] = total
+    base = json.loads(subprocess.run([sys.executable, "-c", LOAD, url, key, "1", "200", "0"],
+                                     check=True, capture_output=True, text=True).stdout)
+    result["http_roundtrip_ms_p50_c1"] = round(pct([e for _, e in base], 50), 3)
     result["direct_engine_e2e_ms_p50_c1"] = round(statistics.median(direct_ms), 1)
     result["max_tokens"] = args.max_tokens
+    result["engine_threads"] = args.engine_threads or __import__("torch").get_num_threads()
     result["setup"] = "embedded: SQLite usage + key lookup, in-memory quotas, in-process engine, uvicorn h11, SSE"
     result["machine"] = f"{os.cpu_count()} CPUs {pyplatform.processor() or pyplatform.machine()}, no GPU"
     server.should_exit = True
