@@ -26,6 +26,8 @@ class Gateway:
     meter: Meter
     epoch: Epoch
     callers: EpochCache = field(default_factory=EpochCache)  # sha256(key) -> Caller
+    #: (tenant id, month) pairs whose budget counter this process has seeded from usage_events.
+    seeded_budgets: set = field(default_factory=set)
 
 
 def get_gateway(request: Request) -> Gateway:

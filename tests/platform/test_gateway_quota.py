@@ -217,3 +217,23 @@ def test_memory_backend_from_many_threads():
 
     with ThreadPoolExecutor(16) as pool:
         assert sum(pool.map(one, range(300))) == 11
+
+
+def test_budget_survives_a_restart_of_in_memory_counters(platform, aengine):
+    """A new gateway process (fresh in-memory counters) starts the month's budget from the usage
+    events, so spending before the restart still counts."""
+    from tessera.app import create_app
+    from tessera.engine_client.inprocess import InProcessEngineClient
+
+    from .conftest import Platform, ServerThread
+
+    probe = platform.tenant()
+    prompt = platform.openai(probe).chat.completions.create(model=BASE, messages=MSGS, max_tokens=1).usage.prompt_tokens
+    t = platform.tenant(monthly_token_budget=int(1.5 * (prompt + 4)))
+    platform.openai(t).chat.completions.create(model=BASE, messages=MSGS, max_tokens=4, temperature=0)
+    app = create_app(platform.settings, engine_client=InProcessEngineClient(aengine))
+    with ServerThread(app) as server:
+        restarted = Platform(server.url, platform.settings, app)
+        with pytest.raises(openai.RateLimitError) as e:
+            restarted.openai(t).chat.completions.create(model=BASE, messages=MSGS, max_tokens=4)
+        assert e.value.body["code"] == "insufficient_quota"

@@ -16,10 +16,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from adapter_registry import services as registry
@@ -33,7 +35,8 @@ from tessera.engine_client import EngineUnavailable
 from tessera.errors import ApiError
 from tessera.gateway import Gateway
 from tessera.metering import Usage
-from tessera.quota import Decision, QuotaUnavailable
+from tessera.models import UsageEvent
+from tessera.quota import Decision, QuotaUnavailable, month_of
 from tessera.services import Caller
 from tessera.streaming import DisconnectAwareStream
 
@@ -218,9 +221,34 @@ def _refusal(d: Decision, tokens: int) -> ApiError:
     return ApiError(429, f"{msg}; retry after {int(d.retry_after_s)}s", code="rate_limit_exceeded", headers=headers)
 
 
+async def _seed_budget(gw: Gateway, caller: Caller) -> None:
+    """Once per tenant and month in this process: start the budget counter from the durable
+    usage events, so a restart (memory counters) or a flushed Redis forgets no spending."""
+    month = month_of(time.time())
+    if (caller.tenant_id, month) in gw.seeded_budgets:
+        return
+
+    def used() -> int:
+        year, mon = map(int, month.split("-"))
+        since = datetime(year, mon, 1, tzinfo=timezone.utc)
+        with gw.session_factory() as session:
+            return int(session.scalar(
+                select(func.coalesce(func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens), 0))
+                .where(UsageEvent.tenant_id == caller.tenant_id, UsageEvent.created_at >= since)))
+
+    try:
+        total = await anyio.to_thread.run_sync(used)
+    except SQLAlchemyError:
+        raise ApiError(503, "the usage database is unavailable; try again") from None
+    await gw.quota.seed_budget(tenant=str(caller.tenant_id), month=month, used=total)
+    gw.seeded_budgets.add((caller.tenant_id, month))
+
+
 async def _admit(gw: Gateway, caller: Caller, job: _Job) -> Decision:
     tokens = len(job.prompt_ids) + job.params.max_tokens
     try:
+        if caller.policy.limits.monthly_token_budget is not None:
+            await _seed_budget(gw, caller)
         d = await gw.quota.reserve(tenant=str(caller.tenant_id), request_id=job.request_id,
                                    limits=caller.policy.limits, tokens=tokens)
     except QuotaUnavailable as e:

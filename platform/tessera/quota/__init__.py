@@ -68,6 +68,10 @@ class QuotaBackend(Protocol):
         """Replace the reserved tokens by `used_tokens` and free the concurrency slot (idempotent
         per reservation is not required: call it exactly once)."""
 
+    async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:
+        """Start the month's budget counter at `used` (from the usage records) unless it already
+        exists: counters kept in memory, or in a flushed Redis, must not forget past spending."""
+
     async def close(self) -> None:
         """Release connections."""
 

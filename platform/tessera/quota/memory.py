@@ -64,5 +64,9 @@ class MemoryQuota:
                 c.tokens = max(0, c.tokens + delta)
             c.budget[reservation.month] = max(0, c.budget.get(reservation.month, 0) + delta)
 
+    async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:
+        with self._lock:
+            self._tenants.setdefault(tenant, _Counters()).budget.setdefault(month, used)
+
     async def close(self) -> None:
         return None

@@ -95,5 +95,11 @@ class RedisQuota:
             # concurrency slot expires with the lease.
             log.exception("could not settle quota for request %s", reservation.request_id)
 
+    async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:
+        try:
+            await self.client.set(self._keys(tenant, 0, month)[3], used, nx=True, ex=3456000)
+        except RedisError as e:
+            raise QuotaUnavailable(f"quota counters unavailable ({type(e).__name__})") from e
+
     async def close(self) -> None:
         await self.client.aclose()
