@@ -84,7 +84,7 @@ def upsert_plan(*, session: Session, name: str, allowed_priorities: list[str] | 
 def get_plan(*, session: Session, name: str) -> Plan:
     plan = session.scalar(select(Plan).where(Plan.name == name))
     if plan is None:
-        raise NotFound(f"plan {name!r} not found")
+        raise NotFound(f"plan {name!r} not found; create it with PUT /admin/v1/plans/{name}")
     return plan
 
 

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from tessera.app import create_app
 from tessera.engine_client.inprocess import InProcessEngineClient

@@ -40,7 +40,7 @@ class Limits(BaseModel):
 class TenantIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
-    plan: str = "default"
+    plan: str | None = None  # None: the settings' default_plan
 
 
 class KeyIn(BaseModel):
@@ -93,7 +93,7 @@ async def put_plan(name: str, body: Limits, _: AdminDep, gw: GatewayDep):
 @router.post("/tenants", status_code=201)
 async def create_tenant(body: TenantIn, _: AdminDep, gw: GatewayDep):
     def run(session):
-        t = services.create_tenant(session=session, name=body.name, plan=body.plan)
+        t = services.create_tenant(session=session, name=body.name, plan=body.plan or gw.settings.default_plan)
         return {"id": t.id, "name": t.name,
                 "policy": _policy_dict(services.policy_for(session=session, tenant_id=t.id))}
 
