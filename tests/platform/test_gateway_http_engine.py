@@ -117,3 +117,24 @@ def test_hung_engine_is_a_503_after_the_read_timeout(platform):
         for c in held:
             c.close()
         listener.close()
+
+
+def test_dead_in_process_engine_is_a_503(platform, aengine):
+    """The in-process client over an engine loop that has stopped: 503 at once, streaming or not."""
+    from engine.async_engine import AsyncLLMEngine
+    from tessera.engine_client.inprocess import InProcessEngineClient
+
+    wait_engine_idle(aengine)
+    loop = AsyncLLMEngine(aengine.engine)  # a second loop over the idle engine, stopped below
+    app = create_app(platform.settings, engine_client=InProcessEngineClient(loop))
+    with ServerThread(app) as server:
+        loop.shutdown()
+        p = Platform(server.url, platform.settings, app)
+        t = platform.tenant()
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as e:
+                r = p.openai(t).chat.completions.create(model=BASE, messages=MSGS, max_tokens=2, stream=stream)
+                list(r) if stream else None
+            assert e.value.status_code == 503 and "engine" in e.value.body["message"]
+    # The shared engine still serves.
+    assert platform.openai(t).chat.completions.create(model=BASE, messages=MSGS, max_tokens=1).choices
