@@ -115,20 +115,26 @@ class Scheduler:
             self.block_manager.allocate(seq, n)
             (out.decodes if seq.num_uncomputed_tokens == 1 else out.prefills).append(ScheduledSequence(seq, n))
             scheduled_ids.add(seq.seq_id)
+            self._served[seq.tenant_id] += n
             budget -= n
             i += 1
 
         # 2. Admit waiting sequences (not in a step that had to preempt: memory is short).
         if not out.preempted:
             active_adapters = {s.adapter for s in self.running if s.adapter is not None}
-            for seq in self._admission_order(now):
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            skipped: set[int] = set()
+            while budget > 0 and len(self.running) < self.max_num_seqs:
+                # Re-pick after every admission: the tokens just granted count against the
+                # tenant's share, so a flood from one tenant interleaves with the others.
+                candidates = [s for s in self.waiting if s.seq_id not in skipped]
+                if not candidates:
                     break
-                if seq.adapter is not None:
-                    if seq.adapter not in active_adapters and len(active_adapters) >= self.max_loras:
-                        continue
-                    if not self.adapter_ready(seq.adapter):
-                        continue
+                seq = min(candidates, key=lambda s: self._admission_key(s, now))
+                if seq.adapter is not None and (
+                        (seq.adapter not in active_adapters and len(active_adapters) >= self.max_loras)
+                        or not self.adapter_ready(seq.adapter)):
+                    skipped.add(seq.seq_id)  # wait for a slot or the load, without blocking others
+                    continue
                 n = min(seq.num_uncomputed_tokens, budget)
                 if not self.block_manager.can_allocate(seq, n):
                     break  # keep order: a later, smaller request must not overtake on memory
@@ -139,10 +145,9 @@ class Scheduler:
                 if seq.adapter is not None:
                     active_adapters.add(seq.adapter)
                 (out.decodes if seq.num_uncomputed_tokens == 1 else out.prefills).append(ScheduledSequence(seq, n))
+                self._served[seq.tenant_id] += n
                 budget -= n
 
-        for s in out.scheduled:
-            self._served[s.seq.tenant_id] += s.num_tokens
         return out
 
     # -- helpers ------------------------------------------------------------------------------
@@ -152,8 +157,8 @@ class Scheduler:
         waited = now - seq.arrival_time
         return max(0, int(seq.priority) - int(waited // self.aging_seconds)) if self.aging_seconds > 0 else int(seq.priority)
 
-    def _admission_order(self, now: float) -> list[Sequence]:
-        return sorted(self.waiting, key=lambda s: (self.effective_class(s, now), self._served[s.tenant_id], s.arrival_time))
+    def _admission_key(self, seq: Sequence, now: float) -> tuple:
+        return (self.effective_class(seq, now), self._served[seq.tenant_id], seq.arrival_time)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         # Lowest class, latest arrival; prefer sequences not yet scheduled in this step.

@@ -35,4 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m tessera.cli` this file runs as __main__; subcommands import tessera.cli,
+    # so dispatch through that module for CLIError to be the same class they raise.
+    from tessera.cli import main as _main
+
+    sys.exit(_main())
