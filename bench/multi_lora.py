@@ -32,7 +32,7 @@ from engine.tokenizer import TextTokenizer  # noqa: E402
 from tests.engine.lora_fixtures import write_random_adapter  # noqa: E402
 
 N_REQ, NEW_TOKENS, RANK = 32, 64, 16
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 
 
 def main() -> None:

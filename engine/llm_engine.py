@@ -30,12 +30,12 @@ log = logging.getLogger(__name__)
 
 
 def pick_weight_format(cfg: EngineConfig) -> str:
-    """"auto": dense weights in the activation dtype. Measured on this CPU (bench/engine.py,
-    bench/RESULTS.md), fp32 beat bf16 and int8 weight-only at every batch size that matters:
-    torch's CPU kernels for small bf16 matmuls and for int8 weight-only with M > 1 are slow."""
+    """"auto" on CPU: int8 weight-only for decode-sized batches with a dense fp32 copy for prefill,
+    fp32 activations (the fastest measured here: bench/engine.py, bench/RESULTS.md; bf16
+    activations are slower on this CPU's torch kernels). Exactness checks ask for "fp32"."""
     if cfg.weight_format != "auto":
         return cfg.weight_format
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(cfg.dtype, "fp32")
+    return "int8" if cfg.device == "cpu" else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(cfg.dtype, "fp32")
 
 
 class LLMEngine:

@@ -51,10 +51,14 @@ class BaseLinear(nn.Module):
     """y = x @ W.T for a frozen base weight W [out, in], stored as `fmt`.
 
     fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
-    fmt "int8": per-output-channel symmetric int8 with fp scales, multiplied by torch's fused
-    weight-only kernel (`_weight_int8pack_mm`), which reads 1 byte per weight.
+    fmt "int8": per-output-channel symmetric int8 with bf16 scales, multiplied by torch's fused
+    weight-only kernel (`_weight_int8pack_mm`, 1 byte read per weight) for skinny batches
+    (M <= INT8_MAX_ROWS: decode); wider batches (prefill chunks) use a dense fp32 copy, because
+    that kernel is slower than a dense GEMM there (bench/RESULTS.md has the measurements).
     The output has the activation dtype.
     """
+
+    INT8_MAX_ROWS = 32
 
     def __init__(self, weight: torch.Tensor, fmt: str):
         super().__init__()
@@ -70,11 +74,14 @@ class BaseLinear(nn.Module):
             q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
             self.register_buffer("weight", q.contiguous())
             self.register_buffer("scales", scale.to(torch.bfloat16))
+            self.register_buffer("dense", w.contiguous())
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
+            if x.shape[0] > self.INT8_MAX_ROWS:
+                return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
             return y.to(x.dtype)
         if x.dtype != self.weight.dtype:

@@ -21,7 +21,7 @@ def tokenizer(smollm_checkpoint) -> TextTokenizer:
 @pytest.fixture(scope="session")
 def make_engine(smollm_checkpoint, tokenizer):
     def make(adapter_source=None, **overrides) -> LLMEngine:
-        cfg = EngineConfig(**{"dtype": torch.float32, "kv_cache_bytes": 96 << 20, **overrides})
+        cfg = EngineConfig(**{"dtype": torch.float32, "weight_format": "fp32", "kv_cache_bytes": 96 << 20, **overrides})
         return LLMEngine(config=cfg, checkpoint=smollm_checkpoint, tokenizer=tokenizer,
                          adapter_source=adapter_source)
     return make
