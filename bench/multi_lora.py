@@ -55,7 +55,9 @@ def main() -> None:
     for n in names:
         eng.lora_manager.wait_loaded(n)
         eng.lora_manager.release(n)
-    engine_tok_s(eng, fixed_requests(tokenizer, 4, 8, "warm", adapters=names[:4]))
+    # Warm up at the measured batch size (allocator, slot copies) with and without adapters.
+    engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, 8, "warm", adapters=names))
+    engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, 8, "warmb"))
 
     res = {}
     workloads = {"base": None, "lora1": [names[0]] * N_REQ,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 import punica_kernels
+from punica_kernels.cpu_dense import lora_dense, slot_mask
 from engine.config import ModelConfig
 from engine.lora.weights import LoRAWeights
 
@@ -37,12 +38,17 @@ class LoRASlots:
             "down": (cfg.intermediate_size, cfg.hidden_size),
         }
         S, R = num_slots, max_rank
+        self.device = torch.device(device)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        # CPU only: B transposed per slot, [S, R, N], for the dense-over-slots strategy.
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(cfg.num_layers):
             for m, (fan_in, fan_out) in dims.items():
                 self.a[(layer, m)] = torch.zeros(S, R, fan_in, dtype=dtype, device=device)
                 self.b[(layer, m)] = torch.zeros(S, fan_out, R, dtype=dtype, device=device)
+                if self.device.type == "cpu":
+                    self.bt[(layer, m)] = torch.zeros(S, R, fan_out, dtype=dtype, device=device)
         self.ranks = torch.zeros(S, dtype=torch.int32, device=device)
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.num_layers = cfg.num_layers
@@ -54,9 +60,13 @@ class LoRASlots:
         for key, a in self.a.items():
             a[slot].zero_()
             self.b[key][slot].zero_()
+            if key in self.bt:
+                self.bt[key][slot].zero_()
             if key in w.a:
                 a[slot, :r].copy_(w.a[key])
                 self.b[key][slot, :, :r].copy_(w.b[key])
+                if key in self.bt:
+                    self.bt[key][slot, :r].copy_(w.b[key].T)
         self.ranks[slot] = r
         self.scales[slot] = w.scale
 
@@ -76,10 +86,25 @@ class LoRABatch:
     def __init__(self, slots: LoRASlots, token_slots: list[int]):
         self.slots = slots
         self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
+        # CPU: dense GEMMs over the occupied slots (punica_kernels.cpu_dense), one mask per step.
+        self.dense = None
+        if slots.device.type == "cpu":
+            dtype = slots.a[(0, "q")].dtype
+            self.dense = slot_mask(token_slots, slots.scales, slots.max_rank, dtype)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         s = self.slots
         mods = GROUPS[group]
+        if self.dense is not None:
+            mask, used = self.dense
+            x = x if x.is_contiguous() else x.contiguous()
+            off = 0
+            for m in mods:
+                bt = s.bt[(layer, m)]
+                n = bt.shape[2]
+                lora_dense(x, s.a[(layer, m)], bt, mask, used, y[:, off:off + n])
+                off += n
+            return
         if len(mods) == 1:
             a, b, offsets = s.a[(layer, mods[0])], s.b[(layer, mods[0])], None
         else:
