@@ -38,6 +38,3 @@ class BlockManager:
         """Return every block of `seq` to the pool."""
         self.free_blocks.extend(seq.block_table)
         seq.block_table = []
-
-    def max_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)

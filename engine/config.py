@@ -1,7 +1,7 @@
 """Configuration of the model (read from weights metadata) and of the engine (chosen by the caller)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,8 +71,8 @@ class EngineConfig:
     lora_cpu_cache_bytes: int = 1 << 30
     #: Torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
+    #: Where the model runs ("cpu"; CUDA serving is the GPU issue's work).
     device: str = "cpu"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -22,7 +22,7 @@ from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import TextTokenizer
 

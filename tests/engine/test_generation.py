@@ -1,5 +1,4 @@
 """End-to-end generation behaviour: answers, batching invariance, sampling, stops."""
-import pytest
 
 from engine.sampling_params import GenerationRequest, SamplingParams
 

@@ -66,7 +66,6 @@ def test_logits_match_peft(lora_engine, hf_model, tokenizer, adapter_root, versi
     try:
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0].float()
-            base = model.get_base_model()
             with model.disable_adapter():
                 plain = model(torch.tensor([ids])).logits[0].float()
     finally:
@@ -118,7 +117,7 @@ def test_evicted_and_reloaded_adapter_gives_identical_output(make_engine, adapte
 
 
 def test_new_version_serves_new_weights(lora_engine, adapter_root):
-    v1 = write_random_adapter(adapter_root / "tenant-x-v1", 8, seed=100, std=0.05)
+    write_random_adapter(adapter_root / "tenant-x-v1", 8, seed=100, std=0.05)
     out1 = lora_engine.generate([_greedy("v1", PROMPTS[2], "tenant-x-v1")])["v1"].token_ids
     write_random_adapter(adapter_root / "tenant-x-v2", 8, seed=200, std=0.05)
     out2 = lora_engine.generate([_greedy("v2", PROMPTS[2], "tenant-x-v2")])["v2"].token_ids
