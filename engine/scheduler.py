@@ -41,6 +41,10 @@ class SchedulerOutput:
     #: Sequences preempted this step (their blocks are already freed).
     preempted: list[Sequence] = field(default_factory=list)
 
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        """Schedule `num_tokens` of `seq`: a decode if it has exactly one token left to compute."""
+        (self.decodes if seq.num_uncomputed_tokens == 1 else self.prefills).append(ScheduledSequence(seq, num_tokens))
+
     @property
     def scheduled(self) -> list[ScheduledSequence]:
         return self.decodes + self.prefills
@@ -113,7 +117,7 @@ class Scheduler:
                 continue  # seq itself was preempted; self.running shrank at i
             i = self.running.index(seq)  # victims before it may have shifted it
             self.block_manager.allocate(seq, n)
-            (out.decodes if seq.num_uncomputed_tokens == 1 else out.prefills).append(ScheduledSequence(seq, n))
+            out.add(seq, n)
             scheduled_ids.add(seq.seq_id)
             self._served[seq.tenant_id] += n
             budget -= n
@@ -144,7 +148,7 @@ class Scheduler:
                 self.running.append(seq)
                 if seq.adapter is not None:
                     active_adapters.add(seq.adapter)
-                (out.decodes if seq.num_uncomputed_tokens == 1 else out.prefills).append(ScheduledSequence(seq, n))
+                out.add(seq, n)
                 self._served[seq.tenant_id] += n
                 budget -= n
 

@@ -101,19 +101,13 @@ class LoRAManager:
         try:
             path = self.source.fetch(version)
             weights = load_lora_weights(path, version, self.cfg, max_rank=self.max_rank, dtype=self.dtype)
-        except (AdapterFetchError, AdapterLoadError) as e:
-            msg = f"adapter {version} cannot be loaded: {e}"
-            with self._lock:
-                self._errors[version] = (msg, time.monotonic())
-                self._loading.pop(version, None)
-            log.warning(msg)
-            return
         except Exception as e:  # noqa: BLE001 - any failure fails only this adapter's requests
-            msg = f"adapter {version} cannot be loaded: {type(e).__name__}: {e}"
+            known = isinstance(e, (AdapterFetchError, AdapterLoadError))
+            msg = f"adapter {version} cannot be loaded: {e if known else f'{type(e).__name__}: {e}'}"
             with self._lock:
                 self._errors[version] = (msg, time.monotonic())
                 self._loading.pop(version, None)
-            log.exception("adapter load failed")
+            log.warning(msg, exc_info=not known)
             return
         with self._lock:
             self._cpu[version] = weights
