@@ -1,0 +1,24 @@
+"""Billing tables (price book, line items, invoices, exports) -- filled in by the billing work.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-11-22
+"""
+from __future__ import annotations
+
+from alembic import op
+import sqlalchemy as sa
+
+
+revision = '0003'
+down_revision = '0002'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass
