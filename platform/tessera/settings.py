@@ -26,6 +26,10 @@ class PlatformSettings(RegistrySettings):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on (0 picks a free one).")
     admin_token: SecretStr | None = Field(None, description="Bearer token of the admin API; unset disables it.")
+    admin_password: SecretStr | None = Field(
+        None, description="Sign-in password of the admin web UI (/admin); unset: the admin token is the password.")
+    admin_session_ttl_s: int = Field(8 * 3600, ge=60, description="How long an admin web UI session lasts, in seconds.")
+    admin_login_delay_s: float = Field(1.0, ge=0, description="Fixed delay before answering a wrong admin password.")
     redis_url: str | None = Field(None, description="Redis for quota counters; unset keeps them in this process (embedded).")
     redis_key_prefix: str = Field("tessera:quota:", description="Prefix of every quota key in Redis.")
 
@@ -39,6 +43,7 @@ class PlatformSettings(RegistrySettings):
     engine_kv_cache_mib: int = Field(256, ge=16, description="KV cache of an in-process engine, in MiB.")
 
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 beyond).")
+    max_upload_bytes: int = Field(512 << 20, ge=1024, description="Largest adapter upload (multipart) body at the admin API.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context).")
     default_plan: str = Field("default", description="Plan of tenants created without one.")
 
