@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from sqlalchemy import event
 
 from adapter_registry.context import build_context
-from tessera.api import admin, openai
+from tessera import admin_pages
+from tessera.api import admin, admin_adapters, admin_tenants, openai
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
 from tessera.errors import ApiError, install_handlers
@@ -56,22 +57,25 @@ def build_engine_client(settings: PlatformSettings, ctx) -> EngineClient:
 
 class BodyLimit:
     """Refuse request bodies over `max_bytes` with a 413: from Content-Length before reading, and
-    for a body without one (chunked) by reading it up to the limit first, then replaying it."""
+    for a body without one (chunked) by reading it up to the limit first, then replaying it.
+    `large` lists (path regex, limit) pairs for routes that take bigger bodies (adapter uploads)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, large: tuple = ()):
         self.app = app
         self.max_bytes = max_bytes
+        self.large = large
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = ApiError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+        max_bytes = next((n for pattern, n in self.large if pattern.match(scope.get("path", ""))), self.max_bytes)
+        too_big = ApiError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large")
         length = None
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 length = int(value) if value.isdigit() else None
         if length is not None:
-            if length > self.max_bytes:
+            if length > max_bytes:
                 return await too_big.response()(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -84,7 +88,7 @@ class BodyLimit:
             if message["type"] != "http.request":
                 break
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
+            if seen > max_bytes:
                 return await too_big.response()(scope, receive, send)
             if not message.get("more_body"):
                 break
@@ -126,10 +130,14 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(admin.router)
+    app.include_router(admin_tenants.router)
+    app.include_router(admin_adapters.router)
+    admin_pages.mount(app)  # the web UI at /admin (sign-in, pages, assets)
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       large=((admin_adapters.UPLOAD_PATH, settings.max_upload_bytes),))
     return app

@@ -14,9 +14,10 @@ import anyio
 from fastapi import Depends, Request
 from sqlalchemy.exc import SQLAlchemyError
 
+from tessera import admin_session
 from tessera.errors import ApiError
 from tessera.gateway import Gateway, get_gateway
-from tessera.services import Caller, authenticate, hash_key
+from tessera.services import Caller, TenantSuspended, authenticate, hash_key
 
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
@@ -47,6 +48,9 @@ async def get_caller(request: Request, gateway: GatewayDep) -> Caller:
 
     try:
         caller = await anyio.to_thread.run_sync(lookup)
+    except TenantSuspended as e:
+        raise ApiError(403, f"tenant {str(e)!r} is suspended; its API keys are refused until an admin reactivates it",
+                       code="tenant_suspended") from None
     except SQLAlchemyError:
         raise ApiError(503, "the key database is unavailable; try again", code="service_unavailable") from None
     if caller is None:
@@ -59,7 +63,12 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 async def require_admin(request: Request, gateway: GatewayDep) -> None:
-    """401 unless the request carries the configured admin token."""
+    """401 unless the request carries the configured admin token (Bearer), or, without an
+    Authorization header, a signed-in admin web UI session (admin_session.py: state-changing
+    requests also need its CSRF header, else 403). A tenant's API key is never an admin."""
+    if _bearer(request) is None and admin_session.has_session_cookie(request):
+        admin_session.require_session(request, gateway.settings)
+        return
     token = gateway.settings.admin_token
     if token is None:
         raise ApiError(401, "the admin API is disabled: set TESSERA_ADMIN_TOKEN", code="admin_disabled")

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from adapter_registry import services as registry
 from adapter_registry.db import utcnow
 from adapter_registry.errors import Conflict, NotFound
-from adapter_registry.models import Tenant
+from adapter_registry.models import TENANT_STATUSES, Tenant
 from tessera.models import PRIORITIES, ApiKey, Plan, TenantPolicy
 from tessera.quota import Limits
 
@@ -161,6 +161,43 @@ def revoke_key(*, session: Session, tenant: Tenant, key_id: int) -> ApiKey:
     return row
 
 
+def list_plans(*, session: Session) -> list[Plan]:
+    """Every plan, by name."""
+    return list(session.scalars(select(Plan).order_by(Plan.name)))
+
+
+def list_tenants(*, session: Session) -> list[Tenant]:
+    """Every live tenant (active or suspended), by name."""
+    return list(session.scalars(select(Tenant).where(Tenant.deleted_at.is_(None)).order_by(Tenant.name)))
+
+
+def tenant_overrides(*, session: Session, tenant: Tenant) -> dict:
+    """The tenant's own values over its plan's: {field: value or None (= the plan's)}."""
+    pol = session.get(TenantPolicy, tenant.id)
+    fields = LIMIT_FIELDS + ("allowed_priorities", "default_priority")
+    return {f: (getattr(pol, f) if pol is not None else None) for f in fields}
+
+
+def set_tenant_status(*, session: Session, tenant: Tenant, status: str) -> Tenant:
+    """Suspend ('suspended') or reactivate ('active') a tenant; commits. A suspended tenant's keys
+    are refused (403) and its uploads too; its adapters, keys and usage are kept."""
+    if status not in TENANT_STATUSES:
+        raise ValueError(f"unknown tenant status {status!r} (use {', '.join(TENANT_STATUSES)})")
+    tenant.status = status
+    session.commit()
+    return tenant
+
+
+def list_keys(*, session: Session, tenant: Tenant) -> list[ApiKey]:
+    """The tenant's keys, revoked ones included, newest first."""
+    return list(session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id)
+                                .order_by(ApiKey.created_at.desc(), ApiKey.id.desc())))
+
+
+class TenantSuspended(Exception):
+    """A valid, unrevoked key whose tenant is suspended (the gateway answers 403)."""
+
+
 @dataclass(frozen=True)
 class Caller:
     """An authenticated request's tenant, key and policy."""
@@ -173,7 +210,8 @@ class Caller:
 
 def authenticate(*, session: Session, key: str) -> Caller | None:
     """The caller a key belongs to, or None if the key is malformed, unknown, revoked, or its
-    tenant is not active. One indexed query; compares hashes in constant time."""
+    tenant is deleted. TenantSuspended for a valid key of a suspended tenant. One indexed query;
+    compares hashes in constant time."""
     parts = split_key(key)
     if parts is None:
         return None
@@ -189,6 +227,8 @@ def authenticate(*, session: Session, key: str) -> Caller | None:
     api_key, tenant, pol, plan = row
     if not hmac.compare_digest(api_key.key_hash, hash_key(key)):
         return None
-    if api_key.revoked_at is not None or tenant.status != "active" or tenant.deleted_at is not None:
+    if api_key.revoked_at is not None or tenant.deleted_at is not None:
         return None
+    if tenant.status != "active":
+        raise TenantSuspended(tenant.name)
     return Caller(tenant.id, tenant.name, api_key.id, _merge(pol, plan))

@@ -1,0 +1,151 @@
+"""Admin API for tenants' LoRA adapters (Bearer admin token, or the web UI's session).
+
+  GET    /admin/v1/tenants/{tenant}/adapters                          adapters with their versions
+  GET    /admin/v1/tenants/{tenant}/adapters/{name}                   one adapter (poll it while validating)
+  POST   /admin/v1/tenants/{tenant}/adapters/{name}/versions          upload a new version (multipart)
+  PUT    /admin/v1/tenants/{tenant}/adapters/{name}/current           {"version": N}: make N current
+  DELETE /admin/v1/tenants/{tenant}/adapters/{name}                   delete the adapter, every version
+  DELETE /admin/v1/tenants/{tenant}/adapters/{name}/versions/{N}      delete one version
+
+Upload: multipart form with `files` = adapter_config.json + adapter_model.safetensors, or one
+.zip / .tar.gz holding them; optional `base_model` when the config names a local path. The
+answer (201) is the version: 'ready' or 'rejected' with its reason when validation ran inline
+(embedded mode), else 'validating' until the Celery worker decides; poll GET .../{name}.
+An unsafe or incomplete upload (pickle weights, missing file, bad archive) is refused with 422
+and nothing stored. The body may be up to settings.max_upload_bytes (app.py lets this route
+past the general body limit), and the registry's size and count limits apply.
+
+Each version: version, ref, status ('validating' | 'ready' | 'rejected'), rejection_reason,
+current, sha256, size_bytes, base_model, rank, alpha, target_modules, dtype, created_at,
+validated_at.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path, PurePath
+
+from fastapi import APIRouter, File, Form, UploadFile
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapter_registry import services as registry
+from tessera.api.admin import _db
+from tessera.auth import AdminDep, GatewayDep
+from tessera.errors import ApiError
+
+router = APIRouter(prefix="/admin/v1")
+
+#: The upload route, for app.py's body limit (it gets settings.max_upload_bytes, not max_body_bytes).
+UPLOAD_PATH = re.compile(r"^/admin/v1/tenants/[^/]+/adapters/[^/]+/versions/?$")
+_ARCHIVES = (".zip", ".tar.gz", ".tgz", ".tar")
+_COPY_CHUNK = 1 << 20
+
+
+class CurrentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1)
+
+
+def _iso(dt) -> str | None:
+    return dt.isoformat() if dt is not None else None
+
+
+def version_dict(v, current_id: int | None) -> dict:
+    return {"version": v.version, "ref": v.ref, "status": v.status, "rejection_reason": v.rejection_reason,
+            "current": v.id == current_id, "sha256": v.sha256, "size_bytes": v.size_bytes,
+            "base_model": v.base_model, "rank": v.rank, "alpha": v.alpha, "target_modules": v.target_modules,
+            "dtype": v.dtype, "created_at": _iso(v.created_at), "validated_at": _iso(v.validated_at)}
+
+
+def _adapter_dict(session, tenant, adapter) -> dict:
+    versions = registry.list_versions(session=session, tenant=tenant, name=adapter.name)
+    current = next((v.version for v in versions if v.id == adapter.current_version_id), None)
+    return {"name": adapter.name, "current_version": current, "created_at": _iso(adapter.created_at),
+            "versions": [version_dict(v, adapter.current_version_id) for v in reversed(versions)]}
+
+
+@router.get("/tenants/{tenant}/adapters")
+async def list_adapters(tenant: str, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        return {"tenant": t.name, "data": [_adapter_dict(session, t, a)
+                                           for a in registry.list_adapters(session=session, tenant=t)]}
+
+    return await _db(gw, run, changes=False)
+
+
+@router.get("/tenants/{tenant}/adapters/{name}")
+async def get_adapter(tenant: str, name: str, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
+
+    return await _db(gw, run, changes=False)
+
+
+def _save_upload(files: list[UploadFile], work: Path) -> Path:
+    """Write the uploaded files under `work`; the path to hand the registry (folder or archive)."""
+    names = [PurePath((f.filename or "").replace("\\", "/")).name for f in files]
+    if not files or not all(names):
+        raise ApiError(422, "choose the adapter's files: adapter_config.json and adapter_model.safetensors, "
+                            "or one .zip or .tar.gz holding them", code="upload_missing_files")
+    if len(set(names)) != len(names):
+        raise ApiError(422, f"the same file name was sent twice ({', '.join(names)}); send each file once",
+                       code="upload_duplicate_files")
+    folder = work / "adapter"
+    folder.mkdir()
+    for f, name in zip(files, names):
+        with open(folder / name, "wb") as out:
+            shutil.copyfileobj(f.file, out, _COPY_CHUNK)
+    if len(names) == 1 and names[0].lower().endswith(_ARCHIVES):
+        return folder / names[0]
+    return folder
+
+
+@router.post("/tenants/{tenant}/adapters/{name}/versions", status_code=201)
+async def upload_version(tenant: str, name: str, _: AdminDep, gw: GatewayDep,
+                         files: list[UploadFile] = File(default_factory=list),
+                         base_model: str | None = Form(None)):
+    with tempfile.TemporaryDirectory(prefix="tessera-admin-upload-") as work:
+        def run(session):
+            t = registry.get_tenant(session=session, name=tenant)
+            source = _save_upload(files, Path(work))
+            v = registry.upload_adapter(session=session, store=gw.store, settings=gw.settings, tenant=t, name=name,
+                                        source=source, base_model=base_model or None)
+            return version_dict(v, v.adapter.current_version_id)
+
+        return await _db(gw, run, changes=False)
+
+
+@router.put("/tenants/{tenant}/adapters/{name}/current")
+async def set_current(tenant: str, name: str, body: CurrentIn, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        registry.set_current_version(session=session, tenant=t, ref=f"{name}@{body.version}")
+        return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
+
+    return await _db(gw, run)
+
+
+@router.delete("/tenants/{tenant}/adapters/{name}")
+async def delete_adapter(tenant: str, name: str, _: AdminDep, gw: GatewayDep):
+    if "@" in name:
+        raise ApiError(400, "to delete one version use DELETE .../adapters/{name}/versions/{N}")
+
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        registry.delete_adapter(session=session, tenant=t, ref=name)
+        return {"name": name, "deleted": True}
+
+    return await _db(gw, run)
+
+
+@router.delete("/tenants/{tenant}/adapters/{name}/versions/{version}")
+async def delete_version(tenant: str, name: str, version: int, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        registry.delete_adapter(session=session, tenant=t, ref=f"{name}@{version}")
+        return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
+
+    return await _db(gw, run)

@@ -1,0 +1,109 @@
+"""Admin API for reading and running tenants (Bearer admin token, or the web UI's session).
+
+  GET    /admin/v1/plans                         plans and the priority classes there are
+  GET    /admin/v1/tenants                       every tenant with status, effective policy, overrides
+  GET    /admin/v1/tenants/{tenant}              one tenant, the same shape
+  PATCH  /admin/v1/tenants/{tenant}              {"status": "suspended" | "active"}
+  GET    /admin/v1/tenants/{tenant}/keys         its keys: id, name, prefix, created_at, revoked_at
+
+Plans, quotas and priorities are changed with PUT /admin/v1/plans/{name} and PATCH
+/admin/v1/tenants/{tenant}/quotas (api/admin.py); keys are issued and revoked there too.
+Suspending bumps the configuration epoch, so every gateway refuses the tenant's keys (403) on
+the next request.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import func, select
+
+from adapter_registry import services as registry
+from adapter_registry.errors import NotFound
+from adapter_registry.models import Adapter
+from tessera import services
+from tessera.api.admin import _db, _policy_dict
+from tessera.auth import AdminDep, GatewayDep
+from tessera.models import PRIORITIES, ApiKey
+
+router = APIRouter(prefix="/admin/v1")
+
+
+class TenantPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["active", "suspended"]
+
+
+def _iso(dt) -> str | None:
+    return dt.isoformat() if dt is not None else None
+
+
+def _plan_dict(plan) -> dict:
+    return {"name": plan.name, **{f: getattr(plan, f) for f in services.LIMIT_FIELDS},
+            "allowed_priorities": list(plan.allowed_priorities), "default_priority": plan.default_priority}
+
+
+def _tenant_dict(session, tenant) -> dict:
+    active_keys = session.scalar(select(func.count(ApiKey.id)).where(
+        ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None)))
+    adapters = session.scalar(select(func.count(Adapter.id)).where(
+        Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)))
+    return {"id": tenant.id, "name": tenant.name, "status": tenant.status, "created_at": _iso(tenant.created_at),
+            "policy": _policy_dict(services.policy_for(session=session, tenant_id=tenant.id)),
+            "overrides": services.tenant_overrides(session=session, tenant=tenant),
+            "active_keys": active_keys, "adapters": adapters}
+
+
+@router.get("/plans")
+async def list_plans(_: AdminDep, gw: GatewayDep):
+    def run(session):
+        return {"data": [_plan_dict(p) for p in services.list_plans(session=session)],
+                "priority_classes": list(PRIORITIES), "default_plan": gw.settings.default_plan}
+
+    return await _db(gw, run, changes=False)
+
+
+@router.get("/tenants")
+async def list_tenants(_: AdminDep, gw: GatewayDep):
+    def run(session):
+        # A tenant made by the registry alone (CLI upload) has no plan yet: list it without one.
+        out = []
+        for t in services.list_tenants(session=session):
+            try:
+                out.append(_tenant_dict(session, t))
+            except NotFound:
+                out.append({"id": t.id, "name": t.name, "status": t.status, "created_at": _iso(t.created_at),
+                            "policy": None, "overrides": None, "active_keys": 0, "adapters": 0})
+        return {"data": out}
+
+    return await _db(gw, run, changes=False)
+
+
+@router.get("/tenants/{tenant}")
+async def get_tenant(tenant: str, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        return _tenant_dict(session, registry.get_tenant(session=session, name=tenant))
+
+    return await _db(gw, run, changes=False)
+
+
+@router.patch("/tenants/{tenant}")
+async def patch_tenant(tenant: str, body: TenantPatch, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        services.set_tenant_status(session=session, tenant=t, status=body.status)
+        return _tenant_dict(session, t)
+
+    return await _db(gw, run)
+
+
+@router.get("/tenants/{tenant}/keys")
+async def list_keys(tenant: str, _: AdminDep, gw: GatewayDep):
+    def run(session):
+        t = registry.get_tenant(session=session, name=tenant)
+        return {"tenant": t.name, "data": [
+            {"id": k.id, "name": k.name, "prefix": services.KEY_PREFIX + k.prefix, "created_at": _iso(k.created_at),
+             "revoked_at": _iso(k.revoked_at)} for k in services.list_keys(session=session, tenant=t)]}
+
+    return await _db(gw, run, changes=False)
