@@ -7,21 +7,24 @@ the benchmark may pass an engine client (a shared engine) and a quota backend.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from sqlalchemy import event
 
 from adapter_registry.context import build_context
 from tessera import admin_pages
-from tessera.api import admin, admin_adapters, admin_tenants, openai
+from tessera.api import admin, admin_adapters, admin_slo, admin_tenants, openai
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
 from tessera.errors import ApiError, install_handlers
 from tessera.gateway import Gateway
 from tessera.metering import Meter
+from tessera.observability.metrics import GatewayMetrics, RefusalCountingQuota
+from tessera.observability.metrics import render as render_metrics
 from tessera.quota import QuotaBackend, make_quota_backend
 from tessera.settings import PlatformSettings, get_settings
 
@@ -112,9 +115,13 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
         client = engine_client or await anyio.to_thread.run_sync(build_engine_client, settings, ctx)
         await client.start()
         q = quota or make_quota_backend(settings.redis_url, key_prefix=settings.redis_key_prefix)
+        metrics = GatewayMetrics(ctx.session_factory, max_tenant_labels=settings.metrics_max_tenant_labels,
+                                 adapter_labels=settings.metrics_adapter_labels,
+                                 max_adapter_labels=settings.metrics_max_adapter_labels)
         epoch = make_epoch(settings.redis_url, key_prefix=settings.redis_key_prefix)
         app.state.gateway = Gateway(settings=settings, db=ctx.engine, session_factory=ctx.session_factory,
-                                    store=ctx.store, engine=client, quota=q, meter=Meter(ctx.engine, ctx.session_factory),
+                                    store=ctx.store, engine=client, quota=RefusalCountingQuota(q, metrics),
+                                    meter=Meter(ctx.engine, ctx.session_factory, observer=metrics.observe),
                                     epoch=epoch)
         try:
             yield
@@ -132,6 +139,17 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     app.include_router(admin.router)
     app.include_router(admin_tenants.router)
     app.include_router(admin_adapters.router)
+    app.include_router(admin_slo.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request):
+        """Prometheus exposition of this gateway (all workers' values in multiprocess mode)."""
+        token = settings.metrics_token
+        if token is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {token.get_secret_value()}".encode()):
+            raise ApiError(401, "/metrics needs the metrics token (TESSERA_METRICS_TOKEN)", code="invalid_metrics_token")
+        body, content_type = render_metrics()
+        return Response(body, media_type=content_type)
     admin_pages.mount(app)  # the web UI at /admin (sign-in, pages, assets)
 
     @app.get("/health")

@@ -4,6 +4,10 @@
 sending the last bytes), so a finished response always has a durable event. Inserting the same
 request id again keeps the first event (INSERT ... ON CONFLICT DO NOTHING on Postgres and SQLite),
 which makes retries of the write safe.
+
+`observer` (when given) sees every recorded request once, after the write: the gateway's
+Prometheus metrics hook there (tessera.observability.metrics), so every request's latency and
+tokens are counted from the same record that bills it.
 """
 from __future__ import annotations
 
@@ -41,9 +45,10 @@ class Usage:
 class Meter:
     """Writes usage events (see `record`)."""
 
-    def __init__(self, engine: Engine, session_factory: sessionmaker):
+    def __init__(self, engine: Engine, session_factory: sessionmaker, observer=None):
         self.engine = engine
         self.session_factory = session_factory
+        self.observer = observer  # async callable(usage), e.g. GatewayMetrics.observe
         insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self.inline = engine.dialect.name == "sqlite"
         self._stmt = insert(UsageEvent).on_conflict_do_nothing(index_elements=[UsageEvent.request_id])
@@ -61,8 +66,15 @@ class Meter:
         with anyio.CancelScope(shield=True):
             try:
                 if self.inline:
-                    return self.record_sync(usage)
-                return await anyio.to_thread.run_sync(self.record_sync, usage)
+                    inserted = self.record_sync(usage)
+                else:
+                    inserted = await anyio.to_thread.run_sync(self.record_sync, usage)
             except Exception:  # noqa: BLE001 - a lost event must be loud, not crash the response
                 log.exception("could not record usage for request %s", usage.request_id)
-                return False
+                inserted = None  # not durable, but the request happened: still observed
+            if self.observer is not None and inserted is not False:
+                try:
+                    await self.observer(usage)
+                except Exception:  # noqa: BLE001 - metrics must never fail a response
+                    log.warning("could not observe request %s", usage.request_id, exc_info=True)
+            return bool(inserted)

@@ -47,6 +47,13 @@ class PlatformSettings(RegistrySettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context).")
     default_plan: str = Field("default", description="Plan of tenants created without one.")
 
+    # Observability (tessera.observability): /metrics, label bounds, where SLO status comes from.
+    metrics_token: SecretStr | None = Field(None, description="Bearer token /metrics requires; unset leaves it open (scrape from a private network).")
+    metrics_max_tenant_labels: int = Field(2000, ge=1, description="Distinct tenant label values per process; later tenants are counted as '_other'.")
+    metrics_adapter_labels: bool = Field(False, description="Also export per-adapter request counts and latency (tenant, adapter name).")
+    metrics_max_adapter_labels: int = Field(50, ge=1, description="Distinct (tenant, adapter) label pairs per process; the rest are '_other'.")
+    prometheus_url: str | None = Field(None, description="Prometheus HTTP API the SLO status reads burn rates and alerts from; unset computes them from usage events.")
+
     @model_validator(mode="after")
     def _http_mode_needs_workers(self) -> "PlatformSettings":
         if self.engine_mode == "http" and (not self.engine_urls or self.engine_secret is None):
