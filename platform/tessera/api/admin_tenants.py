@@ -103,7 +103,7 @@ async def list_keys(tenant: str, _: AdminDep, gw: GatewayDep):
     def run(session):
         t = registry.get_tenant(session=session, name=tenant)
         return {"tenant": t.name, "data": [
-            {"id": k.id, "name": k.name, "prefix": services.KEY_PREFIX + k.prefix, "created_at": _iso(k.created_at),
+            {"id": k.id, "name": k.name, "prefix": k.prefix, "created_at": _iso(k.created_at),
              "revoked_at": _iso(k.revoked_at)} for k in services.list_keys(session=session, tenant=t)]}
 
     return await _db(gw, run, changes=False)
