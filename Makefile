@@ -5,9 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test bench clean
+.PHONY: setup tools run test test-prometheus bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed tools
+
+# promtool + prometheus (Debian's prometheus package) for the SLO rule tests and the Prometheus
+# integration test; installed only when missing, and never left running as a service.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools:
+	@if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus; \
+		$(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || $(SUDO) service prometheus stop >/dev/null 2>&1 || true; \
+	fi
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +31,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The real-Prometheus integration test alone (it is also part of `make test`).
+test-prometheus: setup
+	$(PY) -m pytest -q -m prometheus tests/platform
 
 clean:
 	rm -rf $(VENV) build *.egg-info
