@@ -48,7 +48,8 @@ def _as_slices(w, name: str) -> tuple[list[torch.Tensor], bool]:
 def _check_slot_values(slots: torch.Tensor, num_slots: int, name: str) -> None:
     if slots.device.type != "cpu" or slots.numel() == 0:
         return
-    lo, hi = int(slots.min()), int(slots.max())
+    vals = slots.tolist()  # one host copy: cheaper than two reductions for a batch's slot list
+    lo, hi = min(vals), max(vals)
     if lo < -1 or hi >= num_slots:
         bad = lo if lo < -1 else hi
         raise ValueError(
@@ -62,7 +63,8 @@ def _check_ranks_scales(ranks, scales, num_slots: int, max_rank: int, device) ->
     if ranks.shape[0] != num_slots:
         raise ValueError(f"ranks has {ranks.shape[0]} entries but the stack has {num_slots} slots")
     if ranks.device.type == "cpu" and num_slots > 0:
-        lo, hi = int(ranks.min()), int(ranks.max())
+        vals = ranks.tolist()
+        lo, hi = min(vals), max(vals)
         if lo < 0 or hi > max_rank:
             raise ValueError(f"ranks must lie in [0, {max_rank}] (the stack's padded rank R); got {lo}..{hi}")
     if scales is not None:

@@ -1,13 +1,20 @@
 """The CPU path: the same four ops with torch matmuls, for CPU tensors.
 
-Measured on this 2-core machine (bench/kernels.py, bench/RESULTS.md): gathering a weight copy
-per token and running bmm (vLLM's CPU fallback shape) moves T x R x K bytes twice and runs T
-tiny matmuls; a Python loop of one matmul per adapter pays ~10 us per adapter. What wins is
-sorting tokens by slot (a copy of x's rows, small at decode) and one `torch._grouped_mm` over
-the slot stack itself: no weight copy, one call, each adapter's rows times its own matrix.
-Only when the per-token weight copies are small (GATHER_BMM_MAX_BYTES) is gather + bmm faster.
-Mixed ranks: tokens are grouped by rank too, and each rank group uses the stack narrowed to
-that rank, so the work per token is proportional to its adapter's rank.
+What a 2-core CPU rewards is reading each adapter's weights once per call, in a few large
+calls. The decode shape (many tokens, each on its own adapter) is laid out slot-major: the
+tokens of each slot are gathered into a zero-padded block [n_slots, m, K] (m = most tokens on
+one slot; a copy of activation rows, small), and one `torch.bmm` multiplies every slot's block
+by that slot's own matrix, read in place from the stack (a view: no weight copy). Measured on
+this machine for a SmolLM2 decode step of 32 tokens on 32 adapters, rank 16, all seven targets
+(30 layers x 7 modules): slot-major 38 ms, gather + bmm (a weight copy per token, vLLM's CPU
+fallback shape) 930 ms, dense GEMMs over all slots 236 ms (bench/kernels.py has the per-op
+figures). A slot holding more than SLOT_MAJOR_MAX_ROWS tokens (one adapter over a whole batch,
+or a prefill sequence) gets its own matmul instead of padding every other slot to its size, on
+a view of x when its tokens are one contiguous run.
+
+Mixed ranks: tokens are grouped by rank, and each group uses the stacks narrowed to that rank,
+so the work per token is proportional to its adapter's rank. A group whose slots are not one
+contiguous range gathers just those slots' weights (once per adapter, not per token).
 
 For SGMV with long segments (prefill) the rows are already contiguous, so each segment is one
 plain matmul on a view of x, with no gather at all.
@@ -25,33 +32,79 @@ import torch
 from ._checks import check_expand, check_segments, check_shrink, check_token_slots
 
 # Segments at least this long on average go through one matmul per segment on views;
-# shorter ones (decode-like) through the sorted grouped path.
+# shorter ones (decode-like) through the slot-major plan.
 SEGMENT_LOOP_MIN_AVG_LEN = 8
 
-_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+# A slot with more tokens than this runs its own matmul rather than setting the padded height of
+# the slot-major block (which every other slot in the block would pay for).
+SLOT_MAJOR_MAX_ROWS = 8
 
-# Below this many bytes of per-token weight copies, gather + bmm beats grouped_mm (whose cost
-# grows with the number of slots it spans): measured at 32 tokens x 32 adapters, rank 16, fp32
-# on 2 cores, hidden 576 (1.2 MB gathered) favours gather+bmm, hidden 4096 (8.4 MB) grouped_mm.
-GATHER_BMM_MAX_BYTES = 4 << 20
+
+@dataclass(frozen=True)
+class BigSlot:
+    """One slot with many tokens: a plain matmul over its rows."""
+
+    slot: int
+    tokens: torch.Tensor  # [c] int64 token indices, ascending
+    run: tuple[int, int] | None  # (start, end) when the tokens are one contiguous run: views, no gather
 
 
 @dataclass(frozen=True)
 class RankGroup:
-    """Tokens whose adapters share one rank, sorted by slot."""
+    """The tokens whose adapters share one rank: a slot-major padded block plus big slots."""
 
     rank: int
-    tokens: torch.Tensor  # [n] int64 token indices, sorted by slot
-    slots: torch.Tensor  # [n] int64 slot of each of those tokens
-    slot_lo: int  # the group covers stack slots [slot_lo, slot_hi)
-    slot_hi: int
-    offs: torch.Tensor  # [slot_hi - slot_lo] int32: end row of each slot's tokens (grouped_mm offs)
-    slot_list: tuple[int, ...]  # distinct slots, for the no-grouped_mm fallback
-    count_list: tuple[int, ...]
+    block_slots: slice | torch.Tensor | None  # stack slots of the block: a range, or an index (gathered); None = no block
+    m: int  # padded rows per slot in the block
+    rows: torch.Tensor  # [n*m] token of each padded row (padding repeats a real token; masked or dropped)
+    pad_mask: torch.Tensor | None  # [n, m, 1] 1.0 for real rows, 0.0 for padding; None without padding
+    tokens: torch.Tensor  # [n_tok] the block's tokens
+    token_rows: torch.Tensor  # [n_tok] padded row of each of those tokens
+    big: tuple[BigSlot, ...]
+
+
+def _plan_rank_group(rank: int, tok: torch.Tensor, sl: torch.Tensor) -> RankGroup:
+    """tok/sl: tokens of one rank and their slots, sorted by (slot, token)."""
+    d, counts = torch.unique_consecutive(sl, return_counts=True)
+    big_mask = counts > SLOT_MAJOR_MAX_ROWS
+    ends = torch.cumsum(counts, 0)
+    big = []
+    for i in big_mask.nonzero().squeeze(1).tolist():
+        t = tok[int(ends[i] - counts[i]):int(ends[i])]
+        a, b = int(t[0]), int(t[-1]) + 1
+        big.append(BigSlot(int(d[i]), t, (a, b) if b - a == t.numel() else None))
+    small = ~big_mask
+    if not bool(small.any()):
+        empty = torch.zeros(0, dtype=torch.int64)
+        return RankGroup(rank, None, 0, empty, None, empty, empty, tuple(big))
+    keep = torch.repeat_interleave(small, counts)
+    tok_s, sl_s = tok[keep], sl[keep]
+    d_s, c_s = d[small], counts[small]
+    n, m = d_s.numel(), int(c_s.max())
+    lo, hi = int(d_s[0]), int(d_s[-1]) + 1
+    if hi - lo == n:  # the slots are one range: the block reads the stack in place
+        block_slots: slice | torch.Tensor = slice(lo, hi)
+    else:
+        block_slots = d_s
+    # Row of each token in the padded block: its slot's block index * m + its rank within the slot.
+    slot_index = torch.repeat_interleave(torch.arange(n), c_s)
+    first = torch.cumsum(c_s, 0) - c_s
+    within = torch.arange(tok_s.numel()) - torch.repeat_interleave(first, c_s)
+    token_rows = slot_index * m + within
+    rows = tok_s.new_empty(n * m)
+    rows.copy_(tok_s[first].repeat_interleave(m))  # padding repeats the slot's first token
+    rows[token_rows] = tok_s
+    pad_mask = None
+    if n * m != tok_s.numel():
+        pad_mask = torch.zeros(n * m, 1)
+        pad_mask[token_rows] = 1.0
+        pad_mask = pad_mask.view(n, m, 1)
+    return RankGroup(rank, block_slots, m, rows, pad_mask, tok_s, token_rows, tuple(big))
 
 
 def plan_tokens(token_slots: torch.Tensor, ranks: torch.Tensor) -> list[RankGroup]:
-    """Group the tokens that have an adapter by (rank, slot); rank-0 adapters drop out."""
+    """Group the tokens that have an adapter by rank, then lay each group out slot-major;
+    rank-0 adapters drop out."""
     slots = token_slots.to("cpu", torch.int64)
     rk_all = ranks.to("cpu", torch.int64)
     tok = (slots >= 0).nonzero().squeeze(1)
@@ -64,62 +117,79 @@ def plan_tokens(token_slots: torch.Tensor, ranks: torch.Tensor) -> list[RankGrou
     rank_vals, rank_counts = torch.unique_consecutive(rk, return_counts=True)
     groups, lo = [], 0
     for r, c in zip(rank_vals.tolist(), rank_counts.tolist()):
-        hi = lo + c
         if r > 0:
-            s = sl[lo:hi]
-            s_lo, s_hi = int(s[0]), int(s[-1]) + 1
-            counts = torch.bincount(s - s_lo, minlength=s_hi - s_lo)
-            d, dc = torch.unique_consecutive(s, return_counts=True)
-            groups.append(RankGroup(r, tok[lo:hi], s, s_lo, s_hi, torch.cumsum(counts, 0).to(torch.int32),
-                                    tuple(d.tolist()), tuple(dc.tolist())))
-        lo = hi
+            groups.append(_plan_rank_group(r, tok[lo:lo + c], sl[lo:lo + c]))
+        lo += c
     return groups
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """torch._grouped_mm needs 16-byte aligned strides and base (e.g. not fp32 rows of width 129)."""
-    size, strides = t.element_size(), sorted(t.stride())
-    # one unit-stride (inner) dim; every other stride a multiple of 16 bytes
-    return t.data_ptr() % 16 == 0 and strides[0] == 1 and all((st * size) % 16 == 0 for st in strides[1:])
-
-
-def _group_matmul(rows: torch.Tensor, w_t: torch.Tensor, g: RankGroup) -> torch.Tensor:
-    """rows [n, K] sorted by slot; w_t [slot_hi - slot_lo, K, N] -> [n, N], each row times its slot's matrix."""
-    if w_t.shape[0] == 1:
-        return rows @ w_t[0]
-    if rows.shape[0] * w_t.shape[1] * w_t.shape[2] * w_t.element_size() <= GATHER_BMM_MAX_BYTES:
-        per_token = w_t.index_select(0, g.slots - g.slot_lo)  # [n, K, N] copy, small by the test above
-        return torch.bmm(rows.unsqueeze(1), per_token).squeeze(1)
-    # its output rows [n, N] must be 16-byte aligned too
-    if _HAS_GROUPED_MM and _aligned(rows) and _aligned(w_t) and (w_t.shape[2] * rows.element_size()) % 16 == 0:
-        return torch._grouped_mm(rows, w_t, offs=g.offs)
-    out = rows.new_empty(rows.shape[0], w_t.shape[2])
-    i = 0
-    for s, c in zip(g.slot_list, g.count_list):
-        torch.mm(rows[i:i + c], w_t[s - g.slot_lo], out=out[i:i + c])
-        i += c
-    return out
+def _block_weights(w: torch.Tensor, g: RankGroup) -> torch.Tensor:
+    """The block's slots of stack w (already narrowed to the rank): a view, or a gather of
+    just those slots when they are not one range."""
+    if isinstance(g.block_slots, slice):
+        return w[g.block_slots]
+    return w.index_select(0, g.block_slots)
 
 
 def _shrink_grouped(args, scales, groups) -> None:
-    v = args.out
+    v, x = args.out, args.x
     for g in groups:
-        rows = args.x.index_select(0, g.tokens)
-        scale = scales.index_select(0, g.slots).unsqueeze(1)
-        for l, A in enumerate(args.slices):
-            w_t = A[g.slot_lo:g.slot_hi, :g.rank, :].transpose(1, 2)
-            res = _group_matmul(rows, w_t, g).float().mul_(scale)
-            v[l, :, :g.rank].index_copy_(0, g.tokens, res)
+        r = g.rank
+        if g.block_slots is not None:
+            n = g.rows.numel() // g.m
+            xb = x.index_select(0, g.rows).view(n, g.m, -1)
+            scale = _block_weights(scales, g).view(n, 1, 1)
+            for l, A in enumerate(args.slices):
+                vb = torch.bmm(xb, _block_weights(A[:, :r, :], g).transpose(1, 2)).float().mul_(scale)
+                vb = vb.view(n * g.m, r)
+                if g.pad_mask is None:  # every padded row is a distinct token: copy rows straight in
+                    v[l, :, :r].index_copy_(0, g.rows, vb)
+                else:
+                    v[l, :, :r].index_copy_(0, g.tokens, vb.index_select(0, g.token_rows))
+        for b in g.big:
+            rows = x[b.run[0]:b.run[1]] if b.run else x.index_select(0, b.tokens)
+            for l, A in enumerate(args.slices):
+                res = (rows @ A[b.slot, :r].t()).float().mul_(scales[b.slot])
+                if b.run:
+                    v[l, b.run[0]:b.run[1], :r] = res
+                else:
+                    v[l, :, :r].index_copy_(0, b.tokens, res)
+
+
+def _packed(args) -> bool:
+    """The slices fill y's columns side by side from 0 (q|k|v, gate|up)."""
+    return args.offsets == [sum(args.widths[:i]) for i in range(len(args.widths))]
 
 
 def _expand_grouped(args, groups) -> None:
     y = args.y
+    packed = len(args.slices) > 1 and _packed(args)
     for g in groups:
-        for l, B in enumerate(args.slices):
-            rows = args.v[l, :, :g.rank].index_select(0, g.tokens).to(B.dtype)
-            w_t = B[g.slot_lo:g.slot_hi, :, :g.rank].transpose(1, 2)
-            res = _group_matmul(rows, w_t, g)
-            y.narrow(1, args.offsets[l], args.widths[l]).index_add_(0, g.tokens, res)
+        r = g.rank
+        if g.block_slots is not None:
+            n = g.rows.numel() // g.m
+            outs = []
+            for l, B in enumerate(args.slices):
+                vb = args.v[l, :, :r].index_select(0, g.rows).view(n, g.m, r)
+                if g.pad_mask is not None:
+                    vb.mul_(g.pad_mask)  # padding rows add exactly zero to the token they repeat
+                out = torch.bmm(vb.to(B.dtype), _block_weights(B[:, :, :r], g).transpose(1, 2))
+                if packed:
+                    outs.append(out)
+                else:
+                    y.narrow(1, args.offsets[l], args.widths[l]).index_add_(0, g.rows, out.view(n * g.m, -1))
+            if packed:
+                # One scatter into whole rows of y: ~3x cheaper than one per narrow column slice.
+                y.narrow(1, 0, sum(args.widths)).index_add_(0, g.rows, torch.cat(outs, 2).view(n * g.m, -1))
+        for b in g.big:
+            for l, B in enumerate(args.slices):
+                y_l = y.narrow(1, args.offsets[l], args.widths[l])
+                v_l = args.v[l, :, :r]
+                w_t = B[b.slot, :, :r].t()
+                if b.run:
+                    y_l[b.run[0]:b.run[1]].addmm_(v_l[b.run[0]:b.run[1]].to(B.dtype), w_t)
+                else:
+                    y_l.index_add_(0, b.tokens, v_l.index_select(0, b.tokens).to(B.dtype) @ w_t)
 
 
 def _plan(token_slots, ranks, meta):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 import punica_kernels
-from punica_kernels.cpu_dense import lora_dense, slot_mask
 from engine.config import ModelConfig
 from engine.lora.weights import LoRAWeights
 
@@ -41,14 +40,10 @@ class LoRASlots:
         self.device = torch.device(device)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        # CPU only: B transposed per slot, [S, R, N], for the dense-over-slots strategy.
-        self.bt: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(cfg.num_layers):
             for m, (fan_in, fan_out) in dims.items():
                 self.a[(layer, m)] = torch.zeros(S, R, fan_in, dtype=dtype, device=device)
                 self.b[(layer, m)] = torch.zeros(S, fan_out, R, dtype=dtype, device=device)
-                if self.device.type == "cpu":
-                    self.bt[(layer, m)] = torch.zeros(S, R, fan_out, dtype=dtype, device=device)
         self.ranks = torch.zeros(S, dtype=torch.int32, device=device)
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.num_layers = cfg.num_layers
@@ -60,13 +55,9 @@ class LoRASlots:
         for key, a in self.a.items():
             a[slot].zero_()
             self.b[key][slot].zero_()
-            if key in self.bt:
-                self.bt[key][slot].zero_()
             if key in w.a:
                 a[slot, :r].copy_(w.a[key])
                 self.b[key][slot, :, :r].copy_(w.b[key])
-                if key in self.bt:
-                    self.bt[key][slot, :r].copy_(w.b[key].T)
         self.ranks[slot] = r
         self.scales[slot] = w.scale
 
@@ -79,32 +70,18 @@ class LoRABatch:
     """The adapter term of one step: `apply(layer, group, x, y)` adds, for every token t with
     slot s = token_slots[t] != -1, `scale[s] * x[t] @ A[s].T @ B[s].T` into y[t] (per slice).
 
-    One shrink and one expand launch per (layer, group) for the whole mixed batch; tokens without
-    an adapter (slot -1) cost nothing in the CPU path.
+    One shrink and one expand call per (layer, group) for the whole mixed batch; tokens without
+    an adapter (slot -1) cost nothing in the CPU path. The step's metadata (and the CPU path's
+    slot-major token plan, cached in it) is built once and shared by every layer.
     """
 
     def __init__(self, slots: LoRASlots, token_slots: list[int]):
         self.slots = slots
         self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
-        # CPU: dense GEMMs over the occupied slots (punica_kernels.cpu_dense), one mask per step.
-        self.dense = None
-        if slots.device.type == "cpu":
-            dtype = slots.a[(0, "q")].dtype
-            self.dense = slot_mask(token_slots, slots.scales, slots.max_rank, dtype)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         s = self.slots
         mods = GROUPS[group]
-        if self.dense is not None:
-            mask, used = self.dense
-            x = x if x.is_contiguous() else x.contiguous()
-            off = 0
-            for m in mods:
-                bt = s.bt[(layer, m)]
-                n = bt.shape[2]
-                lora_dense(x, s.a[(layer, m)], bt, mask, used, y[:, off:off + n])
-                off += n
-            return
         if len(mods) == 1:
             a, b, offsets = s.a[(layer, mods[0])], s.b[(layer, mods[0])], None
         else:

@@ -51,6 +51,13 @@ class KVCache:
         self.block_size = block_size
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots of any shape: rows [*slots.shape, Hkv, D]. index_select on the flat
+    slot list is ~9x faster on CPU than advanced indexing with a 2-D index (measured: 32 x 95
+    slots, 3 x 64 fp32 rows: 0.08 ms vs 0.70 ms), and attention gathers twice per layer."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's new keys/values) -> out [T, Hq, D]."""
@@ -59,8 +66,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)                            # [B, Hq, 1, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                             scale=scale, enable_gqa=True)
@@ -71,8 +78,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if p.context_slots is None:
             kp, vp = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
         else:
-            kp = k_cache[p.context_slots].transpose(0, 1)  # [Hkv, L, D]
-            vp = v_cache[p.context_slots].transpose(0, 1)
+            kp = _gather(k_cache, p.context_slots).transpose(0, 1)  # [Hkv, L, D]
+            vp = _gather(v_cache, p.context_slots).transpose(0, 1)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
                                             scale=scale, enable_gqa=True)
         out[s:e] = op.transpose(0, 1)

@@ -52,10 +52,32 @@ def test_cpu_sgmv_prefill_segments_use_views_and_match():
     assert_close(run_expand(EXPAND, bt, "sgmv", single=True), reference_y(bt, "sgmv", single=True), torch.float32)
 
 
-def test_cpu_path_without_grouped_mm(monkeypatch):
-    # torch._grouped_mm is private; the per-adapter loop that replaces it must agree.
-    monkeypatch.setattr(cpu, "_HAS_GROUPED_MM", False)
-    bt = make_batch(T=50, K=77, S=9, R=32, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_slot_major_plan_forms_match(dtype):
+    # Every form of the slot-major plan in one batch: a big slot whose tokens are one run (views),
+    # a big slot with scattered tokens (gathered rows), and a padded block over slots that are not
+    # one range (gathered weights), with -1 tokens between them.
+    T = 60
+    slots = torch.full((T,), -1)
+    slots[10:30] = 5                                  # big, contiguous
+    slots[torch.arange(31, 55, 2)] = 2                # big, scattered (12 tokens)
+    slots[[0, 3, 7]] = torch.tensor([0, 3, 7])        # singletons
+    slots[[1, 4, 56]] = 1                             # 3 tokens: the block's padded height
+    bt = make_batch(T=T, K=96, S=8, R=16, widths=(96, 40), ranks=[16] * 8, dtype=dtype, seed=7)
+    bt.token_slots = slots.to(torch.int32)
+    (g,) = cpu.plan_tokens(bt.token_slots, bt.ranks)
+    assert {b.slot: b.run for b in g.big} == {5: (10, 30), 2: None}
+    assert g.m == 3 and torch.equal(g.block_slots, torch.tensor([0, 1, 3, 7])) and g.pad_mask is not None
+    assert_close(run_shrink(SHRINK, bt, "bgmv", single=False), reference_v(bt, "bgmv", single=False), dtype)
+    assert_close(run_expand(EXPAND, bt, "bgmv", single=False), reference_y(bt, "bgmv", single=False), dtype)
+
+
+def test_cpu_slot_major_block_reads_a_slot_range_in_place():
+    # Distinct adapters on consecutive slots (the engine's decode step): the block is a view.
+    bt = make_batch(T=32, K=64, S=32, R=8, ranks=[8] * 32, seed=8)
+    bt.token_slots = torch.randperm(32, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    (g,) = cpu.plan_tokens(bt.token_slots, bt.ranks)
+    assert g.block_slots == slice(0, 32) and g.m == 1 and g.pad_mask is None and not g.big
     assert_close(run_shrink(SHRINK, bt, "bgmv", single=True), reference_v(bt, "bgmv", single=True), torch.float32)
     assert_close(run_expand(EXPAND, bt, "bgmv", single=True), reference_y(bt, "bgmv", single=True), torch.float32)
 
