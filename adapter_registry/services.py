@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from adapter_registry import metrics
 from adapter_registry.archive import ArchiveLimits, stage_upload
 from adapter_registry.content import blob_key, sha256_file, version_digest
 from adapter_registry.db import utcnow
@@ -172,6 +173,7 @@ def _insert_blob(session: Session, sha: str, size: int) -> None:
         pass
 
 
+@metrics.count_uploads
 def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySettings, tenant: Tenant,
                    name: str, source: Path, base_model: str | None = None) -> AdapterVersion:
     """Store the adapter at `source` (folder, .zip or .tar.gz) as a new version of the tenant's
@@ -339,6 +341,7 @@ def validate_version(*, session: Session, store: ObjectStore, settings: Registry
     except SQLAlchemyError as e:
         session.rollback()
         raise _db_unavailable(e) from e
+    metrics.validated(version)
     return version
 
 

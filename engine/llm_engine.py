@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine import metrics as engine_metrics
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -87,6 +88,7 @@ class LLMEngine:
                                             max_rank=ec.max_lora_rank, cpu_budget_bytes=ec.lora_cpu_cache_bytes,
                                             dtype=ec.dtype)
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
+        engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -147,6 +149,8 @@ class LLMEngine:
         outputs.extend(self._fail_broken_adapters())
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
+        if sched.preempted:
+            engine_metrics.PREEMPTIONS.inc(len(sched.preempted))
         if sched.is_empty:
             return outputs
         lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None
@@ -158,6 +162,7 @@ class LLMEngine:
         self.stats["steps"] += 1
         self.stats["last_step_s"] = time.perf_counter() - t0
         self.stats["last_batch_tokens"] = sched.num_tokens
+        engine_metrics.observe_step(self.stats["last_step_s"], sched)
         return outputs
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:

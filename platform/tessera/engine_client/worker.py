@@ -2,6 +2,8 @@
 
 Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
 - GET  /internal/info      -> {"model", "max_model_len", "alive"}
+- GET  /metrics            -> Prometheus text: the engine's series (engine/metrics.py); no secret
+                              needed (no tenant data in them), so Prometheus scrapes it directly.
 - POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter}
   -> 200 application/x-ndjson, one RequestOutput per line, the last with "finished": true;
      400 {"message", "param"} when the engine refuses the request; 503 when it is dead.
@@ -14,7 +16,8 @@ import json
 from dataclasses import asdict
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, SamplingParams
@@ -28,10 +31,16 @@ def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
+        if request.url.path == "/metrics":
+            return await call_next(request)
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
             return JSONResponse({"message": "bad engine secret"}, status_code=401)
         return await call_next(request)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/info")
     async def info():

@@ -1,0 +1,169 @@
+"""Engine metrics for Prometheus (the engine imports prometheus_client, never the platform).
+
+Cheap by construction: the step loop observes a few histograms once per step (`observe_step`);
+everything that is state (queue lengths by priority class, KV cache use, adapters resident, the
+LoRA manager's running counts) is read only when Prometheus scrapes, by `EngineCollector` from
+the live engines of this process (LLMEngine registers itself with `track`).
+
+  tessera_engine_step_seconds                      histogram, one observation per non-empty step
+  tessera_engine_batch_tokens                      histogram, tokens computed per step
+  tessera_engine_batch_sequences                   histogram, sequences per step
+  tessera_engine_step_adapters                     histogram, distinct adapters per step
+  tessera_engine_preemptions_total                 counter, sequences preempted (recomputed later)
+  tessera_engine_running_sequences{priority}       gauge (scrape time)
+  tessera_engine_waiting_sequences{priority}       gauge (scrape time)
+  tessera_engine_kv_cache_usage_ratio              gauge, used / all KV blocks
+  tessera_engine_kv_cache_blocks{state}            gauge, used | free
+  tessera_engine_adapters_resident{tier}           gauge, cpu | slot
+  tessera_engine_adapter_cache_total{tier,result}  counter, cpu | slot x hit | miss
+  tessera_engine_adapter_loads_total{tier}         counter, cpu (fetch + parse) | slot (copy in)
+  tessera_engine_adapter_evictions_total{tier}     counter, cpu
+  tessera_engine_adapter_load_seconds{tier="cpu"}  histogram, fetch + parse of one version
+With several engines in one process (tests) the scrape-time values are summed over them.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+STEP_SECONDS = Histogram("tessera_engine_step_seconds", "Wall time of one engine step.",
+                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+BATCH_TOKENS = Histogram("tessera_engine_batch_tokens", "Tokens computed in one step (decodes + prefill chunks).",
+                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+BATCH_SEQUENCES = Histogram("tessera_engine_batch_sequences", "Sequences in one step.",
+                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+STEP_ADAPTERS = Histogram("tessera_engine_step_adapters", "Distinct LoRA adapters in one step.",
+                          buckets=(0, 1, 2, 4, 8, 16, 32, 64))
+PREEMPTIONS = Counter("tessera_engine_preemptions_total", "Sequences preempted for KV blocks (recomputed later).")
+
+ADAPTER_LOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_PRIORITIES = ("realtime", "standard", "batch")
+
+_engines: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track(engine) -> None:
+    """Report `engine`'s state at scrape time (until it is garbage collected)."""
+    _engines.add(engine)
+
+
+def observe_step(seconds: float, sched) -> None:
+    """One non-empty step: its time, batch size in tokens and sequences, distinct adapters."""
+    STEP_SECONDS.observe(seconds)
+    BATCH_TOKENS.observe(sched.num_tokens)
+    BATCH_SEQUENCES.observe(len(sched.decodes) + len(sched.prefills))
+    adapters = {s.seq.adapter for s in sched.decodes} | {s.seq.adapter for s in sched.prefills}
+    adapters.discard(None)
+    STEP_ADAPTERS.observe(len(adapters))
+
+
+class _LoadHistogram:
+    """Cumulative buckets over a LoRA manager's list of load times, consumed incrementally."""
+
+    def __init__(self):
+        self.seen = 0
+        self.counts = [0] * (len(ADAPTER_LOAD_BUCKETS_S) + 1)
+        self.sum = 0.0
+
+    def update(self, load_ms: list[float]) -> None:
+        new = load_ms[self.seen:]
+        self.seen += len(new)
+        for ms in new:
+            s = ms / 1000.0
+            self.counts[bisect.bisect_left(ADAPTER_LOAD_BUCKETS_S, s)] += 1
+            self.sum += s
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for bound, n in zip(ADAPTER_LOAD_BUCKETS_S + (float("inf"),), self.counts):
+            acc += n
+            out.append((floatToGoString(bound), acc))
+        return out
+
+
+class EngineCollector:
+    """Scrape-time state of the tracked engines (see the module docstring)."""
+
+    def __init__(self):
+        self._loads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def describe(self):
+        return []  # series appear only when an engine exists; no duplicate-name checks needed
+
+    def collect(self):
+        engines = list(_engines)
+        if not engines:
+            return
+        running = GaugeMetricFamily("tessera_engine_running_sequences", "Sequences running, by priority class.",
+                                    labels=["priority"])
+        waiting = GaugeMetricFamily("tessera_engine_waiting_sequences", "Sequences waiting, by priority class.",
+                                    labels=["priority"])
+        run_n, wait_n = dict.fromkeys(_PRIORITIES, 0), dict.fromkeys(_PRIORITIES, 0)
+        used = total = 0
+        cpu_resident = slot_resident = 0
+        stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
+        load_hist = _LoadHistogram()
+        for e in engines:
+            # list() copies are atomic under the GIL: the step thread may change the queues meanwhile.
+            for seq in list(e.scheduler.running):
+                run_n[seq.priority.name] += 1
+            for seq in list(e.scheduler.waiting):
+                wait_n[seq.priority.name] += 1
+            bm = e.block_manager
+            total += bm.num_blocks
+            used += bm.num_blocks - bm.num_free_blocks
+            lm = e.lora_manager
+            if lm is not None:
+                cpu_resident += len(lm._cpu)
+                slot_resident += sum(1 for o in list(lm._slot_owner) if o is not None)
+                for k in stats:
+                    stats[k] += lm.stats[k]
+                with self._lock:
+                    h = self._loads.setdefault(lm, _LoadHistogram())
+                    h.update(lm.stats["load_ms"])
+                    load_hist.counts = [a + b for a, b in zip(load_hist.counts, h.counts)]
+                    load_hist.sum += h.sum
+        for p in _PRIORITIES:
+            running.add_metric([p], run_n[p])
+            waiting.add_metric([p], wait_n[p])
+        yield running
+        yield waiting
+        yield GaugeMetricFamily("tessera_engine_kv_cache_usage_ratio", "Share of KV cache blocks in use.",
+                                value=used / total if total else 0.0)
+        blocks = GaugeMetricFamily("tessera_engine_kv_cache_blocks", "KV cache blocks by state.", labels=["state"])
+        blocks.add_metric(["used"], used)
+        blocks.add_metric(["free"], total - used)
+        yield blocks
+        resident = GaugeMetricFamily("tessera_engine_adapters_resident", "Adapter versions held, by tier.",
+                                     labels=["tier"])
+        resident.add_metric(["cpu"], cpu_resident)
+        resident.add_metric(["slot"], slot_resident)
+        yield resident
+        cache = CounterMetricFamily("tessera_engine_adapter_cache", "Adapter lookups by tier and result.",
+                                    labels=["tier", "result"])
+        cache.add_metric(["cpu", "hit"], stats["cpu_hits"])
+        cache.add_metric(["cpu", "miss"], stats["cpu_misses"])
+        cache.add_metric(["slot", "hit"], stats["slot_hits"])
+        cache.add_metric(["slot", "miss"], stats["slot_loads"])
+        yield cache
+        loads = CounterMetricFamily("tessera_engine_adapter_loads", "Adapter loads into a tier.", labels=["tier"])
+        loads.add_metric(["cpu"], sum(load_hist.counts))
+        loads.add_metric(["slot"], stats["slot_loads"])
+        yield loads
+        evictions = CounterMetricFamily("tessera_engine_adapter_evictions", "Adapter versions evicted, by tier.",
+                                        labels=["tier"])
+        evictions.add_metric(["cpu"], stats["evictions"])
+        yield evictions
+        hist = HistogramMetricFamily("tessera_engine_adapter_load_seconds",
+                                     "Time to fetch and parse one adapter version into the CPU tier.", labels=["tier"])
+        hist.add_metric(["cpu"], load_hist.buckets(), load_hist.sum)
+        yield hist
+
+
+REGISTRY.register(EngineCollector())
