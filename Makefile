@@ -5,9 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup tools run test test-prometheus bench clean
+.PHONY: setup tools browser admin-ui run test test-prometheus bench clean
 
-setup: $(VENV)/.installed tools
+setup: $(VENV)/.installed tools browser admin-ui
 
 # promtool + prometheus (Debian's prometheus package) for the SLO rule tests and the Prometheus
 # integration test; installed only when missing, and never left running as a service.
@@ -17,6 +17,21 @@ tools:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus; \
 		$(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || $(SUDO) service prometheus stop >/dev/null 2>&1 || true; \
 	fi
+
+# Debian's Chromium for the admin UI's browser tests (Playwright drives it by its path; no
+# browser is ever downloaded); installed only when missing.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; \
+	fi
+
+# The admin UI's front-end libraries from the npm registry (package-lock.json), copied into
+# admin_ui/dist/ (not committed), which the platform serves at /admin/vendor.
+admin-ui: admin_ui/dist/.built
+
+admin_ui/dist/.built: admin_ui/package.json admin_ui/package-lock.json admin_ui/build.mjs
+	cd admin_ui && npm ci --no-audit --no-fund --loglevel=error && npm run --silent build
+	touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,4 +52,4 @@ test-prometheus: setup
 	$(PY) -m pytest -q -m prometheus tests/platform
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info admin_ui/node_modules admin_ui/dist
