@@ -51,8 +51,9 @@ export function field(label, control, hint) {
 export function toast(message, kind = "ok") {
   const box = document.getElementById("toasts");
   const t = h("div", { class: `toast ${kind}` }, message);
-  box.append(t);
-  setTimeout(() => t.remove(), 6000);
+  // Only the latest message stays: a pile of old ones would hide the page.
+  box.replaceChildren(t);
+  setTimeout(() => t.remove(), 5000);
 }
 
 export function errorBox(err) {
@@ -123,6 +124,12 @@ export const fmt = {
 };
 
 let tenantsCache = null;
+const LAST_TENANT = "tessera.admin.tenant";
+
+/** The tenant the admin last worked on: the Keys and Adapters pages open on it. */
+export function rememberTenant(name) {
+  sessionStorage.setItem(LAST_TENANT, name);
+}
 
 export async function listTenants(fresh = false) {
   if (!tenantsCache || fresh) tenantsCache = (await api("GET", "/tenants")).data;
@@ -141,8 +148,11 @@ export async function tenantPicker(current, onChange, { allowAll = false } = {})
   for (const t of tenants) {
     select.append(h("option", { value: t.name }, t.status === "active" ? t.name : `${t.name} (${t.status})`));
   }
-  let value = current && tenants.some((t) => t.name === current) ? current : allowAll ? "" : tenants[0]?.name || "";
+  const known = (n) => n && tenants.some((t) => t.name === n);
+  const remembered = sessionStorage.getItem(LAST_TENANT);
+  const value = known(current) ? current : allowAll ? "" : known(remembered) ? remembered : tenants[0]?.name || "";
   select.value = value;
+  if (value) rememberTenant(value);
   select.addEventListener("change", () => onChange(select.value));
   return { element: field("Tenant", select), value, empty: tenants.length === 0 };
 }

@@ -98,13 +98,16 @@ function uploadCard(tenant, ctx, refresh) {
   const enc = encodeURIComponent(tenant);
   let files = [];
   const name = h("input", { name: "adapter_name", required: true, maxlength: 64, autocomplete: "off", placeholder: "e.g. support-bot" });
-  const input = h("input", { type: "file", id: "adapter-files", name: "files", multiple: true, class: "file-input" });
+  // The file input stays in the tab order (Enter or Space opens the picker); its label is the
+  // visible button.
+  const input = h("input", { type: "file", id: "adapter-files", name: "files", multiple: true,
+    class: "file-input visually-hidden", "aria-describedby": "adapter-files-hint" });
   const chosen = h("ul", { class: "file-list", "aria-label": "Chosen files" });
   const zone = h("div", { class: "dropzone" },
-    h("p", {}, h("strong", {}, "Drop the adapter's files here"), " or ",
-      h("label", { for: "adapter-files", class: "link-label" }, "choose files")),
-    h("p", { class: "hint" }, "adapter_config.json + adapter_model.safetensors, or one .zip / .tar.gz holding them."),
-    input, chosen);
+    h("p", {}, h("strong", {}, "Drag and drop the adapter's files here, or")),
+    input, h("label", { for: "adapter-files", class: "button choose" }, "Choose files…"),
+    h("p", { class: "hint", id: "adapter-files-hint" }, "adapter_config.json + adapter_model.safetensors, or one .zip / .tar.gz holding them."),
+    chosen);
   const progress = h("progress", { max: 100, value: 0, "aria-label": "Upload progress" });
   const progressText = h("span", { class: "progress-text" });
   const progressRow = h("div", { class: "progress-row", hidden: true }, progress, progressText);

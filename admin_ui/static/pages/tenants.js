@@ -2,7 +2,8 @@
 // suspension (/admin/tenants/<name>); plans (create or change).
 import { api, ApiFailure } from "../api.js";
 import {
-  badge, busy, clear, confirmDialog, emptyState, errorBox, field, fmt, forgetTenants, h, listTenants, toast, unavailable,
+  badge, busy, clear, confirmDialog, emptyState, errorBox, field, fmt, forgetTenants, h, listTenants, rememberTenant, toast,
+  unavailable,
 } from "../ui.js";
 import { sloEditor } from "./slo.js";
 
@@ -173,6 +174,7 @@ async function renderTenant(main, ctx, name) {
     }
     throw err;
   }
+  rememberTenant(tenant.name);
   const plans = await api("GET", "/plans");
   const statusBtn = tenant.status === "active"
     ? h("button", { type: "button", class: "button danger" }, "Suspend tenant")
