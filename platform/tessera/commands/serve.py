@@ -11,6 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the gateway (OpenAI-compatible + admin API) from TESSERA_* settings")
     p.add_argument("--host", default=None, help="listen address (default: TESSERA_HOST)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: TESSERA_PORT)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="gateway worker processes (>1: metrics in prometheus-client multiprocess mode; "
+                        "share quota counters through TESSERA_REDIS_URL)")
     p.set_defaults(func=_serve)
 
     w = sub.add_parser("engine-worker", help="run one engine process with the internal streaming API")
@@ -53,8 +56,31 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = load_settings(host=args.host, port=args.port)
     check_port_free(settings.host, settings.port)
+    if args.workers > 1:
+        _multiprocess_metrics_dir()
+        # Each worker builds its app from the same TESSERA_* environment (the factory reads it).
+        uvicorn.run("tessera.app:create_app", factory=True, workers=args.workers, host=settings.host,
+                    port=settings.port, log_level="info")
+        return 0
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
     return 0
+
+
+def _multiprocess_metrics_dir() -> None:
+    """Point prometheus-client's multiprocess mode at an empty folder, inherited by the workers:
+    PROMETHEUS_MULTIPROC_DIR if set (emptied: values of a previous run must not count), else a
+    fresh temporary one."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        for f in Path(path).glob("*.db"):
+            f.unlink()
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tessera-metrics-")
 
 
 def _worker(args: argparse.Namespace) -> int:

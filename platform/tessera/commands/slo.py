@@ -1,6 +1,6 @@
 """`tessera slo rules|dashboard|status`: Prometheus rules, the Grafana dashboard and SLO status.
 
-  tessera slo rules [--out infra/prometheus] [--objectives FILE.json] [--check]
+  tessera slo rules [--out infra/prometheus] [--objectives FILE.json] [--interval 1m] [--check]
       writes <out>/rules/tessera-slo.rules.yml for every live tenant's objectives (read from the
       database of the TESSERA_* settings), or for the tenants of a JSON file
       {"tenants": {name: {field: value}}}; --check runs `promtool check rules` on it.
@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default="infra/prometheus", help="output folder (default: infra/prometheus)")
     r.add_argument("--objectives", default=None, help="JSON file of tenants' objectives instead of the database")
     r.add_argument("--check", action="store_true", help="run `promtool check rules` on the result")
+    r.add_argument("--interval", default=None, help="evaluation interval of every group (default: 1m, 5m for the 30-day budget)")
     r.set_defaults(func=_rules)
 
     d = cmds.add_parser("dashboard", help="write the per-tenant Grafana dashboard JSON")
@@ -71,7 +72,7 @@ def _rules(args: argparse.Namespace) -> int:
     else:
         with _session_factory()() as session:
             objectives = {t.tenant: t.objectives for t in slo.all_objectives(session=session)}
-    path = rules.write(objectives, Path(args.out))
+    path = rules.write(objectives, Path(args.out), interval=args.interval)
     print(f"wrote {path} ({len(objectives)} tenants)")
     if args.check:
         promtool = shutil.which("promtool")
