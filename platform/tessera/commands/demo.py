@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         print(examples(url, key, model), flush=True)
         print(f"Admin API: {url}/admin/v1 with header 'Authorization: Bearer {admin}'. "
               f"Demo adapters: {', '.join(adapters) or 'none'}.", flush=True)
+        print(f"Admin web UI: {url}/admin (password: the admin token above, unless TESSERA_ADMIN_PASSWORD is set).",
+              flush=True)
         if args.self_test:
             try:
                 result["ok"] = _self_test(url, key, model)
