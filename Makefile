@@ -10,12 +10,15 @@ PROMPT ?= What is the capital of France?
 setup: $(VENV)/.installed tools browser admin-ui
 
 # promtool + prometheus (Debian's prometheus package) for the SLO rule tests and the Prometheus
-# integration test; installed only when missing, and never left running as a service.
+# integration test, amtool (prometheus-alertmanager) for the routing test; installed only when
+# missing, and never left running as services.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
-	@if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then \
-		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus; \
-		$(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || $(SUDO) service prometheus stop >/dev/null 2>&1 || true; \
+	@if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus prometheus-alertmanager; \
+		for s in prometheus prometheus-alertmanager; do \
+			$(SUDO) systemctl disable --now $$s >/dev/null 2>&1 || $(SUDO) service $$s stop >/dev/null 2>&1 || true; \
+		done; \
 	fi
 
 # Debian's Chromium for the admin UI's browser tests (Playwright drives it by its path; no
