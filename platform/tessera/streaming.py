@@ -1,4 +1,5 @@
-"""A streaming HTTP response that stops its producer the moment the client disconnects.
+"""Client disconnects: a streaming response that stops its producer the moment the client goes
+away, and `cancel_on_disconnect` for work whose answer is sent only at the end.
 
 Starlette's StreamingResponse only notices a disconnect when a write fails, which some servers
 never report; this one listens for `http.disconnect` next to the producer and cancels it, then
@@ -7,11 +8,44 @@ recording usage) always runs.
 """
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work()` while listening for `http.disconnect` (the request body must already be
+    read). If the client leaves first, `work` is cancelled (its cleanup sees the cancellation,
+    e.g. to abort the engine request) and ClientDisconnected is raised. Starlette does not cancel
+    a plain (non-streaming) endpoint when its client disconnects, so without this a long
+    generation nobody will read runs to the end and is billed as completed."""
+    result: list[T] = []
+    left = False
+
+    async def watch(cancel: anyio.CancelScope) -> None:
+        nonlocal left
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                left = True
+                cancel.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        result.append(await work())
+        tg.cancel_scope.cancel()
+    if left and not result:
+        raise ClientDisconnected()
+    return result[0]
 
 
 class DisconnectAwareStream(Response):

@@ -86,6 +86,25 @@ def test_client_disconnect_aborts_in_engine_and_bills_what_was_sent(platform, ae
     assert event.prompt_tokens > 0 and event.ttft_ms is not None and event.duration_ms >= event.ttft_ms
 
 
+def test_non_streaming_client_that_leaves_aborts_the_generation(platform, aengine):
+    # Starlette does not cancel a plain endpoint when its client goes away; the gateway must, or a
+    # long answer nobody reads runs to the end and is billed as completed.
+    wait_engine_idle(aengine)
+    total = free_blocks(aengine)
+    t = platform.tenant()
+    body = {"model": BASE, "messages": LONG, "max_tokens": 400, "temperature": 0}
+    with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as c:
+        try:
+            c.post(f"{platform.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {t.key}"})
+            raise AssertionError("the answer came back within 0.5 s; the test needs a longer generation")
+        except httpx.ReadTimeout:
+            pass  # leaving the with-block closes the connection
+    [event] = wait_events(platform, t.name, 1)
+    wait_engine_idle(aengine)
+    assert free_blocks(aengine) == total
+    assert event.status == "aborted" and event.completion_tokens == 0 and event.prompt_tokens > 0
+
+
 def test_usage_sums_to_what_the_engine_produced(platform, aengine):
     counting = CountingEngineClient(InProcessEngineClient(aengine))
     app = create_app(platform.settings, engine_client=counting)

@@ -8,7 +8,9 @@ pick the priority class -> tokenize and check the context -> reserve quota (prom
 Billing of a client that disconnects mid-stream: the engine request is aborted (its KV blocks
 freed) and the usage event (status "aborted") counts the completion tokens the gateway had
 forwarded to the client; tokens the engine computed after the disconnect are never forwarded
-and never billed.
+and never billed. A non-streaming request whose client disconnects before the answer is ready
+is aborted the same way (streaming.cancel_on_disconnect) and, having been sent nothing, is
+billed its prompt tokens only.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import anyio
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -38,7 +40,7 @@ from tessera.metering import Usage
 from tessera.models import UsageEvent
 from tessera.quota import Decision, QuotaUnavailable, month_of
 from tessera.services import Caller
-from tessera.streaming import DisconnectAwareStream
+from tessera.streaming import ClientDisconnected, DisconnectAwareStream, cancel_on_disconnect
 
 router = APIRouter(prefix="/v1")
 
@@ -301,7 +303,7 @@ def _sse(data: dict | str) -> bytes:
     return b"data: " + (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))).encode() + b"\n\n"
 
 
-async def _serve(gw: Gateway, caller: Caller, body, kind: str):
+async def _serve(gw: Gateway, caller: Caller, body, kind: str, http: Request):
     priority = _priority(caller, body.priority)
     adapter = await _resolve_adapter(gw, caller, body.model)
     ids = _prompt_ids(gw, body)
@@ -333,7 +335,11 @@ async def _serve(gw: Gateway, caller: Caller, body, kind: str):
         return DisconnectAwareStream(_events(gw, caller, job, decision, stream, first, ttft),
                                      media_type="text/event-stream",
                                      headers=headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
-    return await _collect(gw, caller, job, decision, stream, first, ttft, headers)
+    try:
+        return await cancel_on_disconnect(http.receive,
+                                          lambda: _collect(gw, caller, job, decision, stream, first, ttft, headers))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
 
 
 async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> JSONResponse:
@@ -351,8 +357,9 @@ async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> J
         raise ApiError(503, f"the engine failed mid-request: {e}", type="server_error", code="engine_unavailable") from None
     except BaseException:  # cancelled: the client went away before the answer was ready
         await stream.aclose()
+        # Billed for what it was sent, as a stream that disconnects is: here nothing.
         await _finish(gw, caller, job, decision, status="aborted", finish_reason=None,
-                      completion_tokens=completion, ttft=ttft)
+                      completion_tokens=0, ttft=ttft)
         raise
     if out.finish_reason == "error":
         await _finish(gw, caller, job, decision, status="error", finish_reason="error",
@@ -425,12 +432,12 @@ async def _events(gw, caller, job, decision, stream, first, ttft):
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, caller: CallerDep, gw: GatewayDep):
+async def chat_completions(body: ChatCompletionRequest, caller: CallerDep, gw: GatewayDep, request: Request):
     """OpenAI chat completions, streaming (SSE) or not."""
-    return await _serve(gw, caller, body, "chat")
+    return await _serve(gw, caller, body, "chat", request)
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, caller: CallerDep, gw: GatewayDep):
+async def completions(body: CompletionRequest, caller: CallerDep, gw: GatewayDep, request: Request):
     """OpenAI (legacy) text completions, streaming (SSE) or not."""
-    return await _serve(gw, caller, body, "text")
+    return await _serve(gw, caller, body, "text", request)
