@@ -10,6 +10,7 @@ const SLOS = [
   ["ttft", "Time to first token"],
   ["tpot", "Time per output token"],
 ];
+const SLO_NAMES = Object.fromEntries(SLOS);
 const WINDOWS = ["5m", "1h", "6h", "1d", "3d"];
 const TTFT_BOUNDS = [25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000, 10000, 20000, 60000];
 const TPOT_BOUNDS = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000];
@@ -61,8 +62,8 @@ export async function render(main, ctx) {
     h("section", { class: "card", "aria-labelledby": "alerts-title" }, h("h2", { id: "alerts-title" }, "Firing alerts"),
       firing.length
         ? h("ul", { class: "alerts" }, firing.map((a) => h("li", { class: `alert ${a.severity}` },
-          h("strong", {}, `${a.tenant}: ${a.slo.toUpperCase()} budget burning ${a.burn_rate_threshold}× too fast`),
-          ` (${a.severity}; ${a.long_window} and ${a.short_window} windows)`)))
+          h("strong", {}, `${a.tenant}: ${SLO_NAMES[a.slo] || a.slo} error budget burning over ${a.burn_rate_threshold}× the sustainable rate`),
+          ` (${a.severity}; over the last ${a.long_window} and ${a.short_window})`)))
         : h("p", { class: "ok-text" }, "No alert is firing. Every tenant is within its error budget burn limits.")),
   ];
   if (!tenants.length) {
