@@ -8,8 +8,8 @@ Screenshots of every page at 1280 and 390 px wide go to test-artifacts/ui-screen
 """
 from __future__ import annotations
 
-import json
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -41,9 +41,21 @@ def browser():
 def context(browser, platform):
     ctx = browser.new_context(base_url=platform.url, viewport=WIDE)
     ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=platform.url)
-    ctx.set_default_timeout(30_000)
+    ctx.set_default_timeout(60_000)  # a busy 2-core machine; waits end as soon as the page is there
     yield ctx
     ctx.close()
+
+
+@contextmanager
+def evidence(page, name: str):
+    """On a failure, keep what the page showed (screenshot + text) next to the other screenshots."""
+    try:
+        yield
+    except BaseException:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"FAILED-{name}.png"), full_page=True)
+        print(f"the page at {page.url} showed:\n{page.locator('body').inner_text()}")
+        raise
 
 
 def shot(page, name: str) -> None:
@@ -110,109 +122,117 @@ def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
     page.on("pageerror", lambda e: script_errors.append(str(e)))
     page.on("console", lambda m: script_errors.append(m.text)
             if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
-    page.goto("/admin/login")
-    shot(page, "sign-in")
-    sign_in(page)
+    with evidence(page, "end-to-end"):
+        page.goto("/admin/login")
+        shot(page, "sign-in")
+        sign_in(page)
 
-    # A plan, then a tenant on it.
-    plan, tenant = f"ui-plan-{uuid.uuid4().hex[:6]}", f"ui-{uuid.uuid4().hex[:8]}"
-    page.get_by_label("Plan name").fill(plan)
-    page.get_by_label("Requests per minute").last.fill("120")
-    page.get_by_label("realtime").last.check()
-    page.get_by_role("button", name="Save plan").click()
-    page.get_by_role("cell", name=plan, exact=True).wait_for()
-    create = page.get_by_role("region", name="Create a tenant")
-    create.get_by_label("Name").fill(tenant)
-    create.get_by_label("Plan").select_option(plan)
-    create.get_by_role("button", name="Create tenant").click()
-    page.wait_for_url(f"**/admin/tenants/{tenant}")
-    assert page.get_by_role("heading", level=1).inner_text().startswith(tenant)
+        # A plan, then a tenant on it.
+        plan, tenant = f"ui-plan-{uuid.uuid4().hex[:6]}", f"ui-{uuid.uuid4().hex[:8]}"
+        page.get_by_label("Plan name").fill(plan)
+        page.get_by_label("Requests per minute").last.fill("120")
+        page.get_by_label("realtime").last.check()
+        page.get_by_role("button", name="Save plan").click()
+        page.get_by_role("cell", name=plan, exact=True).wait_for()
+        create = page.get_by_role("region", name="Create a tenant")
+        create.get_by_label("Name").fill(tenant)
+        create.get_by_label("Plan").select_option(plan)
+        create.get_by_role("button", name="Create tenant").click()
+        page.wait_for_url(f"**/admin/tenants/{tenant}")
+        assert page.get_by_role("heading", level=1).inner_text().startswith(tenant)
 
-    # Quotas: override tokens per minute for this tenant only.
-    page.get_by_label("Tokens per minute").fill("50000")
-    page.get_by_role("button", name="Save quotas").click()
-    page.get_by_text(f"Quotas of {tenant} saved").wait_for()
-    policy = platform.admin.get(f"/admin/v1/tenants/{tenant}").json()["policy"]
-    assert (policy["plan"], policy["requests_per_minute"], policy["tokens_per_minute"]) == (plan, 120, 50000)
-    shot(page, "tenant")
+        # Quotas: override tokens per minute for this tenant only.
+        page.get_by_label("Tokens per minute").fill("50000")
+        page.get_by_role("button", name="Save quotas").click()
+        page.get_by_text(f"Quotas of {tenant} saved").wait_for()
+        policy = platform.admin.get(f"/admin/v1/tenants/{tenant}").json()["policy"]
+        assert (policy["plan"], policy["requests_per_minute"], policy["tokens_per_minute"]) == (plan, 120, 50000)
+        # SLO objectives: a stricter availability target for this tenant only.
+        page.get_by_label("Availability target").fill("0.999")
+        page.get_by_role("button", name="Save objectives").click()
+        page.get_by_text(f"SLO objectives of {tenant} saved").wait_for()
+        slo = platform.admin.get(f"/admin/v1/tenants/{tenant}/slo").json()
+        assert slo["objectives"]["availability"]["target"] == 0.999
+        assert slo["overrides"]["availability_target"] == 0.999 and slo["overrides"]["ttft_target"] is None
+        shot(page, "tenant")
 
-    # Upload the trained PEFT adapter through the page; the status goes validating -> ready.
-    page.get_by_role("link", name="Adapters", exact=True).click()  # opens on the tenant just edited
-    page.get_by_role("heading", name=f"Upload an adapter for {tenant}").wait_for()
-    page.evaluate("""() => {
-        window.__seen = [];
-        const box = document.querySelector('.upload-status');
-        new MutationObserver(() => window.__seen.push(box.textContent)).observe(box, {childList: true, subtree: true});
-    }""")
-    page.get_by_label("Adapter name").fill("pirate")
-    page.set_input_files("#adapter-files", [str(PIRATE / "adapter_config.json"), str(PIRATE / "adapter_model.safetensors")])
-    page.get_by_role("button", name="Upload").click()
-    status = page.locator(".upload-status")
-    status.get_by_text("is ready").wait_for()
-    assert "pirate@1 is ready" in status.inner_text()
-    seen = page.evaluate("window.__seen")
-    assert any("validating" in s for s in seen), seen
-    assert page.locator("progress").get_attribute("value") == "100"
-    card = page.get_by_role("region", name="Adapter pirate")
-    assert "current: version 1" in card.inner_text()
+        # Upload the trained PEFT adapter through the page; the status goes validating -> ready.
+        page.get_by_role("link", name="Adapters", exact=True).click()  # opens on the tenant just edited
+        page.get_by_role("heading", name=f"Upload an adapter for {tenant}").wait_for()
+        page.evaluate("""() => {
+            window.__seen = [];
+            const box = document.querySelector('.upload-status');
+            new MutationObserver(() => window.__seen.push(box.textContent)).observe(box, {childList: true, subtree: true});
+        }""")
+        page.get_by_label("Adapter name").fill("pirate")
+        page.set_input_files("#adapter-files", [str(PIRATE / "adapter_config.json"), str(PIRATE / "adapter_model.safetensors")])
+        page.get_by_role("button", name="Upload").click()
+        status = page.locator(".upload-status")
+        status.get_by_text("is ready").wait_for()
+        assert "pirate@1 is ready" in status.inner_text()
+        seen = page.evaluate("window.__seen")
+        assert any("validating" in s for s in seen), seen
+        assert page.locator("progress").get_attribute("value") == "100"
+        card = page.get_by_role("region", name="Adapter pirate")
+        assert "current: version 1" in card.inner_text()
 
-    # A pickle checkpoint is refused, and the page says why in words.
-    bad = pickle_adapter(tmp_path / "pickled")
-    page.get_by_label("Adapter name").fill("pickled")
-    page.set_input_files("#adapter-files", [str(bad / "adapter_config.json"), str(bad / "adapter_model.bin")])
-    page.get_by_role("button", name="Upload").click()
-    alert = page.get_by_role("alert")
-    alert.wait_for()
-    assert "adapter_model.bin is a pickle file, which is refused" in alert.inner_text()
-    assert page.get_by_role("region", name="Adapter pickled").count() == 0
-    shot(page, "adapters")
+        # A pickle checkpoint is refused, and the page says why in words.
+        bad = pickle_adapter(tmp_path / "pickled")
+        page.get_by_label("Adapter name").fill("pickled")
+        page.set_input_files("#adapter-files", [str(bad / "adapter_config.json"), str(bad / "adapter_model.bin")])
+        page.get_by_role("button", name="Upload").click()
+        alert = page.get_by_role("alert")
+        alert.wait_for()
+        assert "adapter_model.bin is a pickle file, which is refused" in alert.inner_text()
+        assert page.get_by_role("region", name="Adapter pickled").count() == 0
+        shot(page, "adapters")
 
-    # Issue a key: the secret is shown once, with a copy button.
-    page.get_by_role("link", name="Keys", exact=True).first.click()
-    page.get_by_role("heading", name=f"Issue a key for {tenant}").wait_for()
-    page.get_by_label("Key name (optional)").fill("from-the-ui")
-    page.get_by_role("button", name="Issue key").click()
-    secret = page.get_by_label("New API key")
-    key = secret.input_value()
-    assert key.startswith("tsk-")
-    page.get_by_role("button", name="Copy key").click()
-    page.get_by_text("Copied to the clipboard").wait_for()
-    assert page.evaluate("navigator.clipboard.readText()") == key
-    row = page.locator("tr", has_text="from-the-ui")
-    assert key[:16] in row.inner_text() and key not in page.locator("table").inner_text()
-    shot(page, "keys")
+        # Issue a key: the secret is shown once, with a copy button.
+        page.get_by_role("link", name="Keys", exact=True).first.click()
+        page.get_by_role("heading", name=f"Issue a key for {tenant}").wait_for()
+        page.get_by_label("Key name (optional)").fill("from-the-ui")
+        page.get_by_role("button", name="Issue key").click()
+        secret = page.get_by_label("New API key")
+        key = secret.input_value()
+        assert key.startswith("tsk-")
+        page.get_by_role("button", name="Copy key").click()
+        page.get_by_text("Copied to the clipboard").wait_for()
+        assert page.evaluate("navigator.clipboard.readText()") == key
+        row = page.locator("tr", has_text="from-the-ui")
+        assert key[:16] in row.inner_text() and key not in page.locator("table").inner_text()
+        shot(page, "keys")
 
-    # The tenant calls the API with that key and adapter, through the official client.
-    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=120)
-    answer = client.chat.completions.create(model="pirate", max_tokens=12,
-                                            messages=[{"role": "user", "content": "Say hello."}])
-    assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
-    used = answer.usage.prompt_tokens + answer.usage.completion_tokens
+        # The tenant calls the API with that key and adapter, through the official client.
+        client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model="pirate", max_tokens=12,
+                                                messages=[{"role": "user", "content": "Say hello."}])
+        assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
+        used = answer.usage.prompt_tokens + answer.usage.completion_tokens
 
-    # ... and the request shows in the usage chart, per adapter, priority class and tenant.
-    page.goto(f"/admin/usage?tenant={tenant}&by=adapter&period=24h")
-    if platform.admin.get(f"/admin/v1/tenants/{tenant}/usage/buckets").status_code == 404:
-        # A build without the usage API (billing work): the page says so in words, nothing breaks.
-        page.get_by_text("Usage reporting is not available on this server yet").wait_for()
-    else:
-        check_usage_chart(page, tenant, used)
-    shot(page, "usage")
+        # ... and the request shows in the usage chart, per adapter, priority class and tenant.
+        page.goto(f"/admin/usage?tenant={tenant}&by=adapter&period=24h")
+        if platform.admin.get(f"/admin/v1/tenants/{tenant}/usage/buckets").status_code == 404:
+            # A build without the usage API (billing work): the page says so in words, nothing breaks.
+            page.get_by_text("Usage reporting is not available on this server yet").wait_for()
+        else:
+            check_usage_chart(page, tenant, used)
+        shot(page, "usage")
 
-    page.goto("/admin/billing")
-    page.get_by_role("heading", name="Billing", level=1).wait_for()
-    shot(page, "billing")
-    page.goto(f"/admin/slo?tenant={tenant}")
-    page.get_by_role("heading", name="SLOs", level=1).wait_for()
-    shot(page, "slo")
+        page.goto("/admin/billing")
+        page.get_by_role("heading", name="Billing", level=1).wait_for()
+        shot(page, "billing")
+        page.goto(f"/admin/slo?tenant={tenant}")
+        page.get_by_role("heading", name="SLOs", level=1).wait_for()
+        shot(page, "slo")
 
-    # Suspend from the tenant's page: the key is refused with 403 at once.
-    page.goto(f"/admin/tenants/{tenant}")
-    page.get_by_role("button", name="Suspend tenant").click()
-    page.get_by_role("dialog").get_by_role("button", name="Suspend").click()
-    page.get_by_role("button", name="Reactivate tenant").wait_for()
-    with pytest.raises(openai.PermissionDeniedError):
-        client.models.list()
-    page.goto("/admin/tenants")
-    assert "suspended" in page.locator("tr", has_text=tenant).inner_text()
-    shot(page, "tenants")
-    assert not script_errors, script_errors
+        # Suspend from the tenant's page: the key is refused with 403 at once.
+        page.goto(f"/admin/tenants/{tenant}")
+        page.get_by_role("button", name="Suspend tenant").click()
+        page.get_by_role("dialog").get_by_role("button", name="Suspend").click()
+        page.get_by_role("button", name="Reactivate tenant").wait_for()
+        with pytest.raises(openai.PermissionDeniedError):
+            client.models.list()
+        page.goto("/admin/tenants")
+        assert "suspended" in page.locator("tr", has_text=tenant).inner_text()
+        shot(page, "tenants")
+        assert not script_errors, script_errors

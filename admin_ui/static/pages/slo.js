@@ -105,12 +105,20 @@ function shareInput(value) {
   return h("input", { type: "number", min: 0.5, max: 0.99999, step: "any", value: value, inputmode: "decimal" });
 }
 
+function flatten(o) {
+  return {
+    availability_target: o.availability.target, ttft_threshold_ms: o.ttft.threshold_ms, ttft_target: o.ttft.target,
+    tpot_threshold_ms: o.tpot.threshold_ms, tpot_target: o.tpot.target,
+  };
+}
+
 /** The objectives form of one tenant (PATCH /admin/v1/tenants/{t}/slo). Throws ApiFailure
  * (unavailable) when the server has no SLO API. */
 export async function sloEditor(tenant) {
   const enc = encodeURIComponent(tenant);
   const doc = await api("GET", `/tenants/${enc}/slo`);
   const o = doc.objectives;
+  const shown = flatten(o);
   const avail = shareInput(o.availability.target);
   const ttftMs = boundsSelect(TTFT_BOUNDS, o.ttft.threshold_ms);
   const ttftT = shareInput(o.ttft.target);
@@ -134,11 +142,19 @@ export async function sloEditor(tenant) {
         if (!(v > 0 && v < 1)) throw new Error(`${label}: enter a share between 0 and 1, such as 0.99.`);
         return v;
       };
-      await api("PATCH", `/tenants/${enc}/slo`, {
+      const wanted = {
         availability_target: share(avail, "Availability target"),
         ttft_threshold_ms: Number(ttftMs.value), ttft_target: share(ttftT, "TTFT target"),
         tpot_threshold_ms: Number(tpotMs.value), tpot_target: share(tpotT, "TPOT target"),
-      });
+      };
+      // Only what changed becomes this tenant's own value; the rest keeps following its plan.
+      const body = Object.fromEntries(Object.entries(wanted).filter(([k, v]) => v !== shown[k]));
+      if (!Object.keys(body).length) {
+        toast("Nothing changed.");
+        return;
+      }
+      const saved = await api("PATCH", `/tenants/${enc}/slo`, body);
+      Object.assign(shown, flatten(saved.objectives));
       toast(`SLO objectives of ${tenant} saved.`);
     }, errors);
   });
