@@ -156,3 +156,17 @@ def test_metrics_token_guards_the_endpoint(platform, aengine):
         assert httpx.get(f"{server.url}/metrics").status_code == 401
         assert httpx.get(f"{server.url}/metrics", headers={"authorization": "Bearer wrong"}).status_code == 401
         scrape(server.url, headers={"authorization": "Bearer scrape-me-" + "x" * 16})
+
+
+def test_engine_worker_serves_its_own_metrics_without_the_secret(aengine):
+    """`tessera engine-worker`'s app: /metrics is open to Prometheus (engine series carry no
+    tenant data) while the internal API still needs the shared secret."""
+    from tessera.engine_client.worker import create_worker_app
+
+    with ServerThread(create_worker_app(aengine, secret="worker-secret-" + "x" * 16)) as server:
+        assert httpx.get(f"{server.url}/internal/info").status_code == 401
+        m = scrape(server.url)
+    assert value(m, "tessera_engine_step_seconds_count") > 0  # earlier tests ran steps on this engine
+    assert value(m, "tessera_engine_kv_cache_blocks") == aengine.engine.block_manager.num_blocks
+    assert ("tessera_engine_waiting_sequences", frozenset({("priority", "batch")})) in m
+    assert not any(dict(labels).get("tenant") for (name, labels) in m if name.startswith("tessera_engine_"))
