@@ -23,6 +23,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
 PIRATE = ROOT / "platform" / "tessera" / "demo_adapters" / "pirate"
+UPPER = ROOT / "platform" / "tessera" / "demo_adapters" / "upper"
 SHOTS = ROOT / "test-artifacts" / "ui-screenshots"
 WIDE, NARROW = {"width": 1280, "height": 900}, {"width": 390, "height": 844}
 
@@ -115,8 +116,8 @@ def test_pages_without_a_session_show_sign_in(context):
 
 
 def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
-    if not PIRATE.is_dir():
-        pytest.skip("demo adapter 'pirate' is not there")
+    if not (PIRATE.is_dir() and UPPER.is_dir()):
+        pytest.skip("the demo adapters 'pirate' and 'upper' are not there")
     script_errors = []  # uncaught exceptions and errors the scripts log (refused requests are expected)
     page = context.new_page()
     page.on("pageerror", lambda e: script_errors.append(str(e)))
@@ -185,6 +186,20 @@ def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
         alert.wait_for()
         assert "adapter_model.bin is a pickle file, which is refused" in alert.inner_text()
         assert page.get_by_role("region", name="Adapter pickled").count() == 0
+
+        # A second version becomes current; the admin points back at version 1 and deletes 2.
+        page.get_by_label("Adapter name").fill("pirate")
+        page.set_input_files("#adapter-files", [str(UPPER / "adapter_config.json"), str(UPPER / "adapter_model.safetensors")])
+        page.get_by_role("button", name="Upload").click()
+        status.get_by_text("pirate@2 is ready").wait_for()
+        card.get_by_text("current: version 2").wait_for()
+        card.get_by_role("button", name="Make current pirate@1").click()
+        card.get_by_text("current: version 1").wait_for()
+        card.get_by_role("button", name="Delete version pirate@2").click()
+        page.get_by_role("dialog").get_by_role("button", name="Delete version").click()
+        card.locator("tr", has_text="pirate@2").wait_for(state="detached")
+        versions = platform.admin.get(f"/admin/v1/tenants/{tenant}/adapters/pirate").json()["versions"]
+        assert [(v["version"], v["current"]) for v in versions] == [(1, True)]
         shot(page, "adapters")
 
         # Issue a key: the secret is shown once, with a copy button.
@@ -235,4 +250,13 @@ def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
         page.goto("/admin/tenants")
         assert "suspended" in page.locator("tr", has_text=tenant).inner_text()
         shot(page, "tenants")
+
+        # Revoke the key from the Keys page: it is refused from the next request on.
+        page.goto(f"/admin/keys?tenant={tenant}")
+        page.get_by_role("button", name=f"Revoke key {key[:16]}").click()
+        page.get_by_role("dialog").get_by_role("button", name="Revoke key").click()
+        page.locator("tr", has_text="from-the-ui").get_by_text("revoked").wait_for()
+        platform.admin.patch(f"/admin/v1/tenants/{tenant}", json={"status": "active"})
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
         assert not script_errors, script_errors

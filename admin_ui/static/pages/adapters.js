@@ -199,6 +199,7 @@ function uploadCard(tenant, ctx, refresh) {
       }).catch((err) => {
         progressRow.hidden = true;
         status.replaceChildren();
+        if (err.status === 422 || err.status === 413) err.message = `The upload was refused: ${err.message}`;
         throw err;
       });
       showStatus(v);
