@@ -3,6 +3,7 @@ suspension of a tenant as its keys see it. Plain HTTP against the real app on lo
 from __future__ import annotations
 
 import logging
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -116,3 +117,21 @@ def test_upload_route_takes_adapters_larger_than_the_json_body_limit(platform):
     assert platform.admin.post("/admin/v1/tenants", content=b"x" * 70_000).status_code == 413
     got = platform.admin.get(f"/admin/v1/tenants/{t.name}/adapters").json()["data"]
     assert [(a["name"], a["current_version"]) for a in got] == [("pirate", 1)]
+
+
+def test_upload_as_zip_and_incomplete_uploads_are_explained(platform, tmp_path):
+    t = platform.tenant()
+    archive = tmp_path / "pirate.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for p in PIRATE.iterdir():
+            z.write(p, f"pirate/{p.name}")
+    url = f"/admin/v1/tenants/{t.name}/adapters/zipped/versions"
+    r = platform.admin.post(url, files=[("files", ("pirate.zip", archive.read_bytes(), "application/zip"))])
+    assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+
+    r = platform.admin.post(url, data={"base_model": ""})
+    assert r.status_code == 422 and "adapter_config.json" in r.json()["error"]["message"]
+    r = platform.admin.post(url, files=[("files", ("adapter_config.json", (PIRATE / "adapter_config.json").read_bytes()))])
+    assert r.status_code == 422 and "no adapter_model.safetensors" in r.json()["error"]["message"]
+    got = platform.admin.get(f"/admin/v1/tenants/{t.name}/adapters/zipped").json()
+    assert [v["version"] for v in got["versions"]] == [1]  # the refused uploads left nothing behind
