@@ -259,4 +259,10 @@ def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
         platform.admin.patch(f"/admin/v1/tenants/{tenant}", json={"status": "active"})
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+
+        # Signing out ends the session: the pages send the browser back to sign in.
+        page.get_by_role("button", name="Sign out").click()
+        page.wait_for_url("**/admin/login")
+        page.goto("/admin/tenants")
+        page.wait_for_url("**/admin/login?next=**")
         assert not script_errors, script_errors

@@ -149,12 +149,13 @@ function plansSection(plans, ctx) {
   form.addEventListener("submit", (e) => {
     e.preventDefault();
     busy(submit, async () => {
-      if (!name.value.trim()) throw new Error("Enter a name for the plan.");
+      const planName = name.value.trim();
+      if (!planName) throw new Error("Enter a name for the plan.");
       const body = { allowed_priorities: prio.allowed(), default_priority: prio.def() };
       LIMITS.forEach(([k], i) => { body[k] = readNumber(inputs[i]); });
-      await api("PUT", `/plans/${encodeURIComponent(name.value.trim())}`, body);
-      toast(`Plan ${name.value.trim()} saved.`);
+      await api("PUT", `/plans/${encodeURIComponent(planName)}`, body);
       await render(document.getElementById("main"), ctx);
+      toast(`Plan ${planName} saved.`);
     }, errors);
   });
   section.append(form);
@@ -187,8 +188,8 @@ async function renderTenant(main, ctx, name) {
     await busy(statusBtn, async () => {
       await api("PATCH", `/tenants/${enc}`, { status: suspending ? "suspended" : "active" });
       forgetTenants();
-      toast(suspending ? `${tenant.name} is suspended.` : `${tenant.name} is active again.`);
       await renderTenant(main, ctx, name);
+      toast(suspending ? `${tenant.name} is suspended.` : `${tenant.name} is active again.`);
     });
   });
 
@@ -246,8 +247,8 @@ function quotaForm(tenant, plans, reload) {
       body.allowed_priorities = same ? null : allowed;
       body.default_priority = prio.def() || null;
       await api("PATCH", `/tenants/${enc}/quotas`, body);
-      toast(`Quotas of ${tenant.name} saved; they apply from the next request.`);
       await reload();
+      toast(`Quotas of ${tenant.name} saved; they apply from the next request.`);
     }, errors);
   });
   return h("section", { class: "card" }, form);
