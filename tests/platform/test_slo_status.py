@@ -221,6 +221,10 @@ def test_real_prometheus_scrapes_the_platform_and_fires_the_generated_alerts(pla
             doc = p.admin.get(f"/admin/v1/tenants/{good.name}/slo").json()
             assert doc["source"] == "prometheus" and doc["alerts"] == []
             assert doc["status"]["availability"]["burn_rates"]["1h"] == 0.0
+            everyone = p.admin.get("/admin/v1/slo").json()
+            assert everyone["source"] == "prometheus"
+            docs = {d["tenant"]: d for d in everyone["tenants"]}
+            assert len(docs[bad.name]["alerts"]) == 4 and docs[good.name]["alerts"] == []
         finally:
             proc.terminate()
             try:

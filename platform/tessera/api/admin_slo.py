@@ -73,11 +73,8 @@ async def _documents(gw, targets: list[slo.TenantObjectives]) -> tuple[list[dict
     if url:
         try:
             async with httpx.AsyncClient(timeout=10) as client:
-                out = []
-                for t in targets:
-                    status, alerts = await slo.status_from_prometheus(client, url, t.tenant, t.objectives)
-                    out.append(_document(t, "prometheus", status, alerts))
-                return out, None
+                found = await slo.status_from_prometheus(client, url, targets)
+            return [_document(t, "prometheus", *found[t.tenant]) for t in targets], None
         except (httpx.HTTPError, KeyError, ValueError) as e:
             error = f"Prometheus at {url} could not be read ({type(e).__name__}); status computed from usage events"
 

@@ -247,22 +247,28 @@ def status_from_usage(*, session: Session, tenant_id: int, objectives: Objective
             for slo in SLO_NAMES}
 
 
-async def status_from_prometheus(client, url: str, tenant: str, objectives: Objectives) -> tuple[dict, list[dict]]:
-    """({slo: status}, alerts) for `tenant` from Prometheus: the recording rules rules.py
-    writes, and the alerts Prometheus holds (pending or firing) for the tenant. Counts are None
-    (Prometheus keeps ratios). Raises httpx.HTTPError when Prometheus cannot be reached."""
+async def status_from_prometheus(client, url: str, targets: list[TenantObjectives]) -> dict[str, tuple[dict, list[dict]]]:
+    """{tenant: ({slo: status}, alerts)} for `targets` from Prometheus, in two requests whatever
+    the number of tenants: one query of the recording rules rules.py writes, and the alerts
+    Prometheus holds (pending or firing). Counts are None (Prometheus keeps ratios). Raises
+    httpx.HTTPError when Prometheus cannot be reached."""
     from tessera.observability.rules import BUDGET_REMAINING, BURN_RATE, ERROR_RATIO
 
-    sel = f'{{__name__=~"{BURN_RATE}.*|{BUDGET_REMAINING}|{ERROR_RATIO}30d",tenant="{_escape(tenant)}"}}'
-    r = await client.get(f"{url.rstrip('/')}/api/v1/query", params={"query": sel})
+    names = {t.tenant for t in targets}
+    tenant_sel = f',tenant="{_escape(next(iter(names)))}"' if len(names) == 1 else ""
+    sel = f'{{__name__=~"{BURN_RATE}.*|{BUDGET_REMAINING}|{ERROR_RATIO}30d"{tenant_sel}}}'
+    base = url.rstrip("/")
+    r = await client.get(f"{base}/api/v1/query", params={"query": sel})
     r.raise_for_status()
-    status = {slo: {"target": objectives.target(slo), "threshold_ms": objectives.threshold_ms(slo),
-                    "requests_30d": None, "bad_30d": None, "error_ratio_30d": None,
-                    "error_budget_remaining": None, "burn_rates": {w: None for w in WINDOWS}}
-              for slo in SLO_NAMES}
+    out = {t.tenant: ({slo: {"target": t.objectives.target(slo), "threshold_ms": t.objectives.threshold_ms(slo),
+                             "requests_30d": None, "bad_30d": None, "error_ratio_30d": None,
+                             "error_budget_remaining": None, "burn_rates": {w: None for w in WINDOWS}}
+                       for slo in SLO_NAMES}, [])
+           for t in targets}
     for item in r.json()["data"]["result"]:
         labels, value = item["metric"], _num(item["value"][1])
-        s = status.get(labels.get("slo"))
+        entry = out.get(labels.get("tenant"))
+        s = entry[0].get(labels.get("slo")) if entry else None
         if s is None:
             continue
         name = labels["__name__"]
@@ -272,17 +278,16 @@ async def status_from_prometheus(client, url: str, tenant: str, objectives: Obje
             s["error_ratio_30d"] = value
         elif name.startswith(BURN_RATE) and name[len(BURN_RATE):] in s["burn_rates"]:
             s["burn_rates"][name[len(BURN_RATE):]] = value
-    r = await client.get(f"{url.rstrip('/')}/api/v1/alerts")
+    r = await client.get(f"{base}/api/v1/alerts")
     r.raise_for_status()
-    alerts = []
     for a in r.json()["data"]["alerts"]:
         lab = a["labels"]
-        if lab.get("alertname") != ALERT_NAME or lab.get("tenant") != tenant:
-            continue
+        entry = out.get(lab.get("tenant"))
         rule = next((b for b in BURN_ALERTS if b.long_window == lab.get("long_window")), None)
-        if rule is not None:
-            alerts.append(alert_dict(lab.get("slo"), rule, a.get("state", "firing")))
-    return status, alerts
+        if entry is None or rule is None or lab.get("alertname") != ALERT_NAME or lab.get("slo") not in SLO_NAMES:
+            continue
+        entry[1].append(alert_dict(lab["slo"], rule, a.get("state", "firing")))
+    return out
 
 
 def _num(v: str) -> float | None:
