@@ -6,7 +6,7 @@ const password = document.getElementById("password");
 function nextPage() {
   const next = new URLSearchParams(location.search).get("next") || "";
   // Only a path inside the admin UI: never an address on another site.
-  return /^\/admin(\/[A-Za-z0-9._~%\/-]*)?$/.test(next) && !next.startsWith("//") ? next : "/admin/tenants";
+  return /^\/admin(\/[A-Za-z0-9._~%\/-]*)?(\?[A-Za-z0-9._~%&=+-]*)?$/.test(next) ? next : "/admin/tenants";
 }
 
 function showError(message) {

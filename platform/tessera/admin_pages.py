@@ -47,7 +47,8 @@ def _page(name: str) -> FileResponse:
 
 def _shell(request: Request):
     if admin_session.read_session(request, request.app.state.gateway.settings) is None:
-        return RedirectResponse(f"/admin/login?next={quote(request.url.path)}", status_code=303)
+        back = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(f"/admin/login?next={quote(back, safe='/')}", status_code=303)
     return _page("index.html")
 
 
