@@ -131,6 +131,16 @@ def test_cli_writes_rules_for_every_tenant_in_the_database(tmp_path):
     assert budgets[("acme", "availability")] == "vector(0.01)"
     assert budgets[("globex", "availability")] == "vector(0.005)"
 
+    r = subprocess.run([TESSERA, "slo", "status", "acme"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert status["objectives"]["ttft"]["threshold_ms"] == 2000 and status["alerts"] == []
+    assert status["status"]["availability"]["requests_30d"] == 0
+    r = subprocess.run([TESSERA, "slo", "status", "nobody"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
 
 @needs_promtool
 def test_committed_rules_and_prometheus_config_are_valid():

@@ -185,11 +185,11 @@ def test_real_prometheus_scrapes_the_platform_and_fires_the_generated_alerts(pla
         prom = httpx.Client(base_url=prom_url, timeout=10)
 
         def query(q: str) -> dict:
-            try:
-                r = prom.get("/api/v1/query", params={"query": q})
-            except httpx.HTTPError:
+            try:  # until it is ready, Prometheus answers 503 in plain text
+                result = prom.get("/api/v1/query", params={"query": q}).json()["data"]["result"]
+            except (httpx.HTTPError, ValueError, KeyError):
                 return {}
-            return {tuple(sorted(x["metric"].items())): float(x["value"][1]) for x in r.json()["data"]["result"]}
+            return {tuple(sorted(x["metric"].items())): float(x["value"][1]) for x in result}
 
         try:
             wait_for(lambda: query('up{job="tessera"} == 1'), "Prometheus to scrape the platform")
