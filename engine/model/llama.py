@@ -36,13 +36,13 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         if lora is not None:
             lora.apply(self.idx, "qkv", h, qkv)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         T = x.shape[0]
-        q = q.view(T, cfg.num_heads, cfg.head_dim)
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
-        o = paged_attention(q, k, v.contiguous(), kv.k[self.idx], kv.v[self.idx], attn, self.scale)
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        # q and k heads are adjacent in the fused projection: rotate them in one pass.
+        qk = RotaryEmbedding.apply(cos_sin, qk.reshape(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        o = paged_attention(q, k, v, kv.k[self.idx], kv.v[self.idx], attn, self.scale)
         o = o.reshape(T, cfg.q_size)
         out = self.o_proj(o)
         if lora is not None:
@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.apply(self.idx, "gate_up", h, gu)
         g, u = gu.split(cfg.intermediate_size, dim=-1)
-        m = F.silu(g) * u
+        m = F.silu(g).mul_(u)
         d = self.down_proj(m)
         if lora is not None:
             lora.apply(self.idx, "down", m, d)
