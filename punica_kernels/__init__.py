@@ -18,6 +18,7 @@ fp32 intermediate v as [L, T, R] and expand takes it as such; with a single tens
     bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta=None) -> y
     v = sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None, meta=None, out=None)
     sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None, meta=None) -> y
+    add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None) -> y   (shrink + expand fused)
     meta = build_lora_metadata(slot_per_token, *, num_slots=None, device=None)
 
 BGMV (decode) takes a slot per token; SGMV (prefill) takes segments: `seg_starts` [n+1]
@@ -42,7 +43,7 @@ from . import cpu, reference
 from .metadata import LoRAMetadata, build_lora_metadata
 
 __all__ = [
-    "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand",
+    "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand", "add_lora",
     "build_lora_metadata", "LoRAMetadata", "reference",
 ]
 
@@ -104,3 +105,18 @@ def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max
         return sgmv_expand_triton(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=offsets,
                                   max_segment_len=max_segment_len)
     return cpu.sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=offsets, meta=meta)
+
+
+def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta: LoRAMetadata, offsets=None):
+    """The whole adapter term of one layer: for every token t with slot s = meta.token_slots[t]
+    (s != -1) and every slice l, y[t, off_l:off_l+N_l] += scales[s] * x[t] @ A_l[s, :r].T @ B_l[s, :, :r].T
+    with r = ranks[s]; same as bgmv_shrink then bgmv_expand. `lora_a` / `lora_b`: one stack each,
+    or matching sequences of slices. Updates y in place and returns it.
+
+    CUDA: the two Triton BGMV launches with an fp32 intermediate. CPU: one fused pass over the
+    step's cached slot-major plan (punica_kernels.cpu.add_lora), the engine's decode path there.
+    """
+    if _use_triton(x):
+        v = bgmv_shrink(x, lora_a, meta.token_slots, scales, ranks, meta=meta)
+        return bgmv_expand(v, lora_b, meta.token_slots, ranks, y, offsets=offsets, meta=meta)
+    return cpu.add_lora(y, x, lora_a, lora_b, scales, ranks, meta=meta, offsets=offsets)

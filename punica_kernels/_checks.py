@@ -193,3 +193,53 @@ def check_segments(seg_starts, seg_slots, num_tokens: int, num_slots: int, devic
         st = seg_starts.tolist()
         if st[0] != 0 or st[-1] != num_tokens or any(b < a for a, b in zip(st, st[1:])):
             raise ValueError(f"seg_starts must be non-decreasing from 0 to the token count {num_tokens}; got {st[:8]}{'...' if len(st) > 8 else ''}")
+
+
+@dataclass(frozen=True)
+class AddLoRAArgs:
+    """Validated fused call: x [T, K], A slices [S, R, K], B slices [S, N_i, R], y [T, width]."""
+
+    x: torch.Tensor
+    a_slices: list[torch.Tensor]
+    b_slices: list[torch.Tensor]
+    y: torch.Tensor
+    offsets: list[int]
+    widths: list[int]
+    packed: bool  # slices fill y's columns side by side from 0
+
+
+def check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets=None) -> AddLoRAArgs:
+    """Checks of shrink (x, A, scales, ranks) and expand (B, y, offsets) with no intermediate to
+    allocate: the fused op never materialises v in token order."""
+    a_slices, single_a = _as_slices(lora_a, "lora_a")
+    b_slices, single_b = _as_slices(lora_b, "lora_b")
+    if single_a != single_b or len(a_slices) != len(b_slices):
+        raise ValueError(f"lora_a and lora_b must have the same number of slices; got {len(a_slices)} and {len(b_slices)}")
+    _check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    _check_tensor(y, "y", ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"y has {y.shape[0]} rows but x has {x.shape[0]} tokens")
+    S, R = a_slices[0].shape[0], a_slices[0].shape[1]
+    for i, (a, b) in enumerate(zip(a_slices, b_slices)):
+        _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=x.device)
+        _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=x.device)
+        if a.dtype != x.dtype or b.dtype != y.dtype:
+            raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's; got {_dtype_name(a.dtype)}/"
+                            f"{_dtype_name(x.dtype)} and {_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
+        if tuple(a.shape) != (S, R, x.shape[1]):
+            raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {x.shape[1]}] (x's width)")
+        if b.shape[0] != S or b.shape[2] != R:
+            raise ValueError(f"lora_b[{i}] has shape {tuple(b.shape)}; expected [{S}, N, {R}]")
+    _check_ranks_scales(ranks, scales, S, R, x.device)
+    widths = [b.shape[1] for b in b_slices]
+    packed_offsets = [sum(widths[:i]) for i in range(len(widths))]
+    if offsets is None:
+        offsets = packed_offsets
+    else:
+        offsets = [int(o) for o in ([offsets] if isinstance(offsets, int) else offsets)]
+        if len(offsets) != len(b_slices):
+            raise ValueError(f"got {len(offsets)} offsets for {len(b_slices)} lora_b slices")
+    for o, n in zip(offsets, widths):
+        if o < 0 or o + n > y.shape[1]:
+            raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")
+    return AddLoRAArgs(x, a_slices, b_slices, y, offsets, widths, offsets == packed_offsets)

@@ -70,7 +70,7 @@ class LoRABatch:
     """The adapter term of one step: `apply(layer, group, x, y)` adds, for every token t with
     slot s = token_slots[t] != -1, `scale[s] * x[t] @ A[s].T @ B[s].T` into y[t] (per slice).
 
-    One shrink and one expand call per (layer, group) for the whole mixed batch; tokens without
+    One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole mixed batch; tokens without
     an adapter (slot -1) cost nothing in the CPU path. The step's metadata (and the CPU path's
     slot-major token plan, cached in it) is built once and shared by every layer.
     """
@@ -89,5 +89,4 @@ class LoRABatch:
             b = [s.b[(layer, m)] for m in mods]
             offsets = s.offsets[group]
         x = x if x.is_contiguous() else x.contiguous()
-        v = punica_kernels.bgmv_shrink(x, a, self.meta.token_slots, s.scales, s.ranks, meta=self.meta)
-        punica_kernels.bgmv_expand(v, b, self.meta.token_slots, s.ranks, y, offsets=offsets, meta=self.meta)
+        punica_kernels.add_lora(y, x, a, b, s.scales, s.ranks, meta=self.meta, offsets=offsets)
