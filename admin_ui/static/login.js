@@ -2,6 +2,7 @@
 const form = document.getElementById("sign-in");
 const error = document.getElementById("sign-in-error");
 const password = document.getElementById("password");
+password.focus(); // as autofocus does, also when the page came from a redirect
 
 function nextPage() {
   const next = new URLSearchParams(location.search).get("next") || "";

@@ -8,6 +8,7 @@ Screenshots of every page at 1280 and 390 px wide go to test-artifacts/ui-screen
 """
 from __future__ import annotations
 
+import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,9 +75,11 @@ def shot(page, name: str) -> None:
 def sign_in(page) -> None:
     page.goto("/admin/tenants")
     page.wait_for_url("**/admin/login**")
-    page.keyboard.type(ADMIN_TOKEN)  # the password field has the focus: keyboard only
+    password = page.get_by_label("Admin password")
+    sync_api.expect(password).to_be_focused()  # the page puts the focus there: keyboard only
+    page.keyboard.type(ADMIN_TOKEN)
     page.keyboard.press("Enter")
-    page.wait_for_url("**/admin/tenants")
+    page.wait_for_url(re.compile(r"/admin/tenants$"))
 
 
 def pickle_adapter(dest: Path) -> Path:
@@ -117,7 +120,7 @@ def test_pages_without_a_session_show_sign_in(context):
     # The right password takes the admin to the page first asked for, query included.
     page.get_by_label("Admin password").fill(ADMIN_TOKEN)
     page.get_by_role("button", name="Sign in").click()
-    page.wait_for_url("**/admin/adapters?tenant=x")
+    page.wait_for_url(re.compile(r"/admin/adapters\?tenant=x$"))
 
 
 def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
@@ -267,7 +270,7 @@ def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
 
         # Signing out ends the session: the pages send the browser back to sign in.
         page.get_by_role("button", name="Sign out").click()
-        page.wait_for_url("**/admin/login")
+        page.wait_for_url(re.compile(r"/admin/login$"))
         page.goto("/admin/tenants")
         page.wait_for_url("**/admin/login?next=**")
         assert not script_errors, script_errors
