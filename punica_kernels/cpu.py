@@ -8,13 +8,13 @@ by that slot's own matrix, read in place from the stack (a view: no weight copy)
 this machine for a SmolLM2 decode step of 32 tokens on 32 adapters, rank 16, all seven targets
 (30 layers x 7 modules): slot-major 38 ms, gather + bmm (a weight copy per token, vLLM's CPU
 fallback shape) 930 ms, dense GEMMs over all slots 236 ms (bench/kernels.py has the per-op
-figures). A slot holding more than SLOT_MAJOR_MAX_ROWS tokens (one adapter over a whole batch,
-or a prefill sequence) gets its own matmul instead of padding every other slot to its size, on
-a view of x when its tokens are one contiguous run.
+figures). A slot with far more tokens than the others (a long prompt among decode tokens) gets
+its own matmul instead of padding every other slot to its size (BLOCK_PAD_FACTOR), on a view of
+x when its tokens are one contiguous run.
 
 Mixed ranks: tokens are grouped by rank, and each group uses the stacks narrowed to that rank,
-so the work per token is proportional to its adapter's rank. A group whose slots are not one
-contiguous range gathers just those slots' weights (once per adapter, not per token).
+so the work per token is proportional to its adapter's rank. A group whose slots are spread
+thinly over the stack gathers just those slots' weights (once per adapter, not per token).
 
 For SGMV with long segments (prefill) the rows are already contiguous, so each segment is one
 plain matmul on a view of x, with no gather at all.
@@ -35,9 +35,16 @@ from ._checks import check_add_lora, check_expand, check_segments, check_shrink,
 # shorter ones (decode-like) through the slot-major plan.
 SEGMENT_LOOP_MIN_AVG_LEN = 8
 
-# A slot with more tokens than this runs its own matmul rather than setting the padded height of
-# the slot-major block (which every other slot in the block would pay for).
-SLOT_MAJOR_MAX_ROWS = 8
+# The slot-major block pads every slot to the busiest slot's token count. Slots are taken out of
+# the block (each gets its own matmul) from the busiest down while the padded rows exceed
+# BLOCK_PAD_FACTOR x the real ones; MIN_BLOCK_ROWS of padding is always fine. A prefill step of
+# many similar-length prompts stays one block (2 bmm per module instead of 2 matmuls per prompt);
+# one long prompt among decode tokens gets its own matmul.
+BLOCK_PAD_FACTOR = 4
+MIN_BLOCK_ROWS = 64
+# A block whose slots span at most HOLE_FACTOR x their number reads that stack range in place
+# (unused slots in it are padding); sparser ones gather just their slots' weights.
+HOLE_FACTOR = 3
 
 
 @dataclass(frozen=True)
@@ -63,36 +70,59 @@ class RankGroup:
     big: tuple[BigSlot, ...]
 
 
-def _plan_rank_group(rank: int, tok: torch.Tensor, sl: torch.Tensor) -> RankGroup:
-    """tok/sl: tokens of one rank and their slots, sorted by (slot, token)."""
+def _split_big(counts: list[int]) -> list[bool]:
+    """Which slots get their own matmul: take the slot with the most tokens out of the block while
+    the block's padded rows exceed BLOCK_PAD_FACTOR x its real tokens (and MIN_BLOCK_ROWS)."""
+    order = sorted(range(len(counts)), key=lambda i: -counts[i])
+    big = [False] * len(counts)
+    rest, n = sum(counts), len(counts)
+    for k, i in enumerate(order):
+        m = counts[i]  # the largest count left sets the block's height
+        if n * m <= max(BLOCK_PAD_FACTOR * rest, MIN_BLOCK_ROWS):
+            break
+        big[i] = True
+        rest -= m
+        n -= 1
+    return big
+
+
+def _plan_rank_group(rank: int, tok: torch.Tensor, sl: torch.Tensor, slot_ranks: list[int]) -> RankGroup:
+    """tok/sl: tokens of one rank and their slots, sorted by (slot, token); slot_ranks: every
+    slot's rank (a slot inside the block's range that no token uses is read up to `rank` only
+    if its own rank reaches that far: the contract never reads past a slot's rank)."""
     d, counts = torch.unique_consecutive(sl, return_counts=True)
-    big_mask = counts > SLOT_MAJOR_MAX_ROWS
-    ends = torch.cumsum(counts, 0)
-    big = []
-    for i in big_mask.nonzero().squeeze(1).tolist():
-        t = tok[int(ends[i] - counts[i]):int(ends[i])]
-        a, b = int(t[0]), int(t[-1]) + 1
-        big.append(BigSlot(int(d[i]), t, (a, b) if b - a == t.numel() else None))
-    small = ~big_mask
+    d_list, c_list = d.tolist(), counts.tolist()
+    big_flags = _split_big(c_list)
+    big, start = [], 0
+    for s, c, is_big in zip(d_list, c_list, big_flags):
+        if is_big:
+            t = tok[start:start + c]
+            a, b = int(t[0]), int(t[-1]) + 1
+            big.append(BigSlot(s, t, (a, b) if b - a == c else None))
+        start += c
+    small = torch.tensor([not f for f in big_flags])
     if not bool(small.any()):
         empty = torch.zeros(0, dtype=torch.int64)
         return RankGroup(rank, None, 0, empty, None, empty, empty, tuple(big))
     keep = torch.repeat_interleave(small, counts)
     tok_s, sl_s = tok[keep], sl[keep]
     d_s, c_s = d[small], counts[small]
-    n, m = d_s.numel(), int(c_s.max())
+    m = int(c_s.max())
     lo, hi = int(d_s[0]), int(d_s[-1]) + 1
-    if hi - lo == n:  # the slots are one range: the block reads the stack in place
+    used = set(d_s.tolist())
+    holes_readable = all(slot_ranks[h] >= rank for h in range(lo, hi) if h not in used)
+    if hi - lo <= HOLE_FACTOR * d_s.numel() and holes_readable:
+        # Read the stack's range [lo, hi) in place; slots in it that no token uses are all padding.
         block_slots: slice | torch.Tensor = slice(lo, hi)
-    else:
+        n, block_of_slot = hi - lo, d_s - lo
+    else:  # few slots spread wide: gather just those slots' weights
         block_slots = d_s
+        n, block_of_slot = d_s.numel(), torch.arange(d_s.numel())
     # Row of each token in the padded block: its slot's block index * m + its rank within the slot.
-    slot_index = torch.repeat_interleave(torch.arange(n), c_s)
     first = torch.cumsum(c_s, 0) - c_s
     within = torch.arange(tok_s.numel()) - torch.repeat_interleave(first, c_s)
-    token_rows = slot_index * m + within
-    rows = tok_s.new_empty(n * m)
-    rows.copy_(tok_s[first].repeat_interleave(m))  # padding repeats the slot's first token
+    token_rows = torch.repeat_interleave(block_of_slot, c_s) * m + within
+    rows = torch.full((n * m,), int(tok_s[0]), dtype=torch.int64)  # padding repeats a real token
     rows[token_rows] = tok_s
     pad_mask = None
     if n * m != tok_s.numel():
@@ -115,10 +145,11 @@ def plan_tokens(token_slots: torch.Tensor, ranks: torch.Tensor) -> list[RankGrou
     order = torch.argsort(rk * (rk_all.shape[0] + 1) + sl, stable=True)
     tok, sl, rk = tok[order], sl[order], rk[order]
     rank_vals, rank_counts = torch.unique_consecutive(rk, return_counts=True)
+    slot_ranks = rk_all.tolist()
     groups, lo = [], 0
     for r, c in zip(rank_vals.tolist(), rank_counts.tolist()):
         if r > 0:
-            groups.append(_plan_rank_group(r, tok[lo:lo + c], sl[lo:lo + c]))
+            groups.append(_plan_rank_group(r, tok[lo:lo + c], sl[lo:lo + c], slot_ranks))
         lo += c
     return groups
 

@@ -52,24 +52,45 @@ def test_cpu_sgmv_prefill_segments_use_views_and_match():
     assert_close(run_expand(EXPAND, bt, "sgmv", single=True), reference_y(bt, "sgmv", single=True), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_slot_major_plan_forms_match(dtype):
-    # Every form of the slot-major plan in one batch: a big slot whose tokens are one run (views),
-    # a big slot with scattered tokens (gathered rows), and a padded block over slots that are not
-    # one range (gathered weights), with -1 tokens between them.
-    T = 60
+def _plan_forms_batch(singletons, dtype=torch.float32, **kw):
+    # A long run on one slot (its own matmul on a view of x), many scattered tokens on another
+    # (its own matmul on gathered rows), and a padded block of the rest, with -1 tokens between.
+    T = 400
     slots = torch.full((T,), -1)
-    slots[10:30] = 5                                  # big, contiguous
-    slots[torch.arange(31, 55, 2)] = 2                # big, scattered (12 tokens)
-    slots[[0, 3, 7]] = torch.tensor([0, 3, 7])        # singletons
-    slots[[1, 4, 56]] = 1                             # 3 tokens: the block's padded height
-    bt = make_batch(T=T, K=96, S=8, R=16, widths=(96, 40), ranks=[16] * 8, dtype=dtype, seed=7)
+    slots[10:210] = 5
+    slots[torch.arange(212, 392, 2)] = 2
+    slots[[0, 3, 7, 397, 399][:len(singletons)]] = torch.tensor(singletons)
+    slots[[1, 4, 395]] = 1
+    bt = make_batch(T=T, K=96, S=24, R=16, ranks=[16] * 24, dtype=dtype, seed=7, **kw)
     bt.token_slots = slots.to(torch.int32)
+    return bt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("singletons,block", [([0, 3, 7, 20], "gathered"), ([0, 3, 4, 6, 7], "range with holes")])
+def test_cpu_slot_major_plan_forms_match(dtype, singletons, block):
+    bt = _plan_forms_batch(singletons, dtype, widths=(96, 40))
     (g,) = cpu.plan_tokens(bt.token_slots, bt.ranks)
-    assert {b.slot: b.run for b in g.big} == {5: (10, 30), 2: None}
-    assert g.m == 3 and torch.equal(g.block_slots, torch.tensor([0, 1, 3, 7])) and g.pad_mask is not None
+    assert {b.slot: b.run for b in g.big} == {5: (10, 210), 2: None}
+    assert g.m == 3 and g.pad_mask is not None
+    if block == "gathered":
+        assert torch.equal(g.block_slots, torch.tensor([0, 1, 3, 7, 20]))
+    else:  # slots 0, 1, 3, 4, 6, 7 read as the range [0, 8); big slots 2 and 5 are padding there
+        assert g.block_slots == slice(0, 8)
     assert_close(run_shrink(SHRINK, bt, "bgmv", single=False), reference_v(bt, "bgmv", single=False), dtype)
     assert_close(run_expand(EXPAND, bt, "bgmv", single=False), reference_y(bt, "bgmv", single=False), dtype)
+
+
+def test_cpu_similar_prompts_stay_one_block():
+    # A prefill step of prompts of similar length on distinct adapters: one padded block, not one
+    # matmul per prompt.
+    lens = [30, 25, 28, 33, 19, 31]
+    slots = torch.cat([torch.full((n,), s) for s, n in zip([4, 0, 5, 1, 3, 2], lens)])
+    bt = make_batch(T=int(slots.numel()), K=64, S=6, R=8, ranks=[8] * 6, seed=11)
+    bt.token_slots = slots.to(torch.int32)
+    (g,) = cpu.plan_tokens(bt.token_slots, bt.ranks)
+    assert not g.big and g.m == 33 and g.block_slots == slice(0, 6)
+    assert_close(run_expand(EXPAND, bt, "bgmv", single=True), reference_y(bt, "bgmv", single=True), torch.float32)
 
 
 def test_cpu_slot_major_block_reads_a_slot_range_in_place():
@@ -142,15 +163,8 @@ def test_cpu_add_lora_matches_shrink_then_expand(mode, dtype, shape):
 
 
 def test_cpu_add_lora_every_plan_form_and_unpacked_offsets():
-    T = 60
-    slots = torch.full((T,), -1)
-    slots[10:30] = 5
-    slots[torch.arange(31, 55, 2)] = 2
-    slots[[0, 3, 7]] = torch.tensor([0, 3, 7])
-    slots[[1, 4, 56]] = 1
-    bt = make_batch(T=T, K=96, S=8, R=16, widths=(40, 24), y_width=100, offsets=[60, 0], seed=9)
-    bt.token_slots = slots.to(torch.int32)
-    meta = pk.build_lora_metadata(bt.token_slots, num_slots=8)
+    bt = _plan_forms_batch([0, 3, 7, 20], widths=(40, 24), y_width=100, offsets=[60, 0])
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=24)
     y = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
     assert_close(y, _reference_add_lora(bt, single=False), torch.float32)
     # One stack per side (not a sequence) works the same.
