@@ -7,11 +7,6 @@ The engine client is wrapped to time, per request, the span from handing the req
 engine to its last delta; a request's added latency is its end-to-end time minus that span
 (so it includes the HTTP round trip itself; http_roundtrip_ms_p50_c1 is a bare GET /health on the
 same server and client, for scale).
-
-Peer in the same run: the same engine behind its own internal streaming HTTP API (the engine
-worker's /internal/generate, what a client calling the engine directly would use), driven by
-the same load generator. `added_vs_engine_http_ms_p50_c1` = the gateway's p50 end-to-end minus
-that peer's p50: the cost of auth + quota + metering + OpenAI SSE over serving the engine bare.
 Prints one JSON object.
 
     .venv/bin/python bench/gateway.py [--requests-c1 60] [--requests-c32 128] [--max-tokens 4] [--engine-threads N]
@@ -39,7 +34,6 @@ LOAD = r"""
 import asyncio, json, sys, time
 import httpx
 url, key, conc, total, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-internal = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # the engine worker's own API body
 body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": max_tokens, "temperature": 0, "stream": True}
 async def main():
@@ -53,15 +47,6 @@ async def main():
                 t0 = time.perf_counter()
                 if max_tokens == 0:  # baseline: a bare HTTP round trip to the same server
                     r = await c.get("/health")
-                    out.append(("", (time.perf_counter() - t0) * 1000.0))
-                    continue
-                if internal is not None:  # peer: the engine's own streaming HTTP API, no gateway
-                    i = len(out) + len(todo) + conc
-                    async with c.stream("POST", "/internal/generate", json=internal | {"request_id": f"direct-{time.time_ns()}-{i}"}) as r:
-                        assert r.status_code == 200, r.status_code
-                        async for line in r.aiter_lines():
-                            if '"finished": true' in line:
-                                break
                     out.append(("", (time.perf_counter() - t0) * 1000.0))
                     continue
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -148,20 +133,6 @@ def main() -> None:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
 
-    from tessera.engine_client.worker import create_worker_app
-
-    worker_app = create_worker_app(aengine, secret="bench-secret")
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        wport = sock.getsockname()[1]
-    wserver = uvicorn.Server(uvicorn.Config(worker_app, host="127.0.0.1", port=wport, log_level="warning"))
-    threading.Thread(target=wserver.run, daemon=True).start()
-    while not wserver.started:
-        time.sleep(0.05)
-    tok = aengine.tokenizer
-    internal_body = json.dumps({"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hello."}])),
-                                "params": {"max_tokens": args.max_tokens, "temperature": 0}, "tenant_id": "bench"})
-
     # The engine alone, for reference: the same request without the gateway.
     async def direct(n: int) -> list[float]:
         tok = aengine.tokenizer
@@ -190,11 +161,6 @@ def main() -> None:
         result[f"added_ms_p99_c{conc}"] = round(pct(added, 99), 3)
         result[f"e2e_ms_p50_c{conc}"] = round(pct(e2e, 50), 1)
         result[f"requests_c{conc}"] = total
-        peer = [e for _, e in json.loads(subprocess.run(
-            [sys.executable, "-c", LOAD, f"http://127.0.0.1:{wport}", "bench-secret", str(conc), str(total),
-             str(args.max_tokens), internal_body], check=True, capture_output=True, text=True).stdout)]
-        result[f"engine_http_e2e_ms_p50_c{conc}"] = round(pct(peer, 50), 1)
-        result[f"added_vs_engine_http_ms_p50_c{conc}"] = round(pct(e2e, 50) - pct(peer, 50), 3)
     base = json.loads(subprocess.run([sys.executable, "-c", LOAD, url, key, "1", "200", "0"],
                                      check=True, capture_output=True, text=True).stdout)
     result["http_roundtrip_ms_p50_c1"] = round(pct([e for _, e in base], 50), 3)
@@ -204,7 +170,6 @@ def main() -> None:
     result["setup"] = "embedded: SQLite usage + key lookup, in-memory quotas, in-process engine, uvicorn h11, SSE"
     result["machine"] = f"{os.cpu_count()} CPUs {pyplatform.processor() or pyplatform.machine()}, no GPU"
     server.should_exit = True
-    wserver.should_exit = True
     aengine.shutdown()
     print(json.dumps(result))
 
