@@ -40,10 +40,13 @@ async function buckets(tenant, params) {
 }
 
 /** {bucketStarts: [...], series: Map(label -> {tokens[], input[], output[], cost[], requests[]})} */
-function collect(pages, view, width) {
+function collect(pages, view, width, start, end) {
+  // Every bucket of the period is on the time axis, empty ones too, so gaps read as time.
+  const step = width === "1h" ? 3600 : 86400;
   const starts = new Set();
+  for (let t = start; t < end; t += step) starts.add(t);
   const series = new Map();
-  for (const { tenant, page } of pages) {
+  for (const { page } of pages) {
     for (const b of page.data || []) starts.add(b.start_time);
   }
   const bucketStarts = [...starts].sort((a, b) => a - b);
@@ -123,7 +126,8 @@ export async function render(main, ctx) {
   }
 
   const period = PERIODS[periodKey];
-  const end = Math.ceil(Date.now() / 1000 / 3600) * 3600;
+  const step = period.width === "1h" ? 3600 : 86400; // day buckets start at midnight UTC
+  const end = Math.ceil(Date.now() / 1000 / step) * step;
   const start = end - period.seconds;
   const chosen = tenant ? [tenant] : tenants.map((t) => t.name);
   const params = { start_time: start, end_time: end, bucket_width: period.width };
@@ -141,7 +145,7 @@ export async function render(main, ctx) {
     throw err;
   }
   if (ctx.signal.aborted) return;
-  const { labels, series } = collect(pages, view, period.width);
+  const { labels, series } = collect(pages, view, period.width, start, end);
   const names = [...series.keys()].sort();
   const total = (s, k) => s[k].reduce((a, b) => a + b, 0);
   const scope = tenant ? ` of ${tenant}` : "";
