@@ -2,6 +2,8 @@
 storage format chosen by measurement (fp32, bf16, or int8 weight-only)."""
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -56,8 +58,9 @@ class BaseLinear(nn.Module):
     fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
     fmt "int8": per-output-channel symmetric int8 with bf16 scales, multiplied by torch's fused
     weight-only kernel (`_weight_int8pack_mm`, 1 byte read per weight) for skinny batches
-    (M <= INT8_MAX_ROWS: decode); wider batches (prefill chunks) use a dense fp32 copy, because
-    that kernel is slower than a dense GEMM there (bench/RESULTS.md has the measurements).
+    (M <= int8_max_rows: decode); wider batches use a dense fp32 copy, because that kernel is
+    slower than a dense GEMM there. Where the crossover lies depends on the CPU (AVX-512/VNNI or
+    only AVX2): `calibrate_int8_rows` measures it on the loaded weights (bench/RESULTS.md).
     The output has the activation dtype.
     """
 
@@ -66,6 +69,7 @@ class BaseLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, fmt: str):
         super().__init__()
         self.fmt = fmt
+        self.int8_max_rows = self.INT8_MAX_ROWS
         self.out_features, self.in_features = weight.shape
         w = weight.float()
         if fmt == "fp32":
@@ -83,7 +87,7 @@ class BaseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
-            if x.shape[0] > self.INT8_MAX_ROWS:
+            if x.shape[0] > self.int8_max_rows:
                 return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
             return y.to(x.dtype)
@@ -96,3 +100,34 @@ class BaseLinear(nn.Module):
         if self.fmt == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         return self.weight.float()
+
+
+def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 2) -> int:
+    """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
+    kernel beats the dense fp32 copy, and set it as every layer's `int8_max_rows`. Each timing
+    runs all the layers in turn, so weights come from memory as in a real step, not from cache.
+    Returns the threshold (0: dense is faster even for one row)."""
+    if not layers:
+        return 0
+    best = 0
+    with torch.inference_mode():
+        for m in candidates:
+            xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in layers}}
+            xbs = {k: x.to(torch.bfloat16) for k, x in xs.items()}
+            times = []
+            for dense in (False, True):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    for layer in layers:
+                        if dense:
+                            torch.nn.functional.linear(xs[layer.in_features], layer.dense)
+                        else:
+                            torch._weight_int8pack_mm(xbs[layer.in_features], layer.weight, layer.scales)
+                times.append(time.perf_counter() - t0)
+            if times[0] <= times[1]:
+                best = m
+            else:
+                break
+    for layer in layers:
+        layer.int8_max_rows = best
+    return best
