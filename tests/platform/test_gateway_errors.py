@@ -127,8 +127,10 @@ def test_keys_are_shown_once_and_stored_as_hashes(platform):
 
 
 def test_unknown_route_and_empty_prompt(platform):
-    t = platform.tenant()
+    t = platform.tenant(max_concurrent_requests=1)
     assert_error(httpx.get(f"{platform.url}/v1/nothing", headers={"authorization": f"Bearer {t.key}"}), 404)
     assert_error(post(platform, t.key, path="/v1/completions", json={"model": BASE, "prompt": "", "max_tokens": 2}),
                  400, param="prompt")
-    still_serving(platform, t.key)
+    still_serving(platform, t.key)  # the refused request's concurrency slot was released
+    # A caller's mistake is neither billed nor recorded as a server error (availability SLOs).
+    assert [e.status for e in platform.usage_events(t.name)] == ["completed"]

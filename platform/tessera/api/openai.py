@@ -321,7 +321,11 @@ async def _serve(gw: Gateway, caller: Caller, body, kind: str, http: Request):
     try:
         first = await stream.__anext__()
     except InvalidRequestError as e:
-        await _finish(gw, caller, job, decision, status="error", finish_reason=None, completion_tokens=0, ttft=None)
+        # The caller's mistake, caught by the engine before any work: nothing to bill, and not a
+        # server error (a usage event with status "error" would count against availability
+        # SLOs). Release the reservation like every other 4xx, which never reaches the engine.
+        with anyio.CancelScope(shield=True):
+            await gw.quota.settle(decision.reservation, used_tokens=0)
         raise ApiError(400, e.message, param=e.param) from None
     except EngineUnavailable as e:
         await _finish(gw, caller, job, decision, status="error", finish_reason=None, completion_tokens=0, ttft=None)
