@@ -17,7 +17,7 @@ from sqlalchemy import event
 
 from adapter_registry.context import build_context
 from tessera import admin_pages
-from tessera.api import admin, admin_adapters, admin_slo, admin_tenants, openai
+from tessera.api import admin, admin_adapters, admin_slo, admin_tenants, openai, usage
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
 from tessera.errors import ApiError, install_handlers
@@ -140,6 +140,7 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     app.include_router(admin_tenants.router)
     app.include_router(admin_adapters.router)
     app.include_router(admin_slo.router)
+    app.include_router(usage.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics(request: Request):

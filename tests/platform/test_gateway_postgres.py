@@ -57,6 +57,16 @@ def test_gateway_on_postgres_records_usage(platform_settings, pg_url, aengine):
                     finish_reason="stop", ttft_ms=None, duration_ms=1.0)
         assert p.gateway.meter.record_sync(dup) is False
         assert {x.request_id: x for x in p.usage_events(t.name)}[r.id].completion_tokens == r.usage.completion_tokens
+        # Usage buckets from Postgres's own time arithmetic: both requests in this hour.
+        import time
+
+        start = int(time.time()) // 3600 * 3600 - 3600  # this hour and the one before
+        buckets = p.admin.get(f"/admin/v1/tenants/{t.name}/usage/buckets",
+                              params={"start_time": start, "end_time": start + 7200, "bucket_width": "1h"})
+        assert buckets.status_code == 200, buckets.text
+        results = [x for b in buckets.json()["data"] for x in b["results"]]
+        assert sum(x["num_model_requests"] for x in results) == 2
+        assert sum(x["input_tokens"] for x in results) == sum(x.prompt_tokens for x in events.values())
         # Revocation on Postgres too.
         assert p.admin.delete(f"/admin/v1/tenants/{t.name}/keys/{t.key_id}").status_code == 200
         import openai

@@ -1,0 +1,121 @@
+"""Usage in time buckets for one tenant, shaped after OpenAI's usage API.
+
+`usage_buckets(session, tenant_id, start_time, end_time, bucket_width, group_by, limit, page)`
+returns {"object": "page", "data": [bucket, ...], "has_more", "next_page"} where every bucket of
+[start_time, end_time) is present (empty ones too) as
+    {"object": "bucket", "start_time", "end_time", "results": [result, ...]}
+and each result sums the tenant's usage events in that bucket:
+    {"object": "usage.result", "input_tokens", "output_tokens", "num_model_requests",
+     plus, per group_by field: "adapter" (adapter name; null = the base model), "priority",
+     "api_key_id"}
+Times are unix seconds, start inclusive, end exclusive; 1h buckets start on the hour and 1d
+buckets at midnight UTC when start_time does (buckets are counted from start_time). Every event
+counts, whatever its status: aborted requests were billed for what they were sent. The sums
+run in the database (one GROUP BY over the tenant's events in the range, on its
+(tenant_id, created_at) rows), not in Python per event. Cost is not reported yet: it needs the
+billing issue's price book.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import BigInteger, cast, func, select
+from sqlalchemy.orm import Session
+
+from tessera.models import UsageEvent
+
+BUCKET_SECONDS = {"1h": 3600, "1d": 86400}
+GROUP_FIELDS = ("adapter", "priority", "api_key")
+MAX_BUCKETS = {"1h": 168, "1d": 31}
+DEFAULT_BUCKETS = {"1h": 24, "1d": 7}
+
+
+class UsageQueryError(ValueError):
+    """A bad query parameter; the message names it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _epoch(session: Session):
+    """created_at as integer unix seconds, in the session's SQL dialect."""
+    if session.get_bind().dialect.name == "postgresql":
+        return cast(func.floor(func.extract("epoch", UsageEvent.created_at)), BigInteger)
+    return cast(func.strftime("%s", UsageEvent.created_at), BigInteger)  # SQLite stores UTC text
+
+
+def usage_buckets(*, session: Session, tenant_id: int, start_time: int, end_time: int | None,
+                  bucket_width: str = "1d", group_by: list[str] | None = None, limit: int | None = None,
+                  page: str | None = None) -> dict:
+    """See the module docstring. Raises UsageQueryError for a bad parameter."""
+    if bucket_width not in BUCKET_SECONDS:
+        raise UsageQueryError("bucket_width must be 1h or 1d", "bucket_width")
+    width = BUCKET_SECONDS[bucket_width]
+    group_by = list(dict.fromkeys(group_by or []))
+    for g in group_by:
+        if g not in GROUP_FIELDS:
+            raise UsageQueryError(f"group_by {g!r} is not one of {', '.join(GROUP_FIELDS)}", "group_by")
+    if start_time < 0:
+        raise UsageQueryError("start_time must be unix seconds >= 0", "start_time")
+    limit = DEFAULT_BUCKETS[bucket_width] if limit is None else limit
+    if not 1 <= limit <= MAX_BUCKETS[bucket_width]:
+        raise UsageQueryError(f"limit must be between 1 and {MAX_BUCKETS[bucket_width]} for {bucket_width} buckets", "limit")
+    try:
+        first = int(page) if page else 0
+    except ValueError:
+        raise UsageQueryError("page must be the next_page value of a previous answer", "page") from None
+    total = -(-((end_time if end_time is not None else start_time + limit * width) - start_time) // width)
+    if total <= 0:
+        raise UsageQueryError("end_time must be after start_time", "end_time")
+    if first < 0 or first >= total:
+        raise UsageQueryError("page is past the last bucket", "page")
+    last = min(total, first + limit)
+    lo, hi = start_time + first * width, start_time + last * width
+    if end_time is not None:
+        hi = min(hi, end_time)
+
+    bucket = ((_epoch(session) - start_time) // width).label("bucket")
+    cols = [bucket]
+    if "adapter" in group_by:
+        cols += [UsageEvent.model, UsageEvent.adapter_version]
+    if "priority" in group_by:
+        cols.append(UsageEvent.priority)
+    if "api_key" in group_by:
+        cols.append(UsageEvent.api_key_id)
+    stmt = (select(*cols, func.sum(UsageEvent.prompt_tokens), func.sum(UsageEvent.completion_tokens), func.count())
+            .where(UsageEvent.tenant_id == tenant_id,
+                   UsageEvent.created_at >= datetime.fromtimestamp(lo, timezone.utc),
+                   UsageEvent.created_at < datetime.fromtimestamp(hi, timezone.utc))
+            .group_by(*cols))
+
+    results: dict[int, dict[tuple, dict]] = {}
+    for row in session.execute(stmt):
+        b, *keys = row[:len(cols)]
+        prompt, completion, n = row[len(cols):]
+        group: dict = {}
+        i = 0
+        if "adapter" in group_by:
+            model, version = keys[0], keys[1]
+            # One series per adapter name, whichever version or `name@version` the requests named.
+            group["adapter"] = model.split("@", 1)[0] if version is not None else None
+            i = 2
+        if "priority" in group_by:
+            group["priority"] = keys[i]
+            i += 1
+        if "api_key" in group_by:
+            group["api_key_id"] = keys[i]
+        r = results.setdefault(int(b), {}).setdefault(tuple(group.items()), {
+            "object": "usage.result", "input_tokens": 0, "output_tokens": 0, "num_model_requests": 0, **group})
+        r["input_tokens"] += int(prompt or 0)
+        r["output_tokens"] += int(completion or 0)
+        r["num_model_requests"] += int(n)
+
+    data = []
+    for k in range(first, last):
+        b_start = start_time + k * width
+        b_end = b_start + width if end_time is None else min(b_start + width, end_time)
+        data.append({"object": "bucket", "start_time": b_start, "end_time": b_end,
+                     "results": list(results.get(k, {}).values())})
+    more = last < total
+    return {"object": "page", "data": data, "has_more": more, "next_page": str(last) if more else None}
