@@ -28,6 +28,12 @@ function cost(r) {
   return r.cost_micros ?? r.cost_micro_units ?? r.cost ?? 0;
 }
 
+function hasCost(pages) {
+  // The server reports cost only once a price book exists; until then say so, never "0.00 USD".
+  return pages.some(({ page }) => (page.data || []).some((b) => (b.results || []).some(
+    (r) => r.cost_micros !== undefined || r.cost_micro_units !== undefined || r.cost !== undefined)));
+}
+
 function groupKey(r, view) {
   if (view === "adapter") return r.adapter ?? r.model ?? "base model";
   if (view === "priority") return r.priority ?? "unknown";
@@ -146,6 +152,7 @@ export async function render(main, ctx) {
   }
   if (ctx.signal.aborted) return;
   const { labels, series } = collect(pages, view, period.width, start, end);
+  const priced = hasCost(pages);
   const names = [...series.keys()].sort();
   const total = (s, k) => s[k].reduce((a, b) => a + b, 0);
   const scope = tenant ? ` of ${tenant}` : "";
@@ -171,15 +178,19 @@ export async function render(main, ctx) {
         h("td", { "data-label": "Requests" }, fmt.int(total(s, "requests"))),
         h("td", { "data-label": "Input tokens" }, fmt.int(total(s, "input"))),
         h("td", { "data-label": "Output tokens" }, fmt.int(total(s, "output"))),
-        h("td", { "data-label": "Cost" }, fmt.money(total(s, "cost"))));
+        h("td", { "data-label": "Cost" }, priced ? fmt.money(total(s, "cost")) : "not priced"));
     })));
-  content.push(h("div", { class: "charts" }, tokensChart.element, costChart.element), h("div", { class: "table-wrap card" }, table));
+  const costPart = priced ? costChart.element
+    : h("div", { class: "card" }, h("h2", {}, "Cost"), h("p", {}, "Costs appear here once prices are set for this base model (the billing price book); token counts are exact meanwhile."));
+  content.push(h("div", { class: "charts" }, tokensChart.element, costPart), h("div", { class: "table-wrap card" }, table));
   clear(main, content);
   const color = (i) => COLORS[i % COLORS.length];
   const drew = drawChart(tokensChart.canvas, labels,
     names.map((n, i) => ({ label: n, data: series.get(n).input.map((x, j) => x + series.get(n).output[j]), backgroundColor: color(i) })),
     "tokens");
-  drawChart(costChart.canvas, labels,
-    names.map((n, i) => ({ label: n, data: series.get(n).cost.map((x) => x / 1e6), backgroundColor: color(i) })), "cost (USD)");
+  if (priced) {
+    drawChart(costChart.canvas, labels,
+      names.map((n, i) => ({ label: n, data: series.get(n).cost.map((x) => x / 1e6), backgroundColor: color(i) })), "cost (USD)");
+  }
   if (!drew) content[1].after(h("p", { class: "notice info" }, "Charts are unavailable (the chart library was not built: run make setup); the table below has the numbers."));
 }
