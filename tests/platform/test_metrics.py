@@ -161,12 +161,17 @@ def test_metrics_token_guards_the_endpoint(platform, aengine):
 def test_engine_worker_serves_its_own_metrics_without_the_secret(aengine):
     """`tessera engine-worker`'s app: /metrics is open to Prometheus (engine series carry no
     tenant data) while the internal API still needs the shared secret."""
+    from engine import metrics as engine_metrics
     from tessera.engine_client.worker import create_worker_app
 
+    # The series cover every live engine of the process (one in a real worker; the test process
+    # keeps other tests' engines alive too). Hold them so none is collected before the scrape.
+    live = list(engine_metrics._engines)
     with ServerThread(create_worker_app(aengine, secret="worker-secret-" + "x" * 16)) as server:
         assert httpx.get(f"{server.url}/internal/info").status_code == 401
         m = scrape(server.url)
     assert value(m, "tessera_engine_step_seconds_count") > 0  # earlier tests ran steps on this engine
-    assert value(m, "tessera_engine_kv_cache_blocks") == aengine.engine.block_manager.num_blocks
+    assert aengine.engine in live
+    assert value(m, "tessera_engine_kv_cache_blocks") == sum(e.block_manager.num_blocks for e in live)
     assert ("tessera_engine_waiting_sequences", frozenset({("priority", "batch")})) in m
     assert not any(dict(labels).get("tenant") for (name, labels) in m if name.startswith("tessera_engine_"))
