@@ -16,7 +16,9 @@ MSGS = [{"role": "user", "content": "Count from one to twenty."}]
 
 
 def avoid_minute_edge(margin: float = 20.0) -> None:
-    """Start a burst early in a minute, so one fixed window holds it (no timing is asserted)."""
+    """Start a burst early in a minute, so it all falls in one minute: across a boundary the
+    sliding window's estimate of the previous minute lets through up to its decayed share more
+    (no timing is asserted)."""
     left = 60.0 - time.time() % 60.0
     if left < margin:
         time.sleep(left + 0.1)
@@ -189,9 +191,27 @@ def backend_semantics(make_backend):
             got = await _hammer(b, tenant, lim, 30, tokens=15)
             assert sum(d.admitted for d in got) == 6
             assert {d.reason for d in got if not d.admitted} == {"tokens"}
-            # A new minute starts with fresh minute counters.
+            # Two minutes later both windows have slid out: fresh counters.
             d = await b.reserve(tenant=tenant, request_id="later", limits=lim, tokens=15, now=now + 120)
             assert d.admitted
+
+            # Sliding window: a full burst at :50 cannot be repeated right after the minute turns.
+            tenant = uuid.uuid4().hex
+            lim = Limits(requests_per_minute=10)
+            base = int(now) // 60 * 60 + 50
+
+            async def burst_at(t, n):
+                return [await b.reserve(tenant=tenant, request_id=uuid.uuid4().hex, limits=lim, tokens=1, now=t)
+                        for _ in range(n)]
+
+            got = await burst_at(base, 11)
+            assert [d.admitted for d in got] == [True] * 10 + [False]
+            # Fits again when 9/10 of the previous minute's 10 remain in the window: 16 s later.
+            assert got[-1].reason == "requests" and got[-1].retry_after_s == 16
+            got = await burst_at(base + 16, 3)  # 6 s into the next minute: 90% of the 10 still count
+            assert [d.admitted for d in got] == [True, False, False]
+            got = await burst_at(base + 40, 10)  # 30 s in: 5 + 1 counted, room for 4
+            assert sum(d.admitted for d in got) == 4 and got[-1].remaining_requests == 0
         finally:
             await b.close()
 

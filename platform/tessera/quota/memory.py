@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tessera.quota import Decision, Limits, Reservation, decide, minute_of, month_of
+from tessera.quota import Decision, Limits, Reservation, decide, minute_of, month_of, sliding_estimate
 
 
 @dataclass
@@ -14,6 +14,8 @@ class _Counters:
     minute: int = -1
     requests: int = 0
     tokens: int = 0
+    prev_requests: int = 0  # the previous minute's counts (the sliding window's tail)
+    prev_tokens: int = 0
     inflight: set[str] = field(default_factory=set)
     budget: dict[str, int] = field(default_factory=dict)  # month -> tokens reserved or used
 
@@ -32,6 +34,10 @@ class MemoryQuota:
         with self._lock:
             c = self._tenants.setdefault(tenant, _Counters())
             if c.minute != minute:
+                if c.minute == minute - 1:
+                    c.prev_requests, c.prev_tokens = c.requests, c.tokens
+                else:
+                    c.prev_requests = c.prev_tokens = 0
                 c.minute, c.requests, c.tokens = minute, 0, 0
             spent = c.budget.get(month, 0)
             reason = None
@@ -39,9 +45,11 @@ class MemoryQuota:
                 reason = "budget"
             elif limits.max_concurrent_requests is not None and len(c.inflight) + 1 > limits.max_concurrent_requests:
                 reason = "concurrency"
-            elif limits.requests_per_minute is not None and c.requests + 1 > limits.requests_per_minute:
+            elif (limits.requests_per_minute is not None
+                  and sliding_estimate(c.prev_requests, c.requests, now) + 1 > limits.requests_per_minute):
                 reason = "requests"
-            elif limits.tokens_per_minute is not None and c.tokens + tokens > limits.tokens_per_minute:
+            elif (limits.tokens_per_minute is not None
+                  and sliding_estimate(c.prev_tokens, c.tokens, now) + tokens > limits.tokens_per_minute):
                 reason = "tokens"
             reservation = None
             if reason is None:
@@ -51,7 +59,8 @@ class MemoryQuota:
                 c.budget[month] = spent + tokens
                 reservation = Reservation(tenant, request_id, tokens, minute, month)
             return decide(reason=reason, reservation=reservation, limits=limits, now=now,
-                          requests=c.requests, tokens_used=c.tokens)
+                          requests=c.requests, tokens_used=c.tokens, prev_requests=c.prev_requests,
+                          prev_tokens=c.prev_tokens, tokens=tokens)
 
     async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
         delta = used_tokens - reservation.tokens
@@ -62,6 +71,8 @@ class MemoryQuota:
             c.inflight.discard(reservation.request_id)
             if c.minute == reservation.minute:
                 c.tokens = max(0, c.tokens + delta)
+            elif c.minute == reservation.minute + 1:  # its minute is now the window's tail
+                c.prev_tokens = max(0, c.prev_tokens + delta)
             c.budget[reservation.month] = max(0, c.budget.get(reservation.month, 0) + delta)
 
     async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:

@@ -1,6 +1,8 @@
 """Redis quota counters, shared by every gateway replica. Check-and-count is one Lua script, which
 Redis runs atomically. Keys per tenant (one hash slot through the {tenant} tag):
-  req:{t}:<minute>, tok:{t}:<minute>  fixed-window counters, expire after 2 minutes
+  req:{t}:<minute>, tok:{t}:<minute>  per-minute counters, expire after 3 minutes; the limit is
+                                      checked against this minute's count plus the previous
+                                      minute's, weighted (a sliding window: quota/__init__.py)
   conc:{t}                            sorted set request_id -> lease deadline (a crashed gateway's
                                       slots expire after `lease_s` instead of leaking forever)
   budget:{t}:<YYYY-MM>                tokens reserved or used this month, kept 40 days
@@ -24,20 +26,23 @@ local rid = ARGV[2]
 local tokens = tonumber(ARGV[3])
 local rpm, tpm, conc, budget = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local lease = tonumber(ARGV[8])
+local w = tonumber(ARGV[9])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+local preqs = tonumber(redis.call('GET', KEYS[5]) or '0')
+local pused = tonumber(redis.call('GET', KEYS[6]) or '0')
 local inflight = redis.call('ZCARD', KEYS[3])
 local spent = tonumber(redis.call('GET', KEYS[4]) or '0')
-if budget >= 0 and spent + tokens > budget then return {0, 'budget', reqs, used} end
-if conc >= 0 and inflight + 1 > conc then return {0, 'concurrency', reqs, used} end
-if rpm >= 0 and reqs + 1 > rpm then return {0, 'requests', reqs, used} end
-if tpm >= 0 and used + tokens > tpm then return {0, 'tokens', reqs, used} end
-redis.call('INCR', KEYS[1]); redis.call('EXPIRE', KEYS[1], 120)
-redis.call('INCRBY', KEYS[2], tokens); redis.call('EXPIRE', KEYS[2], 120)
+if budget >= 0 and spent + tokens > budget then return {0, 'budget', reqs, used, preqs, pused} end
+if conc >= 0 and inflight + 1 > conc then return {0, 'concurrency', reqs, used, preqs, pused} end
+if rpm >= 0 and preqs * w + reqs + 1 > rpm then return {0, 'requests', reqs, used, preqs, pused} end
+if tpm >= 0 and pused * w + used + tokens > tpm then return {0, 'tokens', reqs, used, preqs, pused} end
+redis.call('INCR', KEYS[1]); redis.call('EXPIRE', KEYS[1], 180)
+redis.call('INCRBY', KEYS[2], tokens); redis.call('EXPIRE', KEYS[2], 180)
 redis.call('ZADD', KEYS[3], now + lease, rid); redis.call('EXPIRE', KEYS[3], lease)
 redis.call('INCRBY', KEYS[4], tokens); redis.call('EXPIRE', KEYS[4], 3456000)
-return {1, 'ok', reqs + 1, used + tokens}
+return {1, 'ok', reqs + 1, used + tokens, preqs, pused}
 """
 
 _SETTLE = """
@@ -68,23 +73,26 @@ class RedisQuota:
 
     def _keys(self, tenant: str, minute: int, month: str) -> list[str]:
         t, p = "{" + tenant + "}", self.prefix
-        return [f"{p}req:{t}:{minute}", f"{p}tok:{t}:{minute}", f"{p}conc:{t}", f"{p}budget:{t}:{month}"]
+        return [f"{p}req:{t}:{minute}", f"{p}tok:{t}:{minute}", f"{p}conc:{t}", f"{p}budget:{t}:{month}",
+                f"{p}req:{t}:{minute - 1}", f"{p}tok:{t}:{minute - 1}"]
 
     async def reserve(self, *, tenant: str, request_id: str, limits: Limits, tokens: int,
                       now: float | None = None) -> Decision:
         now = time.time() if now is None else now
         minute, month = minute_of(now), month_of(now)
         try:
-            ok, reason, reqs, used = await self._reserve(
+            ok, reason, reqs, used, preqs, pused = await self._reserve(
                 keys=self._keys(tenant, minute, month),
                 args=[repr(now), request_id, tokens, _lim(limits.requests_per_minute), _lim(limits.tokens_per_minute),
-                      _lim(limits.max_concurrent_requests), _lim(limits.monthly_token_budget), self.lease_s])
+                      _lim(limits.max_concurrent_requests), _lim(limits.monthly_token_budget), self.lease_s,
+                      repr(1.0 - (now % 60.0) / 60.0)])
         except RedisError as e:
             raise QuotaUnavailable(f"quota counters unavailable ({type(e).__name__})") from e
         reservation = Reservation(tenant, request_id, tokens, minute, month) if ok == 1 else None
         reason = None if ok == 1 else (reason.decode() if isinstance(reason, bytes) else reason)
         return decide(reason=reason, reservation=reservation, limits=limits, now=now,
-                      requests=int(reqs), tokens_used=int(used))
+                      requests=int(reqs), tokens_used=int(used), prev_requests=int(preqs), prev_tokens=int(pused),
+                      tokens=tokens)
 
     async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
         try:
