@@ -131,6 +131,11 @@ class ExpandArgs:
     num_tokens: int
     num_slots: int
     max_rank: int
+    packed: bool  # slices fill y's columns side by side from 0
+
+
+def _packed_offsets(widths: list[int]) -> list[int]:
+    return [sum(widths[:i]) for i in range(len(widths))]
 
 
 def check_expand(v, lora_b, ranks, y, offsets=None) -> ExpandArgs:
@@ -173,7 +178,8 @@ def check_expand(v, lora_b, ranks, y, offsets=None) -> ExpandArgs:
         if o < 0 or o + n > y.shape[1]:
             raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")
     _check_ranks_scales(ranks, None, num_slots, max_rank, device)
-    return ExpandArgs(v3, slices, y, offsets, widths, num_tokens, num_slots, max_rank)
+    return ExpandArgs(v3, slices, y, offsets, widths, num_tokens, num_slots, max_rank,
+                      offsets == _packed_offsets(widths))
 
 
 def check_token_slots(token_slots, num_tokens: int, num_slots: int, device) -> None:
@@ -232,7 +238,7 @@ def check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets=None) -> AddLoRA
             raise ValueError(f"lora_b[{i}] has shape {tuple(b.shape)}; expected [{S}, N, {R}]")
     _check_ranks_scales(ranks, scales, S, R, x.device)
     widths = [b.shape[1] for b in b_slices]
-    packed_offsets = [sum(widths[:i]) for i in range(len(widths))]
+    packed_offsets = _packed_offsets(widths)
     if offsets is None:
         offsets = packed_offsets
     else:

@@ -76,7 +76,7 @@ def _split_big(counts: list[int]) -> list[bool]:
     order = sorted(range(len(counts)), key=lambda i: -counts[i])
     big = [False] * len(counts)
     rest, n = sum(counts), len(counts)
-    for k, i in enumerate(order):
+    for i in order:
         m = counts[i]  # the largest count left sets the block's height
         if n * m <= max(BLOCK_PAD_FACTOR * rest, MIN_BLOCK_ROWS):
             break
@@ -105,7 +105,7 @@ def _plan_rank_group(rank: int, tok: torch.Tensor, sl: torch.Tensor, slot_ranks:
         empty = torch.zeros(0, dtype=torch.int64)
         return RankGroup(rank, None, 0, empty, None, empty, empty, tuple(big))
     keep = torch.repeat_interleave(small, counts)
-    tok_s, sl_s = tok[keep], sl[keep]
+    tok_s = tok[keep]
     d_s, c_s = d[small], counts[small]
     m = int(c_s.max())
     lo, hi = int(d_s[0]), int(d_s[-1]) + 1
@@ -187,14 +187,9 @@ def _shrink_grouped(args, scales, groups) -> None:
                     v[l, :, :r].index_copy_(0, b.tokens, res)
 
 
-def _packed(args) -> bool:
-    """The slices fill y's columns side by side from 0 (q|k|v, gate|up)."""
-    return args.offsets == [sum(args.widths[:i]) for i in range(len(args.widths))]
-
-
 def _expand_grouped(args, groups) -> None:
     y = args.y
-    packed = len(args.slices) > 1 and _packed(args)
+    packed = len(args.slices) > 1 and args.packed
     for g in groups:
         r = g.rank
         if g.block_slots is not None:
@@ -307,7 +302,11 @@ def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
     half the ops of bgmv_shrink + bgmv_expand, which is what a decode step on a CPU pays for.
     """
     args = check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets)
-    check_token_slots(meta.token_slots, x.shape[0], args.a_slices[0].shape[0], x.device)
+    num_slots = args.a_slices[0].shape[0]
+    if meta.num_slots != num_slots:  # build_lora_metadata(num_slots=S) already checked the values
+        check_token_slots(meta.token_slots, x.shape[0], num_slots, x.device)
+    elif meta.num_tokens != x.shape[0]:
+        raise ValueError(f"meta has {meta.num_tokens} tokens but x has {x.shape[0]}")
     pairs = list(zip(args.a_slices, args.b_slices))
     scale_list = None
     for g in _plan(meta.token_slots, ranks, meta):
