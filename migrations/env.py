@@ -14,7 +14,7 @@ from adapter_registry.db import Base, make_engine
 from adapter_registry.settings import get_settings
 
 # Modules defining tables on Base.metadata; the platform appends its own (e.g. "tessera.models").
-MODEL_MODULES = ["adapter_registry.models", "tessera.models", "tessera.observability.models"]
+MODEL_MODULES = ["adapter_registry.models", "tessera.models", "tessera.billing.models", "tessera.observability.models"]
 for _module in MODEL_MODULES:
     importlib.import_module(_module)
 

@@ -1,4 +1,5 @@
-"""Billing tables (price book, line items, invoices, exports) -- filled in by the billing work.
+"""Reserved, empty: databases were migrated past it before the billing work landed, so the
+billing tables are created by 0005 instead (filling this one in would skip them there).
 
 Revision ID: 0003
 Revises: 0002

@@ -17,7 +17,8 @@ from sqlalchemy import event
 
 from adapter_registry.context import build_context
 from tessera import admin_pages
-from tessera.api import admin, admin_adapters, admin_slo, admin_tenants, openai, usage
+from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, usage
+from tessera.billing.embedded import billing_loop
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
 from tessera.errors import ApiError, install_handlers
@@ -124,7 +125,11 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
                                     meter=Meter(ctx.engine, ctx.session_factory, observer=metrics.observe),
                                     epoch=epoch)
         try:
-            yield
+            async with anyio.create_task_group() as tg:
+                if settings.celery_eager:  # embedded: no Celery beat; the gateway runs billing on a timer
+                    tg.start_soon(billing_loop, ctx)
+                yield
+                tg.cancel_scope.cancel()
         finally:
             await epoch.close()
             if quota is None:
@@ -140,6 +145,7 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     app.include_router(admin_tenants.router)
     app.include_router(admin_adapters.router)
     app.include_router(admin_slo.router)
+    app.include_router(admin_billing.router)
     app.include_router(usage.router)
 
     @app.get("/metrics", include_in_schema=False)

@@ -40,6 +40,7 @@ class Usage:
     finish_reason: str | None
     ttft_ms: float | None
     duration_ms: float
+    base_model: str | None = None  # the base model that served it (billing prices by it)
 
 
 class Meter:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, Float, ForeignKey, Integer, String
+from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, Float, ForeignKey, Index, Integer, String, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from adapter_registry.db import Base, utcnow
@@ -30,6 +30,8 @@ class Plan(Base):
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
     allowed_priorities: Mapped[list[Any]] = mapped_column(JSON, default=lambda: ["standard", "batch"])
     default_priority: Mapped[str] = mapped_column(String(16), default="standard")
+    #: Tokens a month the plan includes at no charge (billing credits them on the invoice).
+    monthly_included_tokens: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -64,15 +66,23 @@ class ApiKey(Base):
 
 
 class UsageEvent(Base):
-    """One request's usage, keyed by its request id (recording it twice keeps the first)."""
+    """One request's usage, keyed by its request id (recording it twice keeps the first).
+
+    billing_run_id is set, once, by the billing rollup that summed the event into a line item;
+    the partial index finds the events no rollup has taken yet without scanning the rest."""
 
     __tablename__ = "usage_events"
-    __table_args__ = (CheckConstraint("status IN ('completed', 'aborted', 'error')", name="status"),)
+    __table_args__ = (
+        CheckConstraint("status IN ('completed', 'aborted', 'error')", name="status"),
+        Index("ix_usage_events_unbilled", "created_at", sqlite_where=text("billing_run_id IS NULL"),
+              postgresql_where=text("billing_run_id IS NULL")),
+    )
 
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
     model: Mapped[str] = mapped_column(String(200))
+    base_model: Mapped[str | None] = mapped_column(String(200))  # NULL in events recorded before billing
     adapter_version: Mapped[str | None] = mapped_column(String(64))  # sha256; NULL = base model
     priority: Mapped[str] = mapped_column(String(16))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
@@ -82,3 +92,6 @@ class UsageEvent(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     duration_ms: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    # billing_runs.id; deliberately no foreign key: checking one per event would cost the rollup
+    # a fifth of its time, and only the rollup writes this column.
+    billing_run_id: Mapped[int | None] = mapped_column(BigInteger)

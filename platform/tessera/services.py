@@ -61,8 +61,10 @@ def _check_priorities(allowed: list[str] | None, default: str | None) -> None:
 
 
 def upsert_plan(*, session: Session, name: str, allowed_priorities: list[str] | None = None,
-                default_priority: str | None = None, **limits: int | None) -> Plan:
-    """Create the plan `name` or update it with the given values; commits. ValueError on bad classes."""
+                default_priority: str | None = None, monthly_included_tokens: int | None = ...,
+                **limits: int | None) -> Plan:
+    """Create the plan `name` or update it with the given values; commits. ValueError on bad classes.
+    monthly_included_tokens (billing's free allowance): None clears it; left out, it is unchanged."""
     unknown = set(limits) - set(LIMIT_FIELDS)
     if unknown:
         raise ValueError(f"unknown plan fields {sorted(unknown)}")
@@ -76,6 +78,10 @@ def upsert_plan(*, session: Session, name: str, allowed_priorities: list[str] | 
         plan.allowed_priorities = list(allowed_priorities)
     if default_priority is not None:
         plan.default_priority = default_priority
+    if monthly_included_tokens is not ...:
+        if monthly_included_tokens is not None and monthly_included_tokens < 0:
+            raise ValueError("monthly_included_tokens must be >= 0")
+        plan.monthly_included_tokens = monthly_included_tokens
     _check_priorities(plan.allowed_priorities, plan.default_priority)
     session.commit()
     return plan

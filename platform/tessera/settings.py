@@ -54,6 +54,12 @@ class PlatformSettings(RegistrySettings):
     metrics_max_adapter_labels: int = Field(50, ge=1, description="Distinct (tenant, adapter) label pairs per process; the rest are '_other'.")
     prometheus_url: str | None = Field(None, description="Prometheus HTTP API the SLO status reads burn rates and alerts from; unset computes them from usage events.")
 
+    # Billing (tessera.billing): prices in integer micro-units of this currency.
+    billing_currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="ISO 4217 code of every price and invoice.")
+    billing_queue: str = Field("billing", description="Celery queue of the billing tasks (rollup, close, export).")
+    billing_rollup_interval_s: float = Field(300.0, ge=1, description="How often usage is rolled up into line items (beat, or the embedded loop).")
+    billing_close_grace_s: float = Field(3600.0, ge=0, description="How long after a month ends its invoices are closed (events still in flight land first).")
+
     @model_validator(mode="after")
     def _http_mode_needs_workers(self) -> "PlatformSettings":
         if self.engine_mode == "http" and (not self.engine_urls or self.engine_secret is None):

@@ -37,6 +37,10 @@ class Limits(BaseModel):
     default_priority: str | None = None
 
 
+class PlanIn(Limits):
+    monthly_included_tokens: int | None = Field(None, ge=0)  # billing: tokens a month at no charge
+
+
 class TenantIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -79,13 +83,14 @@ async def _db(gw, fn, *, changes: bool = True) -> Any:
 
 
 @router.put("/plans/{name}")
-async def put_plan(name: str, body: Limits, _: AdminDep, gw: GatewayDep):
+async def put_plan(name: str, body: PlanIn, _: AdminDep, gw: GatewayDep):
     fields = body.model_dump(exclude_unset=True)
 
     def run(session):
         plan = services.upsert_plan(session=session, name=name, **fields)
         return {"name": plan.name, **{f: getattr(plan, f) for f in services.LIMIT_FIELDS},
-                "allowed_priorities": plan.allowed_priorities, "default_priority": plan.default_priority}
+                "allowed_priorities": plan.allowed_priorities, "default_priority": plan.default_priority,
+                "monthly_included_tokens": plan.monthly_included_tokens}
 
     return await _db(gw, run)
 

@@ -270,7 +270,8 @@ async def _finish(gw: Gateway, caller: Caller, job: _Job, decision: Decision, *,
                       model=job.model, adapter_version=job.adapter, priority=job.priority,
                       prompt_tokens=prompt, completion_tokens=completion_tokens, status=status,
                       finish_reason=finish_reason, ttft_ms=None if ttft is None else ttft * 1000.0,
-                      duration_ms=(time.perf_counter() - job.started) * 1000.0)
+                      duration_ms=(time.perf_counter() - job.started) * 1000.0,
+                      base_model=gw.engine.model_name)
         await gw.meter.record(usage)
         await gw.quota.settle(decision.reservation, used_tokens=prompt + completion_tokens)
         return usage
