@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Subcommand modules under tessera.commands, in the order `tessera --help` lists them.
-COMMAND_MODULES = ["generate", "adapters", "demo", "serve", "slo"]
+COMMAND_MODULES = ["generate", "adapters", "demo", "serve", "slo", "billing"]
 
 
 class CLIError(Exception):

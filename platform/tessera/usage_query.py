@@ -6,22 +6,31 @@ returns {"object": "page", "data": [bucket, ...], "has_more", "next_page"} where
     {"object": "bucket", "start_time", "end_time", "results": [result, ...]}
 and each result sums the tenant's usage events in that bucket:
     {"object": "usage.result", "input_tokens", "output_tokens", "num_model_requests",
+     "cost_micros", "amount": {"value", "currency"}, "unpriced_tokens",
      plus, per group_by field: "adapter" (adapter name; null = the base model), "priority",
      "api_key_id"}
+Cost is the tenant's price (its contract price, else the book's, in effect on each event's UTC
+day; tessera.billing.prices) times the tokens, summed exactly and rounded once to micro-units;
+it is what billing charges before any included-token credit. When some of a result's tokens
+have no price, cost_micros and amount are null and unpriced_tokens counts them (billing holds
+those, it never bills them at zero).
 Times are unix seconds, start inclusive, end exclusive; 1h buckets start on the hour and 1d
 buckets at midnight UTC when start_time does (buckets are counted from start_time). Every event
 counts, whatever its status: aborted requests were billed for what they were sent. The sums
 run in the database (one GROUP BY over the tenant's events in the range, on its
-(tenant_id, created_at) rows), not in Python per event. Cost is not reported yet: it needs the
-billing issue's price book.
+(tenant_id, created_at) rows, also grouped by day, base model and priority for pricing), not in
+Python per event.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 
 from sqlalchemy import BigInteger, cast, func, select
 from sqlalchemy.orm import Session
 
+from tessera.billing.invoices import round_picos
+from tessera.billing.prices import PriceBook
+from tessera.billing.rollup import usage_day
 from tessera.models import UsageEvent
 
 BUCKET_SECONDS = {"1h": 3600, "1d": 86400}
@@ -47,7 +56,7 @@ def _epoch(session: Session):
 
 def usage_buckets(*, session: Session, tenant_id: int, start_time: int, end_time: int | None,
                   bucket_width: str = "1d", group_by: list[str] | None = None, limit: int | None = None,
-                  page: str | None = None) -> dict:
+                  page: str | None = None, currency: str = "USD") -> dict:
     """See the module docstring. Raises UsageQueryError for a bad parameter."""
     if bucket_width not in BUCKET_SECONDS:
         raise UsageQueryError("bucket_width must be 1h or 1d", "bucket_width")
@@ -83,16 +92,23 @@ def usage_buckets(*, session: Session, tenant_id: int, start_time: int, end_time
         cols.append(UsageEvent.priority)
     if "api_key" in group_by:
         cols.append(UsageEvent.api_key_id)
-    stmt = (select(*cols, func.sum(UsageEvent.prompt_tokens), func.sum(UsageEvent.completion_tokens), func.count())
+    # What a price depends on, grouped too (a handful of rows more, priced in Python below).
+    day = usage_day(UsageEvent.created_at, session.get_bind().dialect.name)
+    pricing = [day, func.coalesce(UsageEvent.base_model, UsageEvent.model), UsageEvent.priority]
+    stmt = (select(*cols, *pricing, func.sum(UsageEvent.prompt_tokens), func.sum(UsageEvent.completion_tokens),
+                   func.count())
             .where(UsageEvent.tenant_id == tenant_id,
                    UsageEvent.created_at >= datetime.fromtimestamp(lo, timezone.utc),
                    UsageEvent.created_at < datetime.fromtimestamp(hi, timezone.utc))
-            .group_by(*cols))
+            .group_by(*cols, *pricing))
 
+    book = PriceBook(session, tenant_id)
     results: dict[int, dict[tuple, dict]] = {}
+    picos: dict[int, int] = {}  # id(result) -> exact cost
     for row in session.execute(stmt):
         b, *keys = row[:len(cols)]
-        prompt, completion, n = row[len(cols):]
+        d, base_model, priority = row[len(cols):len(cols) + 3]
+        prompt, completion, n = row[len(cols) + 3:]
         group: dict = {}
         i = 0
         if "adapter" in group_by:
@@ -106,10 +122,24 @@ def usage_buckets(*, session: Session, tenant_id: int, start_time: int, end_time
         if "api_key" in group_by:
             group["api_key_id"] = keys[i]
         r = results.setdefault(int(b), {}).setdefault(tuple(group.items()), {
-            "object": "usage.result", "input_tokens": 0, "output_tokens": 0, "num_model_requests": 0, **group})
-        r["input_tokens"] += int(prompt or 0)
-        r["output_tokens"] += int(completion or 0)
+            "object": "usage.result", "input_tokens": 0, "output_tokens": 0, "num_model_requests": 0,
+            "cost_micros": None, "amount": None, "unpriced_tokens": 0, **group})
+        prompt, completion = int(prompt or 0), int(completion or 0)
+        r["input_tokens"] += prompt
+        r["output_tokens"] += completion
         r["num_model_requests"] += int(n)
+        d = d if isinstance(d, date) else date.fromisoformat(d)
+        for tokens, kind in ((prompt, "input"), (completion, "output")):
+            price = book.price(base_model, priority, kind, d)
+            if price is None:
+                r["unpriced_tokens"] += tokens
+            else:
+                picos[id(r)] = picos.get(id(r), 0) + tokens * price
+    for by_group in results.values():
+        for r in by_group.values():
+            if r["unpriced_tokens"] == 0:
+                r["cost_micros"] = round_picos(picos.get(id(r), 0))
+                r["amount"] = {"value": r["cost_micros"] / 1_000_000, "currency": currency.lower()}
 
     data = []
     for k in range(first, last):

@@ -9,14 +9,13 @@ import pytest
 from sqlalchemy import func, select
 
 from adapter_registry.errors import Conflict
-from tessera import services
 from tessera.billing.invoices import close_due, close_period, round_picos
 from tessera.billing.models import Invoice, LineItem
 from tessera.billing.periods import Period
 from tessera.billing.rollup import rollup
 from tessera.models import Plan, TenantPolicy, UsageEvent
 
-from .billing_helpers import BASE, Ev, PriceList, add_tenant, make_context, write_events
+from .billing_helpers import Ev, PriceList, add_tenant, make_context, write_events
 
 UTC = timezone.utc
 PRIOS = ("realtime", "standard", "batch")

@@ -24,13 +24,14 @@ router = APIRouter()
 
 
 def _query(session, tenant_id: int, start_time: int | None, end_time: int | None, bucket_width: str,
-           group_by: list[str] | None, limit: int | None, page: str | None) -> dict:
+           group_by: list[str] | None, limit: int | None, page: str | None, currency: str = "USD") -> dict:
     if start_time is None:
         raise ApiError(400, "start_time is required (unix seconds, inclusive)", param="start_time")
     groups = [g.strip() for item in (group_by or []) for g in item.split(",") if g.strip()]
     try:
         return usage_buckets(session=session, tenant_id=tenant_id, start_time=start_time, end_time=end_time,
-                             bucket_width=bucket_width, group_by=groups, limit=limit, page=page)
+                             bucket_width=bucket_width, group_by=groups, limit=limit, page=page,
+                             currency=currency)
     except UsageQueryError as e:
         raise ApiError(400, str(e), param=e.param) from None
 
@@ -43,7 +44,8 @@ async def tenant_usage(caller: CallerDep, gw: GatewayDep, start_time: int | None
                        bucket_width: str = "1d", group_by: GroupBy = None, limit: int | None = None,
                        page: str | None = None):
     """The calling tenant's usage: tokens and requests per time bucket."""
-    return await _db(gw, lambda s: _query(s, caller.tenant_id, start_time, end_time, bucket_width, group_by, limit, page),
+    return await _db(gw, lambda s: _query(s, caller.tenant_id, start_time, end_time, bucket_width, group_by, limit, page,
+                                              gw.settings.billing_currency),
                      changes=False)
 
 
@@ -54,6 +56,7 @@ async def admin_usage(tenant: str, _: AdminDep, gw: GatewayDep, start_time: int 
     """A tenant's usage for admins: the same query and answer as GET /v1/usage."""
     def run(session):
         t = registry.get_tenant(session=session, name=tenant)
-        return _query(session, t.id, start_time, end_time, bucket_width, group_by, limit, page)
+        return _query(session, t.id, start_time, end_time, bucket_width, group_by, limit, page,
+                      gw.settings.billing_currency)
 
     return await _db(gw, run, changes=False)

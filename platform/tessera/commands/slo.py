@@ -40,24 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _session_factory():
-    from sqlalchemy import inspect
-    from sqlalchemy.exc import SQLAlchemyError
+    from tessera.commands.context import platform_context
 
-    from adapter_registry.context import build_context
-    from adapter_registry.migrate import upgrade
-    from tessera.cli import CLIError
-    from tessera.commands.serve import load_settings
-
-    settings = load_settings()
-    try:
-        if settings.database_url.startswith("sqlite"):
-            upgrade(settings)  # embedded mode: create/migrate the local database
-        ctx = build_context(settings)
-        if "slo_objectives" not in inspect(ctx.engine).get_table_names():
-            raise CLIError(f"database {ctx.engine.url!r} has no slo_objectives table; run `alembic upgrade head` first")
-    except SQLAlchemyError as e:
-        raise CLIError(f"database unavailable: {type(e).__name__}: {e.__cause__ or e}") from None
-    return ctx.session_factory
+    return platform_context("slo_objectives").session_factory
 
 
 def _rules(args: argparse.Namespace) -> int:
