@@ -235,3 +235,38 @@ def test_closing_refuses_an_open_period_and_an_empty_period_gives_a_zero_invoice
     inv = close_period(ctx.engine, tenant_id=t, period=Period.parse("2026-08"), currency="USD",
                        now=datetime(2026, 11, 1, tzinfo=UTC))
     assert (inv.line_items, inv.total_micros, inv.held) == (0, 0, [])
+
+
+def test_exports_are_reproducible_byte_for_byte(ctx, tmp_path):
+    from tessera.billing.exports import build_export
+    from adapter_registry.models import Tenant
+
+    rng = random.Random(5)
+    tenants = [add_tenant(ctx).id for _ in range(2)]
+    random_prices(ctx, rng, tenants)
+    write_events(ctx, random_events(rng, tenants, 2000))
+    rollup(ctx.engine)
+    close_period(ctx.engine, tenant_id=tenants[0], period=Period.parse("2026-10"), currency="USD",
+                 now=datetime(2026, 12, 1, 2, tzinfo=UTC))
+
+    def build_all(tag):
+        out = {}
+        with ctx.session_factory() as s:
+            for tid in tenants:
+                tenant = s.get(Tenant, tid)
+                for p in ("2026-10", "2026-11"):
+                    for fmt in ("csv", "parquet", "jsonl"):
+                        d = tmp_path / f"{tag}-{tid}-{p}-{fmt}"
+                        d.mkdir()
+                        built = build_export(s, tenant=tenant, period=Period.parse(p), fmt=fmt, currency="USD", out_dir=d)
+                        out[(tid, p, fmt)] = (built.path.read_bytes(), built.rows, built.final)
+        return out
+
+    first = build_all("a")
+    assert all(rows > 0 for _, rows, _ in first.values())
+    assert first[(tenants[0], "2026-10", "csv")][2] is True and first[(tenants[1], "2026-10", "csv")][2] is False
+    # New usage elsewhere (another tenant's month) and a re-run of the rollup change none of these files.
+    other = add_tenant(ctx).id
+    write_events(ctx, [Ev(other, datetime(2026, 10, 5, tzinfo=UTC), 10, 10)])
+    rollup(ctx.engine)
+    assert build_all("b") == first
