@@ -51,6 +51,7 @@ def _setup(settings) -> tuple[str, list[str]]:
         except NotFound:
             tenant = services.create_tenant(session=s, name=DEMO_TENANT, plan=DEMO_PLAN)
         _, key = services.issue_key(session=s, tenant=tenant, name="demo")
+        _seed_prices(s)
         folders = sorted(p for p in ADAPTERS_DIR.iterdir() if p.is_dir()) if ADAPTERS_DIR.is_dir() else []
         for folder in folders:
             if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
@@ -68,6 +69,28 @@ def _setup(settings) -> tuple[str, list[str]]:
                 print(f"tessera demo: adapter {folder.name!r} is {v.status}: {v.rejection_reason}", file=sys.stderr)
     ctx.engine.dispose()
     return key, names
+
+
+# Demo price book (micro-USD per million tokens) for the embedded model, set only when the book
+# has no price for it yet: realtime costs twice standard, batch half.
+DEMO_PRICES = {"realtime": (200_000, 800_000), "standard": (100_000, 400_000), "batch": (50_000, 200_000)}
+
+
+def _seed_prices(session) -> None:
+    from datetime import date
+
+    from sqlalchemy import select
+
+    from engine.loader.gguf_loader import DEFAULT_MODEL_NAME
+    from tessera.billing.models import Price
+    from tessera.billing.prices import set_price
+
+    if session.scalar(select(Price.id).where(Price.base_model == DEFAULT_MODEL_NAME).limit(1)) is not None:
+        return
+    for priority, (inp, out) in DEMO_PRICES.items():
+        for kind, micros in (("input", inp), ("output", out)):
+            set_price(session=session, base_model=DEFAULT_MODEL_NAME, priority=priority, token_kind=kind,
+                      micros_per_mtok=micros, effective_from=date(2026, 1, 1))
 
 
 def examples(url: str, key: str, model: str) -> str:
@@ -118,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
 
     admin = os.environ.get("TESSERA_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     settings = load_settings(host=args.host, port=args.port, admin_token=admin,
-                             engine_mode="inprocess", redis_url=None, celery_eager=True)
+                             engine_mode="inprocess", redis_url=None, celery_eager=True,
+                             # usage shows up priced in the web UI within a minute
+                             billing_rollup_interval_s=None if "TESSERA_BILLING_ROLLUP_INTERVAL_S" in os.environ else 60.0)
     check_port_free(settings.host, settings.port)
     key, adapters = _setup(settings)
     model = "pirate" if "pirate" in adapters else (adapters[0] if adapters else "SmolLM2-135M-Instruct")
