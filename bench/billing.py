@@ -79,6 +79,13 @@ def per_event_peer(db, session_factory, n: int) -> float:
         return len(rows) / (time.perf_counter() - t0)
 
 
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return pyplatform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=1_000_000)
@@ -150,7 +157,7 @@ def main() -> None:
         "per_event_loop_events_per_s": round(peer), "speedup_vs_per_event_loop": round(report.events / rollup_s / peer, 1),
         "exact": int(item_sum) == int(event_sum), "amount_picos": int(item_sum),
         "insert_s": round(insert_s, 2), "postgres": pg_version,
-        "machine": {"cpu": pyplatform.processor() or pyplatform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": pyplatform.python_version()},
     }))
 
 
