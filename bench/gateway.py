@@ -7,6 +7,9 @@ The engine client is wrapped to time, per request, the span from handing the req
 engine to its last delta; a request's added latency is its end-to-end time minus that span
 (so it includes the HTTP round trip itself; http_roundtrip_ms_p50_c1 is a bare GET /health on the
 same server and client, for scale).
+The same loads then run against the same gateway in front of an instant engine (answers at
+once, no compute): `gateway_only_added_ms_*` is the gateway's own cost, without the real engine
+competing with it for this machine's 2 cores.
 Prints one JSON object.
 
     .venv/bin/python bench/gateway.py [--requests-c1 60] [--requests-c32 128] [--max-tokens 4] [--engine-threads N]
@@ -83,6 +86,29 @@ class TimingEngineClient:
         await self.inner.close()
 
 
+class InstantEngineClient:
+    """An engine that answers at once (max_tokens deltas, no compute): with it, the added latency
+    is the gateway's own work, without the real engine competing for the same 2 cores."""
+
+    def __init__(self, real):
+        self.tokenizer, self.model_name, self.max_model_len = real.tokenizer, real.model_name, real.max_model_len
+
+    async def generate(self, request):
+        from engine.sampling_params import RequestOutput
+
+        n = request.params.max_tokens
+        for _ in range(n):
+            yield RequestOutput(request.request_id, " hi", [42])
+        yield RequestOutput(request.request_id, "", [], finished=True, finish_reason="length",
+                            prompt_tokens=len(request.prompt_token_ids or []), completion_tokens=n)
+
+    async def start(self):
+        return None
+
+    async def close(self):
+        return None
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))]
@@ -122,16 +148,20 @@ def main() -> None:
         _, key = services.issue_key(session=s, tenant=tenant)
 
     aengine = AsyncLLMEngine(LLMEngine(config=EngineConfig(kv_cache_bytes=128 << 20, num_threads=args.engine_threads)))
+
+    def serve(client):
+        app = create_app(settings, engine_client=client)
+        with __import__("socket").socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        return server, f"http://127.0.0.1:{port}"
+
     timing = TimingEngineClient(InProcessEngineClient(aengine))
-    app = create_app(settings, engine_client=timing)
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
+    server, url = serve(timing)
 
     # The engine alone, for reference: the same request without the gateway.
     async def direct(n: int) -> list[float]:
@@ -148,8 +178,7 @@ def main() -> None:
 
     direct_ms = asyncio.run(direct(max(10, args.requests_c1 // 2)))
 
-    result: dict = {}
-    for conc, total in ((1, args.requests_c1), (32, args.requests_c32)):
+    def load(url: str, timing, conc: int, total: int, prefix: str, result: dict) -> None:
         run = lambda n: json.loads(subprocess.run(  # noqa: E731
             [sys.executable, "-c", LOAD, url, key, str(conc), str(n), str(args.max_tokens)],
             check=True, capture_output=True, text=True).stdout)
@@ -157,10 +186,20 @@ def main() -> None:
         samples = run(total)
         added = [e2e - timing.engine_ms[rid] for rid, e2e in samples]
         e2e = [e for _, e in samples]
-        result[f"added_ms_p50_c{conc}"] = round(pct(added, 50), 3)
-        result[f"added_ms_p99_c{conc}"] = round(pct(added, 99), 3)
-        result[f"e2e_ms_p50_c{conc}"] = round(pct(e2e, 50), 1)
-        result[f"requests_c{conc}"] = total
+        result[f"{prefix}added_ms_p50_c{conc}"] = round(pct(added, 50), 3)
+        result[f"{prefix}added_ms_p99_c{conc}"] = round(pct(added, 99), 3)
+        result[f"{prefix}e2e_ms_p50_c{conc}"] = round(pct(e2e, 50), 1)
+        result[f"{prefix}requests_c{conc}"] = total
+
+    result: dict = {}
+    for conc, total in ((1, args.requests_c1), (32, args.requests_c32)):
+        load(url, timing, conc, total, "", result)
+    # The same gateway in front of an instant engine: its own cost, without CPU contention.
+    instant = TimingEngineClient(InstantEngineClient(timing))
+    instant_server, instant_url = serve(instant)
+    for conc, total in ((1, args.requests_c1 * 4), (32, args.requests_c32 * 4)):
+        load(instant_url, instant, conc, total, "gateway_only_", result)
+    instant_server.should_exit = True
     base = json.loads(subprocess.run([sys.executable, "-c", LOAD, url, key, "1", "200", "0"],
                                      check=True, capture_output=True, text=True).stdout)
     result["http_roundtrip_ms_p50_c1"] = round(pct([e for _, e in base], 50), 3)

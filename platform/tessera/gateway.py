@@ -30,6 +30,7 @@ class Gateway:
     seeded_budgets: set = field(default_factory=set)
 
 
-def get_gateway(request: Request) -> Gateway:
-    """The app's Gateway (a dependency)."""
+async def get_gateway(request: Request) -> Gateway:
+    """The app's Gateway (a dependency). Async on purpose: FastAPI runs a plain `def` dependency
+    on a worker thread, a thread hop on every request for an attribute read."""
     return request.app.state.gateway
