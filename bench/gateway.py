@@ -206,7 +206,11 @@ def main() -> None:
     result["direct_engine_e2e_ms_p50_c1"] = round(statistics.median(direct_ms), 1)
     result["max_tokens"] = args.max_tokens
     result["engine_threads"] = args.engine_threads or __import__("torch").get_num_threads()
-    result["setup"] = "embedded: SQLite usage + key lookup, in-memory quotas, in-process engine, uvicorn h11, SSE"
+    import importlib.util
+
+    impl = ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio") + " + " + (
+        "httptools" if importlib.util.find_spec("httptools") else "h11")
+    result["setup"] = f"embedded: SQLite usage + key lookup, in-memory quotas, in-process engine, uvicorn ({impl}), SSE"
     result["machine"] = f"{os.cpu_count()} CPUs {pyplatform.processor() or pyplatform.machine()}, no GPU"
     server.should_exit = True
     aengine.shutdown()

@@ -169,3 +169,27 @@ def test_unpriced_usage_shows_as_held_not_free(platform, priced):
                   headers={"authorization": f"Bearer {t.key}"}, timeout=60).json()
     res = u["data"][0]["results"][0]
     assert res["cost_micros"] is None and res["amount"] is None and res["unpriced_tokens"] > 0
+
+
+def test_a_plans_included_tokens_are_credited_on_its_invoice(platform, priced):
+    """Set through the admin API (PUT plan), credited when a month closes (here an ended month
+    whose usage arrived late, as an import would write it)."""
+    from tessera.billing.models import Invoice  # noqa: F401 - the table the close writes
+    from tessera.models import UsageEvent
+
+    t = platform.tenant()
+    r = platform.admin.put(f"/admin/v1/plans/{t.name}", json={"monthly_included_tokens": 1000})
+    assert r.status_code == 200 and r.json()["monthly_included_tokens"] == 1000
+    plans = {p["name"]: p for p in platform.admin.get("/admin/v1/plans").json()["data"]}
+    assert plans[t.name]["monthly_included_tokens"] == 1000
+    tid = platform.admin.get(f"/admin/v1/tenants/{t.name}").json()["id"]
+    with platform.gateway.session_factory() as s:
+        s.add(UsageEvent(request_id=f"import-{t.name}", tenant_id=tid, model=priced, base_model=priced,
+                         priority="standard", prompt_tokens=3000, completion_tokens=0, status="completed",
+                         duration_ms=1.0, created_at=datetime(2021, 3, 5, tzinfo=timezone.utc)))
+        s.commit()
+    inv = platform.admin.post(f"/admin/v1/tenants/{t.name}/billing/periods/2021-03/close").json()
+    price = PRICES[("standard", "input")]
+    assert inv["subtotal_micros"] == 3000 * price // 1_000_000
+    assert inv["allowance_used_tokens"] == 1000 and inv["total_micros"] == 2000 * price // 1_000_000
+    assert inv["total"] == f"{inv['total_micros'] / 1e6:.6f}"

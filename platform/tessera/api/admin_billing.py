@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 from datetime import date
+from decimal import Decimal
 from pathlib import Path
 from typing import Literal
 
@@ -74,7 +75,8 @@ def _period(name: str) -> Period:
 
 
 def _money(micros: int | None) -> str | None:
-    return None if micros is None else f"{micros / 1_000_000:.6f}" if micros < 2**52 else str(micros)
+    """Micro-units as an exact decimal string of currency units ('12.345678')."""
+    return None if micros is None else f"{Decimal(micros).scaleb(-6):.6f}"
 
 
 def _price(p: Price, tenant_names: dict[int, str]) -> dict:
