@@ -174,7 +174,6 @@ def test_unpriced_usage_shows_as_held_not_free(platform, priced):
 def test_a_plans_included_tokens_are_credited_on_its_invoice(platform, priced):
     """Set through the admin API (PUT plan), credited when a month closes (here an ended month
     whose usage arrived late, as an import would write it)."""
-    from tessera.billing.models import Invoice  # noqa: F401 - the table the close writes
     from tessera.models import UsageEvent
 
     t = platform.tenant()
