@@ -118,12 +118,18 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('base_model', sa.String(length=200), nullable=True))
         batch_op.add_column(sa.Column('billing_run_id', sa.BigInteger(), nullable=True))
         batch_op.create_index('ix_usage_events_unbilled', ['created_at'], unique=False, sqlite_where=sa.text('billing_run_id IS NULL'), postgresql_where=sa.text('billing_run_id IS NULL'))
+        batch_op.drop_index('ix_usage_events_tenant_id')
+        batch_op.drop_index('ix_usage_events_created_at')
+        batch_op.create_index('ix_usage_events_tenant_id_created_at', ['tenant_id', 'created_at'], unique=False)
 
 
 
 def downgrade() -> None:
     with op.batch_alter_table('usage_events', schema=None) as batch_op:
         batch_op.drop_index('ix_usage_events_unbilled', sqlite_where=sa.text('billing_run_id IS NULL'), postgresql_where=sa.text('billing_run_id IS NULL'))
+        batch_op.drop_index('ix_usage_events_tenant_id_created_at')
+        batch_op.create_index('ix_usage_events_created_at', ['created_at'], unique=False)
+        batch_op.create_index('ix_usage_events_tenant_id', ['tenant_id'], unique=False)
         batch_op.drop_column('billing_run_id')
         batch_op.drop_column('base_model')
 
