@@ -137,3 +137,36 @@ def test_worker_and_beat_roll_up_and_export_to_s3(tmp_path, s3_endpoint):
             worker.terminate()
             worker.wait(timeout=30)
         cleanup()
+
+
+def test_tasks_run_eagerly_in_the_embedded_mode(tmp_path, monkeypatch):
+    """The same Celery tasks, executed in-process (Celery's eager apply), on SQLite + a local store."""
+    from tessera.billing import tasks
+    from tessera.settings import get_settings
+
+    ctx, cleanup = make_context("sqlite", tmp_path)
+    try:
+        monkeypatch.setenv("TESSERA_DATABASE_URL", ctx.settings.database_url)
+        monkeypatch.setenv("TESSERA_OBJECT_STORE_ROOT", str(ctx.settings.object_store_root))
+        get_settings.cache_clear()
+        tasks._context.cache_clear()
+        t = add_tenant(ctx)
+        prices = PriceList()
+        for kind in ("input", "output"):
+            prices.set(ctx, priority="standard", kind=kind, micros=250_000, eff=date(2026, 1, 1))
+        events = [Ev(t.id, datetime(2026, 9, d, tzinfo=UTC), 100 * d, 10 * d) for d in range(1, 11)]
+        write_events(ctx, events)
+        report = tasks.rollup_task.apply().get()
+        assert report["events"] == 10 and report["held"] == []
+        invoices = tasks.close_due_task.apply().get()
+        assert len(invoices) == 1
+        export_id = tasks.export_task.apply(args=[t.id, "2026-09", "csv"]).get()
+        with ctx.session_factory() as s:
+            e = s.get(Export, export_id)
+            assert e.final and e.rows == 10  # one line item per day
+            assert s.scalar(select(func.sum(LineItem.amount_picos))) == sum(prices.amount(x) for x in events)
+        assert ctx.store.head(e.object_key).size_bytes == e.size_bytes
+    finally:
+        get_settings.cache_clear()
+        tasks._context.cache_clear()
+        cleanup()
