@@ -3,7 +3,6 @@ a real S3-protocol server (moto's standalone server) on loopback, and registry c
 both (sqlite + local directory, postgres + S3)."""
 from __future__ import annotations
 
-import socket
 import uuid
 from pathlib import Path
 
@@ -68,20 +67,6 @@ def pg_url(pg_database_factory):
     url = pg_database_factory()
     upgrade(RegistrySettings(database_url=url))
     return url
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's standalone S3 server on a free loopback port, for the whole run."""
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 S3_CREDS = dict(s3_access_key_id="testing", s3_secret_access_key="testing", s3_region="us-east-1")

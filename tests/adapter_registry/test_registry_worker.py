@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,19 +12,13 @@ import pytest
 
 from adapter_registry import services
 
+from tests.conftest import redis_up
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _redis_up() -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", 6379), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
+@pytest.mark.skipif(not redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
 def test_worker_validates_an_upload(make_ctx, adapter_dir, tmp_path):
     queue = f"registry-test-{uuid.uuid4().hex[:8]}"  # our own queue: no other worker takes the task
     ctx = make_ctx("postgres", celery_eager=False, celery_queue=queue, celery_broker_url="redis://127.0.0.1:6379/0")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -20,31 +19,11 @@ from tessera.billing.exports import build_export
 from tessera.billing.models import BillingRun, Export, LineItem
 from tessera.billing.periods import Period
 
+from ..conftest import redis_up
 from .billing_helpers import Ev, PriceList, add_tenant, make_context, write_events
 
 REPO = Path(__file__).resolve().parents[2]
 UTC = timezone.utc
-
-
-def _redis_up() -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", 6379), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.fixture
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 def _wait(pred, timeout: float, log: Path):
@@ -58,7 +37,7 @@ def _wait(pred, timeout: float, log: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
+@pytest.mark.skipif(not redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
 def test_worker_and_beat_roll_up_and_export_to_s3(tmp_path, s3_endpoint):
     queue = f"billing-test-{uuid.uuid4().hex[:8]}"  # our own queue: no other worker takes these tasks
     bucket = f"tessera-{uuid.uuid4().hex[:10]}"

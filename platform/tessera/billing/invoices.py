@@ -21,7 +21,7 @@ the same way so that subtotal - credit = total exactly as printed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta, timezone
+from datetime import date, datetime, timedelta
 
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
@@ -192,6 +192,3 @@ def list_periods(session: Session, *, tenant_id: int) -> list[dict]:
         out.append({"period": Period(start), "invoice": invoices.get(start), "pending": pending.get(start)})
     return out
 
-
-def as_utc(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
