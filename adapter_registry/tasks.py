@@ -18,21 +18,27 @@ celery_app = Celery("adapter_registry")
 VALIDATE_TASK = "adapter_registry.validate_version"
 
 
+def base_conf(broker_url: str, queue: str) -> dict:
+    """Celery configuration every Tessera worker shares: at-least-once delivery (tasks are
+    idempotent), fail fast when the broker is down, leave logging to the application."""
+    return dict(
+        broker_url=broker_url,
+        task_default_queue=queue,
+        task_acks_late=True,  # a worker that dies mid-task leaves the task for another
+        task_reject_on_worker_lost=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=5,
+        task_publish_retry=False,  # fail the caller fast (503) when the broker is down
+        worker_hijack_root_logger=False,
+    )
+
+
 @celery_app.on_configure.connect
 def _configure(sender: Celery, **_kwargs) -> None:
     # Read settings when Celery first needs its configuration, not at import time. Eagerness is
     # not set here: services run validation inline themselves when settings.celery_eager.
     s = get_settings()
-    sender.conf.update(
-        broker_url=s.celery_broker_url,
-        task_default_queue=s.celery_queue,
-        task_acks_late=True,  # a worker that dies mid-validation leaves the task for another
-        task_reject_on_worker_lost=True,
-        broker_connection_retry_on_startup=True,
-        broker_connection_timeout=5,
-        task_publish_retry=False,  # fail the upload fast (503) when the broker is down
-        worker_hijack_root_logger=False,
-    )
+    sender.conf.update(base_conf(s.celery_broker_url, s.celery_queue))
 
 
 @celery_app.task(name=VALIDATE_TASK, autoretry_for=(RegistryUnavailable,),

@@ -16,6 +16,7 @@ from celery import Celery
 from celery.schedules import crontab
 
 from adapter_registry.context import RegistryContext, build_context
+from adapter_registry.tasks import base_conf
 from tessera.billing import jobs
 from tessera.billing.periods import Period
 from tessera.settings import get_settings
@@ -30,13 +31,7 @@ EXPORT_TASK = "tessera.billing.export"
 def _configure(sender: Celery, **_kwargs) -> None:
     s = get_settings()
     sender.conf.update(
-        broker_url=s.celery_broker_url,
-        task_default_queue=s.billing_queue,
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        broker_connection_retry_on_startup=True,
-        broker_connection_timeout=5,
-        worker_hijack_root_logger=False,
+        **base_conf(s.celery_broker_url, s.billing_queue),
         timezone="UTC",
         beat_schedule={
             "billing-rollup": {"task": ROLLUP_TASK, "schedule": s.billing_rollup_interval_s},
