@@ -42,10 +42,19 @@ function explain(status, body) {
   return err.message ? sentence(err.message) : `The server refused the request (HTTP ${status}).`;
 }
 
+// Integers past 2^53 (billing's exact amounts in picos) would lose digits as Numbers: with the
+// parser's source text (Chromium 114+, Firefox 135+, Safari 18.4+) they become BigInt instead.
+function exactIntegers(key, value, context) {
+  if (typeof value === "number" && !Number.isSafeInteger(value) && context && /^-?\d+$/.test(context.source)) {
+    return BigInt(context.source);
+  }
+  return value;
+}
+
 async function parse(r) {
   const text = await r.text();
   try {
-    return text ? JSON.parse(text) : null;
+    return text ? JSON.parse(text, exactIntegers) : null;
   } catch {
     return null;
   }

@@ -93,7 +93,8 @@ export async function busy(button, fn, errorTarget) {
 
 export const fmt = {
   int(n) {
-    return n === null || n === undefined ? "—" : Number(n).toLocaleString("en-US");
+    if (n === null || n === undefined) return "—";
+    return (typeof n === "bigint" ? n : Number(n)).toLocaleString("en-US");
   },
   limit(n) {
     return n === null || n === undefined ? "unlimited" : Number(n).toLocaleString("en-US");
@@ -121,7 +122,41 @@ export const fmt = {
     const digits = Math.abs(v) >= 1 || v === 0 ? 2 : 6;
     return `${v.toLocaleString("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits })} ${currency}`;
   },
+  /** Exact: integer micro-units (Number, BigInt or digit string) -> "1,234.567800 USD"; trailing
+   * zeros trimmed down to `minDecimals` (6 keeps every micro-unit visible). */
+  micros(micros, currency = "USD", minDecimals = 6) {
+    return micros === null || micros === undefined ? "—" : `${decimal(micros, 6, minDecimals)} ${currency}`;
+  },
+  /** Exact: integer pico-units (1e-12) -> "0.00000345 USD", at least `minDecimals` decimals. */
+  picos(picos, currency = "USD", minDecimals = 6) {
+    return picos === null || picos === undefined ? "—" : `${decimal(picos, 12, minDecimals)} ${currency}`;
+  },
 };
+
+/** An integer amount in units of 10^-scale as exact decimal text, by BigInt arithmetic (never
+ * through a float, which loses digits past 2^53): decimal(12345678n, 6, 2) -> "12.345678". */
+export function decimal(value, scale, minDecimals = 0) {
+  let v = BigInt(value);
+  const sign = v < 0n ? "-" : "";
+  if (v < 0n) v = -v;
+  const unit = 10n ** BigInt(scale);
+  let frac = (v % unit).toString().padStart(scale, "0").replace(/0+$/, "");
+  frac = frac.padEnd(Math.min(minDecimals, scale), "0");
+  return `${sign}${(v / unit).toLocaleString("en-US")}${frac ? `.${frac}` : ""}`;
+}
+
+/** Picos -> micro-units, rounded half up: the platform's one rounding rule (amounts are >= 0). */
+export function roundPicos(picos) {
+  return (BigInt(picos) + 500000n) / 1000000n;
+}
+
+/** "2.5" (currency units, at most 6 decimals) -> 2500000n micro-units; null when not such a number. */
+export function parseMicros(text) {
+  const s = String(text).trim().replace(/,/g, "");
+  const m = s.match(/^(\d*)(?:\.(\d{0,6}))?$/);
+  if (!m || !/\d/.test(s)) return null;
+  return BigInt(m[1] || "0") * 1000000n + BigInt((m[2] || "").padEnd(6, "0"));
+}
 
 let tenantsCache = null;
 const LAST_TENANT = "tessera.admin.tenant";

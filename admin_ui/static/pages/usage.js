@@ -24,14 +24,18 @@ function requests(r) {
   return r.num_requests ?? r.num_model_requests ?? 0;
 }
 
+/** The result's cost in micro-units; null when some of its tokens have no price (not priced). */
 function cost(r) {
-  return r.cost_micros ?? r.cost_micro_units ?? r.cost ?? 0;
+  if (r.cost_micros !== undefined) return r.cost_micros;
+  return r.cost_micro_units ?? r.cost ?? 0;
 }
 
 function hasCost(pages) {
-  // The server reports cost only once a price book exists; until then say so, never "0.00 USD".
-  return pages.some(({ page }) => (page.data || []).some((b) => (b.results || []).some(
-    (r) => r.cost_micros !== undefined || r.cost_micro_units !== undefined || r.cost !== undefined)));
+  // Cost shows once some usage has a price; until then say so, never "0.00 USD".
+  return pages.some(({ page }) => (page.data || []).some((b) => (b.results || []).some((r) => {
+    const c = r.cost_micros !== undefined ? r.cost_micros : r.cost_micro_units ?? r.cost;
+    return c !== undefined && c !== null;
+  })));
 }
 
 function groupKey(r, view) {
@@ -62,12 +66,14 @@ function collect(pages, view, width, start, end) {
     for (const b of page.data || []) {
       for (const r of b.results || []) {
         const key = view === "tenant" ? tenant : `${prefix}${groupKey(r, view)}`;
-        if (!series.has(key)) series.set(key, { input: zeros(), output: zeros(), cost: zeros(), requests: zeros() });
+        if (!series.has(key)) series.set(key, { input: zeros(), output: zeros(), cost: zeros(), requests: zeros(), unpriced: zeros() });
         const s = series.get(key);
         const i = index.get(b.start_time);
         s.input[i] += r.input_tokens || 0;
         s.output[i] += r.output_tokens || 0;
-        s.cost[i] += cost(r);
+        const c = cost(r);
+        if (c === null) s.unpriced[i] += 1; // a bucket with unpriced tokens has no cost, not 0
+        else s.cost[i] += Number(c);
         s.requests[i] += requests(r);
       }
     }
@@ -178,7 +184,7 @@ export async function render(main, ctx) {
         h("td", { "data-label": "Requests" }, fmt.int(total(s, "requests"))),
         h("td", { "data-label": "Input tokens" }, fmt.int(total(s, "input"))),
         h("td", { "data-label": "Output tokens" }, fmt.int(total(s, "output"))),
-        h("td", { "data-label": "Cost" }, priced ? fmt.money(total(s, "cost")) : "not priced"));
+        h("td", { "data-label": "Cost" }, priced && !total(s, "unpriced") ? fmt.money(total(s, "cost")) : "not priced"));
     })));
   const costPart = priced ? costChart.element
     : h("div", { class: "card" }, h("h2", {}, "Cost"), h("p", {}, "Costs appear here once prices are set for this base model (the billing price book); token counts are exact meanwhile."));
@@ -190,7 +196,7 @@ export async function render(main, ctx) {
     "tokens");
   if (priced) {
     drawChart(costChart.canvas, labels,
-      names.map((n, i) => ({ label: n, data: series.get(n).cost.map((x) => x / 1e6), backgroundColor: color(i) })), "cost (USD)");
+      names.map((n, i) => ({ label: n, data: series.get(n).cost.map((x, j) => (series.get(n).unpriced[j] ? null : x / 1e6)), backgroundColor: color(i) })), "cost (USD)");
   }
   if (!drew) content[1].after(h("p", { class: "notice info" }, "Charts are unavailable (the chart library was not built: run make setup); the table below has the numbers."));
 }
