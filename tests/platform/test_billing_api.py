@@ -192,3 +192,14 @@ def test_a_plans_included_tokens_are_credited_on_its_invoice(platform, priced):
     assert inv["subtotal_micros"] == 3000 * price // 1_000_000
     assert inv["allowance_used_tokens"] == 1000 and inv["total_micros"] == 2000 * price // 1_000_000
     assert inv["total"] == f"{inv['total_micros'] / 1e6:.6f}"
+
+
+def test_held_usage_can_be_read_per_tenant(platform, priced):
+    t, other = platform.tenant(allowed_priorities=["realtime"], default_priority="realtime"), platform.tenant()
+    platform.openai(t).chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    platform.admin.post("/admin/v1/billing/rollup")
+    mine = platform.admin.get("/admin/v1/billing/held", params={"tenant": t.name}).json()["data"]
+    assert {(h["priority"], h["tenants"]) for h in mine} == {("realtime", 1)}
+    assert platform.admin.get("/admin/v1/billing/held", params={"tenant": other.name}).json()["data"] == []
+    prices = platform.admin.get("/admin/v1/billing/prices").json()
+    assert prices["base_models"] == [priced] and prices["currency"] == "USD"

@@ -174,6 +174,14 @@ def test_a_late_event_lands_on_the_next_invoice_with_its_real_day(ctx):
         days = sorted(str(i.usage_day) for i in s.scalars(select(LineItem).where(LineItem.invoice_id == november.id)))
     assert days == ["2026-10-30", "2026-11-02"]
 
+    # Late again, and no usage after it: the beat's close_due invoices it with the next month
+    # (December, which has no usage of its own), never leaving it pending forever.
+    write_events(ctx, [Ev(t, datetime(2026, 11, 20, tzinfo=UTC), 0, 10)])  # (before the real now: rollups stop at now)
+    rollup(ctx.engine)
+    closed = close_due(ctx.engine, currency="USD", now=datetime(2027, 1, 2, tzinfo=UTC))
+    assert [(str(i.period_start), i.total_micros) for i in closed] == [("2026-12-01", 20)]
+    assert close_due(ctx.engine, currency="USD", now=datetime(2027, 1, 2, tzinfo=UTC)) == []
+
 
 def test_usage_without_a_price_is_held_then_billed_when_a_price_exists(ctx):
     t = add_tenant(ctx).id

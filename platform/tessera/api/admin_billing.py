@@ -1,10 +1,10 @@
 """Admin billing API (Bearer admin token, or the web UI's session). Money is in integer
 micro-units of the platform's currency (`*_micros`), exact line amounts in picos (1e-12).
 
-  GET  /admin/v1/billing/prices[?tenant=T]              the book (and T's contract prices)
+  GET  /admin/v1/billing/prices[?tenant=T]              the book (and T's contract prices), base models
   PUT  /admin/v1/billing/prices                         set one price (tenant: null = the book)
   POST /admin/v1/billing/rollup                         roll usage up now; reports held usage
-  GET  /admin/v1/billing/held                           pending usage without a price
+  GET  /admin/v1/billing/held[?tenant=T]                pending usage without a price
   GET  /admin/v1/tenants/{t}/billing/periods            months with usage: open or closed, totals
   GET  /admin/v1/tenants/{t}/billing/periods/{YYYY-MM}  one month: invoice (if closed) + line items
   POST /admin/v1/tenants/{t}/billing/periods/{YYYY-MM}/close     roll up, close into an invoice
@@ -101,6 +101,9 @@ def _line_item(li: LineItem) -> dict:
             "priority": li.priority, "requests": li.requests, "input_tokens": li.input_tokens,
             "output_tokens": li.output_tokens, "input_price_micros_per_mtok": li.input_price,
             "output_price_micros_per_mtok": li.output_price, "amount_picos": li.amount_picos,
+            # The same exact amount as a string of currency units: JSON numbers past 2^53 lose
+            # digits in JavaScript and other clients.
+            "amount": None if li.amount_picos is None else f"{Decimal(li.amount_picos).scaleb(-12):.12f}",
             "amount_micros": None if li.amount_picos is None else round_picos(li.amount_picos), "status": status}
 
 
@@ -116,7 +119,7 @@ async def get_prices(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
     def run(session):
         tid = registry.get_tenant(session=session, name=tenant).id if tenant else None
         names = {t.id: t.name for t in session.scalars(select(Tenant))}
-        return {"currency": gw.settings.billing_currency,
+        return {"currency": gw.settings.billing_currency, "base_models": [gw.engine.model_name],
                 "data": [_price(p, names) for p in list_prices(session=session, tenant_id=tid)]}
 
     return await _db(gw, run, changes=False)
@@ -140,9 +143,10 @@ async def post_rollup(_: AdminDep, gw: GatewayDep):
 
 
 @router.get("/billing/held")
-async def get_held(_: AdminDep, gw: GatewayDep):
+async def get_held(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
     def run(session):
-        return {"data": [h.__dict__ for h in held_usage(session.connection())]}
+        tid = registry.get_tenant(session=session, name=tenant).id if tenant else None
+        return {"data": [h.__dict__ for h in held_usage(session.connection(), tenant_id=tid)]}
 
     return await _db(gw, run, changes=False)
 

@@ -134,8 +134,9 @@ def close_period(db: Engine, *, tenant_id: int, period: Period, currency: str, n
 
 
 def due_periods(db: Engine, *, now: datetime, grace: timedelta) -> list[tuple[int, Period]]:
-    """(tenant, period) pairs with pending priced usage in a month that ended before now - grace
-    and has no invoice yet, oldest first."""
+    """(tenant, period) pairs to close, oldest first: months that ended before now - grace, have
+    no invoice yet and have pending priced usage, or are the first such month after an invoiced
+    one that late usage is waiting in (so late usage is invoiced even if no usage follows it)."""
     last_closable = Period.of(now - grace)  # this month (and later) is still open
     with Session(db) as session:
         rows = session.execute(
@@ -143,8 +144,14 @@ def due_periods(db: Engine, *, now: datetime, grace: timedelta) -> list[tuple[in
                 LineItem.invoice_id.is_(None), LineItem.amount_picos.is_not(None),
                 LineItem.usage_day < last_closable.start).distinct()).all()
         closed = set(session.execute(select(Invoice.tenant_id, Invoice.period_start)).all())
-    due = {(t, Period.of(d)) for t, d in rows}
-    return sorted((t, p) for t, p in due if (t, p.start) not in closed)
+    due = set()
+    for t, d in rows:
+        p = Period.of(d)
+        while (t, p.start) in closed:  # late usage: the next month not invoiced yet takes it
+            p = p.next()
+        if p < last_closable:
+            due.add((t, p))
+    return sorted(due)
 
 
 def close_due(db: Engine, *, currency: str, now: datetime | None = None,

@@ -35,10 +35,14 @@ BILLING_LOCK_KEY = 0x7E55E7A_B111
 
 
 def take_billing_lock(conn: Connection) -> None:
-    """Serialize billing writers: on Postgres an advisory lock held to the end of the
-    transaction; on SQLite nothing to do, the transaction's first write takes the write lock."""
+    """Serialize billing writers; call it first in the transaction. On Postgres an advisory lock
+    held to the end of the transaction. On SQLite a write that changes nothing takes the
+    database's write lock now: a transaction that read first and wrote later would fail
+    outright (not wait) if another writer committed in between."""
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": BILLING_LOCK_KEY})
+    else:
+        conn.execute(text("UPDATE billing_runs SET events = events WHERE 0 = 1"))
 
 
 def usage_day(col, dialect: str):
