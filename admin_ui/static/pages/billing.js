@@ -74,6 +74,7 @@ async function loadState(tenant, wanted) {
   return {
     currency: prices.currency || periods?.currency || "USD",
     prices: prices.data,
+    baseModels: prices.base_models || [],
     held: held.data,
     periods: months,
     exports: exports ? exports.data : [],
@@ -379,9 +380,10 @@ class BillingPage {
     clear(this.pricesCard, heading, table, this.priceForm.element);
   }
 
-  /** Base model names this page has seen: prices, held usage, the month's line items. */
+  /** Base model names: the ones the engines serve first, then any this page has seen (prices,
+   * held usage, the month's line items). */
   knownModels() {
-    const names = new Set();
+    const names = new Set(this.state.baseModels || []);
     for (const x of this.state.held) names.add(x.base_model);
     for (const x of this.state.detail?.line_items || []) names.add(x.base_model);
     for (const x of this.state.prices) names.add(x.base_model);
