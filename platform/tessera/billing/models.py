@@ -3,7 +3,9 @@
 Money is integer, never float. A price is `micros_per_mtok`: micro-units of the currency per
 million tokens, which is numerically the same as pico-units (1e-12) per token. So a line item's
 exact amount is `tokens x price` in picos (`amount_picos`), with no rounding anywhere; rounding
-to micro-units happens once, on an invoice's total (see invoices.py).
+to micro-units happens once, on an invoice's total (see invoices.py). A line item (one tenant,
+day, model, adapter and class) holds up to 2^63 picos, 9.2 million currency units; past that
+Postgres refuses the rollup (integer overflow) rather than bill a wrong amount.
 """
 from __future__ import annotations
 
