@@ -1,10 +1,12 @@
 """Engine throughput and TTFT against Hugging Face transformers on the same weights and prompts.
 
-    python bench/engine.py [--formats int8,bf16,fp32] [--skip-hf]
+    python bench/engine.py [--formats auto,int8,bf16,fp32] [--skip-hf]
 
 Prints one JSON object. `tok_s_c{N}`: aggregate completion tokens/s with N concurrent requests
-of 64 new tokens each (greedy, EOS ignored, wall time including prefill), for the engine's
-default CPU configuration (the fastest measured format, see `formats`); `hf_tok_s_c{N}`:
+of 64 new tokens each (greedy, EOS ignored, wall time including prefill), for the fastest of the
+measured formats (see `formats`; "auto" is the engine's default: int8 weight-only for skinny
+batches, a dense copy in the dtype measured fastest at start for wide ones, reported under
+`choice`); `hf_tok_s_c{N}`:
 transformers' generate on the same dequantized GGUF weights (fp32, batch N, left padding);
 `ttft_ms_p50_512`: median time to first token of a 512-token prompt on an idle engine.
 """
@@ -27,9 +29,10 @@ from engine.loader import default_model_path, load_gguf  # noqa: E402
 from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E402
 from engine.tokenizer import TextTokenizer  # noqa: E402
 
-# weight format -> activation dtype. "int8" keeps fp32 activations (int8 weights for decode-sized
-# batches, dense fp32 for prefill); "int8-bf16act" runs everything in bf16 with int8 weights.
-FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+# weight format -> activation dtype. "auto"/"int8" keep fp32 activations (int8 weights for
+# decode-sized batches, a dense copy measured at start for wider ones); "bf16" runs everything
+# in bf16.
+FORMATS = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 NEW_TOKENS = 64
 
 
@@ -38,6 +41,10 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies) -> dict:
                     checkpoint=checkpoint, tokenizer=tokenizer)
     engine_tok_s(eng, fixed_requests(tokenizer, 2, 8, "warm"))
     res = {}
+    if eng.int8_max_rows is not None:
+        dense = next(m for m in eng.model.modules() if getattr(m, "fmt", None) == "int8").dense.dtype
+        res["choice"] = {"int8_max_rows": eng.int8_max_rows[0], "lm_head_int8_max_rows": eng.int8_max_rows[1],
+                         "dense": str(dense).removeprefix("torch."), "dense_ms": eng.format_timings}
     for c in concurrencies:
         res[f"tok_s_c{c}"] = round(engine_tok_s(eng, fixed_requests(tokenizer, c, NEW_TOKENS, f"c{c}-")), 2)
     long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]
@@ -81,7 +88,7 @@ def run_hf(concurrencies) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default="int8,fp32,bf16")
+    ap.add_argument("--formats", default="auto")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """Multi-LoRA throughput: the same 32-request decode workload with 0, 1, 8 and 32 distinct
 rank-16 adapters (all seven targets), against transformers + PEFT's mixed-adapter batch.
 
-    python bench/multi_lora.py [--format int8] [--skip-peft]
+    python bench/multi_lora.py [--format auto] [--skip-peft]
 
 Prints one JSON object: `base_tok_s`, `lora1_tok_s`, `lora8_tok_s`, `lora32_tok_s` (aggregate
 completion tokens/s, 32 concurrent requests, 64 new tokens each, greedy), `lora32_over_base`,
@@ -32,12 +32,12 @@ from engine.tokenizer import TextTokenizer  # noqa: E402
 from tests.engine.lora_fixtures import write_random_adapter  # noqa: E402
 
 N_REQ, NEW_TOKENS, RANK = 32, 64, 16
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--format", default="int8", choices=sorted(DTYPES))
+    ap.add_argument("--format", default="auto", choices=sorted(DTYPES))
     ap.add_argument("--skip-peft", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tessera-bench-lora-"))
@@ -77,6 +77,9 @@ def main() -> None:
     if not args.skip_peft:
         res["peft32_tok_s"] = round(run_peft(root, names), 2)
         res["lora32_over_peft32"] = round(res["lora32_tok_s"] / res["peft32_tok_s"], 2)
+    if eng.int8_max_rows is not None:
+        res["int8_max_rows"] = list(eng.int8_max_rows)
+        res["dense_ms"] = eng.format_timings
     res.update({"format": args.format, "rank": RANK, "requests": N_REQ, "new_tokens": NEW_TOKENS, "machine": machine()})
     print(json.dumps(res))
 

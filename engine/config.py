@@ -57,9 +57,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     #: Longest prompt + completion; None takes the model's context length.
     max_model_len: int | None = None
-    #: Activation and KV-cache dtype. fp32 is exact; bf16 is faster on CPUs with avx512_bf16.
+    #: Activation, KV-cache and LoRA-slot dtype. fp32 is exact (and the fastest measured on CPU:
+    #: the base matmuls cast to bf16 inside BaseLinear where that is faster; bf16 elementwise
+    #: ops, attention and small batched matmuls are slower than fp32 on CPU).
     dtype: torch.dtype = torch.float32
-    #: Weight storage for the base model's linear layers ("auto" picks by device, see layers.linear).
+    #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only for
+    #: decode-sized batches + a dense fp32 or bf16 copy for wider ones, both chosen by measuring
+    #: on the loaded weights at start; see llm_engine.pick_weight_format), "fp32" (exact),
+    #: "bf16", "int8".
     weight_format: str = "auto"
     #: Seconds a waiting request needs to be promoted one priority class (prevents starvation).
     aging_seconds: float = 10.0

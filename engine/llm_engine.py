@@ -19,7 +19,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import default_model_path, load_checkpoint
 from engine.model.attention import KVCache
-from engine.model.layers import BaseLinear, calibrate_int8_rows
+from engine.model.layers import BaseLinear, calibrate_int8_rows, choose_dense_dtype
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 
 
 def pick_weight_format(cfg: EngineConfig) -> str:
-    """"auto" on CPU: int8 weight-only for decode-sized batches with a dense fp32 copy for prefill,
-    fp32 activations (the fastest measured here: bench/engine.py, bench/RESULTS.md; bf16
-    activations are slower on this CPU's torch kernels). Exactness checks ask for "fp32"."""
+    """"auto" on CPU: "int8", i.e. int8 weight-only for decode-sized batches and a dense copy for
+    wider ones, with fp32 activations; which dense dtype (fp32 or bf16) and where the crossover
+    lies are measured on the loaded weights at start (LLMEngine.__init__), because both differ by
+    CPU (bench/RESULTS.md). Exactness checks ask for "fp32"."""
     if cfg.weight_format != "auto":
         return cfg.weight_format
     return "int8" if cfg.device == "cpu" else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(cfg.dtype, "fp32")
@@ -63,12 +64,17 @@ class LLMEngine:
         self.model = LlamaModel(model_cfg, weights, fmt=self.weight_format, dtype=self.config.dtype)
         del weights
         self.int8_max_rows: tuple[int, int] | None = None
+        self.format_timings: dict = {}
         if self.weight_format == "int8":
-            # The int8-vs-dense crossover differs by CPU (2x apart between an AVX-512 Xeon and an
-            # AVX2 EPYC here): measure it on the loaded weights (~0.3 s) rather than assume it.
+            # Both the dense dtype for wide batches (bf16 is 4x fp32 with avx512_bf16, 6x slower
+            # with AVX2 only) and the int8-vs-dense crossover differ by CPU: measure them on the
+            # loaded weights (~1 s) rather than assume them.
             layers = [m for m in self.model.layers.modules() if isinstance(m, BaseLinear)]
+            dense, self.format_timings = choose_dense_dtype(layers)
+            self.model.lm_head.set_dense_dtype(dense)
             self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
-            log.info("int8 weight-only up to %d rows per step (lm_head %d); dense fp32 beyond", *self.int8_max_rows)
+            log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond (%s ms)",
+                     *self.int8_max_rows, dense, self.format_timings)
 
         ec = self.config
         self.max_model_len = min(ec.max_model_len or model_cfg.max_position_embeddings,

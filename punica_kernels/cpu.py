@@ -68,6 +68,7 @@ class RankGroup:
     tokens: torch.Tensor  # [n_tok] the block's tokens
     token_rows: torch.Tensor  # [n_tok] padded row of each of those tokens
     big: tuple[BigSlot, ...]
+    run: tuple[int, int] | None = None  # rows are exactly tokens [a, b) in order (no padding): views, no gather/scatter
 
 
 def _split_big(counts: list[int]) -> list[bool]:
@@ -125,11 +126,18 @@ def _plan_rank_group(rank: int, tok: torch.Tensor, sl: torch.Tensor, slot_ranks:
     rows = torch.full((n * m,), int(tok_s[0]), dtype=torch.int64)  # padding repeats a real token
     rows[token_rows] = tok_s
     pad_mask = None
+    run = None
     if n * m != tok_s.numel():
         pad_mask = torch.zeros(n * m, 1)
         pad_mask[token_rows] = 1.0
         pad_mask = pad_mask.view(n, m, 1)
-    return RankGroup(rank, block_slots, m, rows, pad_mask, tok_s, token_rows, tuple(big))
+    else:
+        # The engine orders a step's decode tokens by slot, so the block's rows are usually one
+        # run of the batch: x and y are then read and written through views.
+        a = int(rows[0])
+        if torch.equal(rows, torch.arange(a, a + rows.numel())):
+            run = (a, a + rows.numel())
+    return RankGroup(rank, block_slots, m, rows, pad_mask, tok_s, token_rows, tuple(big), run)
 
 
 def plan_tokens(token_slots: torch.Tensor, ranks: torch.Tensor) -> list[RankGroup]:
@@ -313,7 +321,10 @@ def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
         r = g.rank
         if g.block_slots is not None:
             n = g.rows.numel() // g.m
-            xb = x.index_select(0, g.rows).view(n, g.m, -1)
+            if g.run is not None:
+                xb = x[g.run[0]:g.run[1]].view(n, g.m, -1)
+            else:
+                xb = x.index_select(0, g.rows).view(n, g.m, -1)
             sc = _block_weights(scales, g).view(n, 1, 1)
             if g.pad_mask is not None:
                 sc = sc * g.pad_mask  # padding rows become exactly zero before the expand
@@ -321,7 +332,11 @@ def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
             for A, B in pairs:
                 vb = torch.bmm(xb, _block_weights(A[:, :r, :], g).transpose(1, 2)).float().mul_(sc)
                 outs.append(torch.bmm(vb.to(B.dtype), _block_weights(B[:, :, :r], g).transpose(1, 2)))
-            if args.packed:
+            if g.run is not None:  # add each slice into its columns of the run's rows, in place
+                y_run = y[g.run[0]:g.run[1]]
+                for o, w, out in zip(args.offsets, args.widths, outs):
+                    y_run.narrow(1, o, w).add_(out.view(n * g.m, w))
+            elif args.packed:
                 out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
                 y.narrow(1, 0, sum(args.widths)).index_add_(0, g.rows, out.view(n * g.m, -1))
             else:

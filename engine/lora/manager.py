@@ -130,18 +130,26 @@ class LoRAManager:
     def batch_for(self, sched) -> LoRABatch | None:
         """Slots for this step's adapters and the LoRABatch for the model; None if no token has one.
 
-        The scheduler guarantees at most `num_slots` distinct adapters among running sequences.
+        Reorders `sched.decodes` by slot (no adapter first; stable otherwise), so that each
+        adapter's decode tokens are one contiguous run of the batch and the CPU LoRA path reads
+        and writes them through views instead of a gather and a scatter per layer. The
+        scheduler guarantees at most `num_slots` distinct adapters among running sequences.
         """
         seqs = [s.seq for s in sched.decodes] + [s.seq for s in sched.prefills]
-        counts = [1] * len(sched.decodes) + [s.num_tokens for s in sched.prefills]
         if all(seq.adapter is None for seq in seqs):
             return None
         now = time.monotonic()
         needed = {seq.adapter for seq in seqs if seq.adapter is not None}
-        token_slots: list[int] = []
-        for seq, n in zip(seqs, counts):
-            slot = -1 if seq.adapter is None else self._slot_for(seq.adapter, needed, now)
-            token_slots.extend([slot] * n)
+        slot_of = {v: self._slot_for(v, needed, now) for v in dict.fromkeys(
+            seq.adapter for seq in seqs if seq.adapter is not None)}
+
+        def slot(seq) -> int:
+            return -1 if seq.adapter is None else slot_of[seq.adapter]
+
+        sched.decodes.sort(key=lambda s: slot(s.seq))
+        token_slots = [slot(s.seq) for s in sched.decodes]
+        for s in sched.prefills:
+            token_slots.extend([slot(s.seq)] * s.num_tokens)
         return LoRABatch(self.slots, token_slots)
 
     def _slot_for(self, version: str, needed: set[str], now: float) -> int:

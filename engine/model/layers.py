@@ -57,16 +57,18 @@ class BaseLinear(nn.Module):
 
     fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
     fmt "int8": per-output-channel symmetric int8 with bf16 scales, multiplied by torch's fused
-    weight-only kernel (`_weight_int8pack_mm`, 1 byte read per weight) for skinny batches
-    (M <= int8_max_rows: decode); wider batches use a dense fp32 copy, because that kernel is
-    slower than a dense GEMM there. Where the crossover lies depends on the CPU (AVX-512/VNNI or
-    only AVX2): `calibrate_int8_rows` measures it on the loaded weights (bench/RESULTS.md).
+    weight-only kernel (`_weight_int8pack_mm`, bf16 activations, 1 byte read per weight) for
+    skinny batches (M <= int8_max_rows: decode); wider batches use a dense copy in
+    `dense_dtype` (fp32 or bf16), because a dense GEMM beats that kernel there. Both choices
+    depend on the CPU (bf16 GEMMs run ~4x fp32 with avx512_bf16 and ~6x slower without it; the
+    int8 kernel's crossover moves with VNNI/AVX-512): `choose_dense_dtype` and
+    `calibrate_int8_rows` measure them on the loaded weights at engine start.
     The output has the activation dtype.
     """
 
     INT8_MAX_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, fmt: str):
+    def __init__(self, weight: torch.Tensor, fmt: str, dense_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fmt = fmt
         self.int8_max_rows = self.INT8_MAX_ROWS
@@ -81,19 +83,34 @@ class BaseLinear(nn.Module):
             q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
             self.register_buffer("weight", q.contiguous())
             self.register_buffer("scales", scale.to(torch.bfloat16))
-            self.register_buffer("dense", w.contiguous())
+            self.register_buffer("dense", w.to(dense_dtype).contiguous())
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
 
+    @property
+    def dense_weight(self) -> torch.Tensor:
+        """The dense matrix wide batches multiply by (fp32 or bf16)."""
+        return self.dense if self.fmt == "int8" else self.weight
+
+    def set_dense_dtype(self, dtype: torch.dtype) -> None:
+        """Store an int8 layer's dense copy in `dtype` (from the copy it has: fp32 -> bf16 is exact
+        rounding; set it before going back to fp32, which cannot restore the lost bits)."""
+        if self.fmt != "int8":
+            raise ValueError("only int8 layers keep a separate dense copy")
+        if self.dense.dtype != dtype:
+            self.dense = self.dense.to(dtype).contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
-            if x.shape[0] > self.int8_max_rows:
-                return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
-            return y.to(x.dtype)
-        if x.dtype != self.weight.dtype:
-            return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
-        return torch.nn.functional.linear(x, self.weight)
+            if x.shape[0] <= self.int8_max_rows:
+                y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+                return y.to(x.dtype)
+            w = self.dense
+        else:
+            w = self.weight
+        if x.dtype != w.dtype:
+            return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+        return torch.nn.functional.linear(x, w)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 [out, in] (for references and tests)."""
@@ -102,11 +119,62 @@ class BaseLinear(nn.Module):
         return self.weight.float()
 
 
-def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 2) -> int:
+def _min_time(fns: list, reps: int) -> list[float]:
+    """Best-of-`reps` seconds of each function, run interleaved (after one warm-up call each).
+    The minimum, not a mean: other work on a shared 2-core machine only ever adds time, and a
+    burst of it (seconds long) can cover several consecutive runs of one candidate; interleaving
+    gives every candidate runs on both sides of such a burst."""
+    for f in fns:
+        f()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, max_layers: int = 12,
+                       candidates=(torch.float32, torch.bfloat16)) -> tuple[torch.dtype, dict[str, float]]:
+    """Measure a dense GEMM of `rows` rows over (up to `max_layers` of) these int8 layers' weights
+    in each candidate dtype (with fp32 activations cast to it and back, as forward does), store
+    every layer's dense copy in the fastest, and return (dtype, {dtype name: ms}).
+
+    bf16 is ~4x faster than fp32 where the CPU has avx512_bf16 (AMX-less EPYC/Xeon) and ~6x
+    slower where it has only AVX2, so this is measured, not assumed. A wide batch is compute
+    bound, so a sample of the layers is enough (the crossover below streams all of them)."""
+    if not layers:
+        return torch.float32, {}
+    sample = layers[:max_layers]
+    times: dict[str, float] = {}
+    with torch.inference_mode():
+        xs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in sample}}
+        copies = {dt: [layer.dense if layer.dense.dtype == dt else layer.dense.to(dt) for layer in sample]
+                  for dt in candidates}
+
+        def run(dt):
+            def f():
+                for layer, w in zip(sample, copies[dt]):
+                    x = xs[layer.in_features]
+                    torch.nn.functional.linear(x.to(dt), w).float()
+            return f
+
+        best = _min_time([run(dt) for dt in candidates], reps)
+    for dt, t in zip(candidates, best):
+        times[str(dt).removeprefix("torch.")] = round(t * 1000, 3)
+    choice = candidates[min(range(len(candidates)), key=best.__getitem__)]
+    for layer in layers:
+        layer.set_dense_dtype(choice)
+    return choice, times
+
+
+def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
     """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
-    kernel beats the dense fp32 copy, and set it as every layer's `int8_max_rows`. Each timing
-    runs all the layers in turn, so weights come from memory as in a real step, not from cache.
-    Returns the threshold (0: dense is faster even for one row)."""
+    kernel beats each layer's dense copy (in its current `dense_dtype`: choose that first), and
+    set it as every layer's `int8_max_rows`. Each timing runs all the layers in turn, so weights
+    come from memory as in a real step, not from cache; candidates are timed interleaved after a
+    warm-up, best of `reps`. Returns the threshold (0: dense is faster even for one row)."""
     if not layers:
         return 0
     best = 0
@@ -114,17 +182,18 @@ def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16
         for m in candidates:
             xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in layers}}
             xbs = {k: x.to(torch.bfloat16) for k, x in xs.items()}
-            times = []
-            for dense in (False, True):
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    for layer in layers:
-                        if dense:
-                            torch.nn.functional.linear(xs[layer.in_features], layer.dense)
-                        else:
-                            torch._weight_int8pack_mm(xbs[layer.in_features], layer.weight, layer.scales)
-                times.append(time.perf_counter() - t0)
-            if times[0] <= times[1]:
+
+            def int8():
+                for layer in layers:
+                    torch._weight_int8pack_mm(xbs[layer.in_features], layer.weight, layer.scales).float()
+
+            def dense():
+                for layer in layers:
+                    w = layer.dense
+                    torch.nn.functional.linear(xs[layer.in_features].to(w.dtype), w).float()
+
+            t_int8, t_dense = _min_time([int8, dense], reps)
+            if t_int8 <= t_dense:
                 best = m
             else:
                 break

@@ -141,3 +141,25 @@ def test_broken_adapters_fail_only_their_requests(lora_engine, adapter_root):
     assert outs["d"].finish_reason == "error" and "DoRA" in outs["d"].error
     assert outs["missing"].finish_reason == "error" and "not found" in outs["missing"].error
     assert lora_engine.block_manager.num_free_blocks == lora_engine.block_manager.num_blocks
+
+
+def test_decode_tokens_run_in_adapter_slot_order(lora_engine, monkeypatch):
+    """Each step's decodes are ordered by slot (no adapter first), so each adapter's tokens are
+    one contiguous run for the LoRA path; outputs do not depend on the order (tested above)."""
+    manager = lora_engine.lora_manager
+    seen: list[list[int]] = []
+    original = manager.batch_for
+
+    def recording(sched):
+        batch = original(sched)
+        if batch is not None and sched.decodes:
+            seen.append(batch.meta.token_slots[:len(sched.decodes)].tolist())
+        return batch
+
+    monkeypatch.setattr(manager, "batch_for", recording)
+    adapters = [None, "rand-r8", "rand-r1", "rand-r8", None, "rand-r1"]
+    lora_engine.generate([_greedy(f"ord{i}", PROMPTS[i], a, n=4) for i, a in enumerate(adapters)])
+    assert seen, "no decode step had adapters"
+    assert any(len(set(s)) > 2 for s in seen)
+    for slots in seen:
+        assert slots == sorted(slots)

@@ -181,3 +181,21 @@ def test_cpu_add_lora_refuses_mismatched_slices():
         pk.add_lora(bt.y, bt.x, bt.a, bt.b[:1], bt.scales, bt.ranks, meta=meta)
     with pytest.raises(TypeError, match="dtype"):
         pk.add_lora(bt.y, bt.x, [a.half() for a in bt.a], bt.b, bt.scales, bt.ranks, meta=meta)
+
+
+@pytest.mark.parametrize("offsets", [None, [60, 0]], ids=["packed", "unpacked"])
+def test_cpu_add_lora_slot_sorted_decode_reads_views(offsets):
+    # The engine orders decode tokens by slot (no adapter first): each rank group's padded block
+    # is then one run of the batch, read and written through views of x and y.
+    S = 6
+    slots = torch.tensor([-1, -1, -1] + [s for s in range(S) for _ in range(2)], dtype=torch.int32)
+    bt = make_batch(T=slots.numel(), K=40, S=S, R=8, widths=(40, 20), y_width=100, offsets=offsets,
+                    ranks=[8] * S, seed=11)
+    bt.token_slots = slots
+    meta = pk.build_lora_metadata(slots, num_slots=S)
+    (group,) = meta.cpu_plan(bt.ranks)
+    assert group.run == (3, slots.numel()) and group.pad_mask is None
+    y = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=offsets)
+    want = _reference_add_lora(bt, single=False)
+    assert_close(y, want, torch.float32)
+    assert torch.equal(y[:3], bt.y[:3])  # tokens without an adapter are untouched
