@@ -5,8 +5,8 @@
 Prints one JSON object. `tok_s_c{N}`: aggregate completion tokens/s with N concurrent requests
 of 64 new tokens each (greedy, EOS ignored, wall time including prefill), for the fastest of the
 measured formats (see `formats`; "auto" is the engine's default: int8 weight-only for skinny
-batches, a dense copy in the dtype measured fastest at start for wide ones, reported under
-`choice`); `hf_tok_s_c{N}`:
+batches; wider decode batches on a dense copy in the dtype measured fastest at start,
+reported under `choice`; steps that prefill on the fp32 copy); `hf_tok_s_c{N}`:
 transformers' generate on the same dequantized GGUF weights (fp32, batch N, left padding);
 `ttft_ms_p50_512`: median time to first token of a 512-token prompt on an idle engine.
 """
@@ -42,7 +42,8 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies) -> dict:
     engine_tok_s(eng, fixed_requests(tokenizer, 2, 8, "warm"))
     res = {}
     if eng.int8_max_rows is not None:
-        dense = next(m for m in eng.model.modules() if getattr(m, "fmt", None) == "int8").dense.dtype
+        fast = next(m for m in eng.model.modules() if getattr(m, "fmt", None) == "int8").dense_fast
+        dense = torch.float32 if fast is None else fast.dtype
         res["choice"] = {"int8_max_rows": eng.int8_max_rows[0], "lm_head_int8_max_rows": eng.int8_max_rows[1],
                          "dense": str(dense).removeprefix("torch."), "dense_ms": eng.format_timings}
     for c in concurrencies:

@@ -66,14 +66,15 @@ class LLMEngine:
         self.int8_max_rows: tuple[int, int] | None = None
         self.format_timings: dict = {}
         if self.weight_format == "int8":
-            # Both the dense dtype for wide batches (bf16 is 4x fp32 with avx512_bf16, 6x slower
-            # with AVX2 only) and the int8-vs-dense crossover differ by CPU: measure them on the
-            # loaded weights (~1 s) rather than assume them.
+            # Both the dense dtype for decode-only wide batches (bf16 is 3x fp32 with avx512_bf16,
+            # 6x slower with AVX2 only) and the int8-vs-dense crossover differ by CPU: measure
+            # them on the loaded weights (~1 s) rather than assume them.
             layers = [m for m in self.model.layers.modules() if isinstance(m, BaseLinear)]
             dense, self.format_timings = choose_dense_dtype(layers)
-            self.model.lm_head.set_dense_dtype(dense)
+            self.model.lm_head.set_fast_dtype(dense)
             self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
-            log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond (%s ms)",
+            log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
+                     "steps, fp32 in steps that prefill (%s ms)",
                      *self.int8_max_rows, dense, self.format_timings)
 
         ec = self.config

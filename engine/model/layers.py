@@ -58,21 +58,26 @@ class BaseLinear(nn.Module):
     fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
     fmt "int8": per-output-channel symmetric int8 with bf16 scales, multiplied by torch's fused
     weight-only kernel (`_weight_int8pack_mm`, bf16 activations, 1 byte read per weight) for
-    skinny batches (M <= int8_max_rows: decode); wider batches use a dense copy in
-    `dense_dtype` (fp32 or bf16), because a dense GEMM beats that kernel there. Both choices
-    depend on the CPU (bf16 GEMMs run ~4x fp32 with avx512_bf16 and ~6x slower without it; the
-    int8 kernel's crossover moves with VNNI/AVX-512): `choose_dense_dtype` and
-    `calibrate_int8_rows` measure them on the loaded weights at engine start.
+    skinny batches (M <= int8_max_rows); wider batches use a dense copy, because a dense GEMM
+    beats that kernel there:
+      - `dense` (fp32) for `exact=True` calls, which the model makes for steps that prefill:
+        a prompt's first token comes from (near) fp32 numerics, as with the exact format;
+      - `dense_fast` (bf16, or None = use `dense`) for decode-only steps wider than the int8
+        crossover: ~3x an fp32 GEMM where the CPU has avx512_bf16, ~6x slower where it has only
+        AVX2, so it is kept only where it measured faster.
+    Both the crossover and the fast dtype depend on the CPU: `calibrate_int8_rows` and
+    `choose_dense_dtype` measure them on the loaded weights at engine start.
     The output has the activation dtype.
     """
 
     INT8_MAX_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, fmt: str, dense_dtype: torch.dtype = torch.float32):
+    def __init__(self, weight: torch.Tensor, fmt: str):
         super().__init__()
         self.fmt = fmt
         self.int8_max_rows = self.INT8_MAX_ROWS
         self.out_features, self.in_features = weight.shape
+        self.dense_fast: torch.Tensor | None = None
         w = weight.float()
         if fmt == "fp32":
             self.register_buffer("weight", w.contiguous())
@@ -83,29 +88,23 @@ class BaseLinear(nn.Module):
             q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
             self.register_buffer("weight", q.contiguous())
             self.register_buffer("scales", scale.to(torch.bfloat16))
-            self.register_buffer("dense", w.to(dense_dtype).contiguous())
+            self.register_buffer("dense", w.contiguous())
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
 
-    @property
-    def dense_weight(self) -> torch.Tensor:
-        """The dense matrix wide batches multiply by (fp32 or bf16)."""
-        return self.dense if self.fmt == "int8" else self.weight
-
-    def set_dense_dtype(self, dtype: torch.dtype) -> None:
-        """Store an int8 layer's dense copy in `dtype` (from the copy it has: fp32 -> bf16 is exact
-        rounding; set it before going back to fp32, which cannot restore the lost bits)."""
+    def set_fast_dtype(self, dtype: torch.dtype) -> None:
+        """Decode-only wide batches of an int8 layer multiply by the dense weight in `dtype`
+        (fp32: the exact copy itself; bf16: a second, rounded copy)."""
         if self.fmt != "int8":
-            raise ValueError("only int8 layers keep a separate dense copy")
-        if self.dense.dtype != dtype:
-            self.dense = self.dense.to(dtype).contiguous()
+            raise ValueError("only int8 layers keep dense copies")
+        self.dense_fast = None if dtype == torch.float32 else self.dense.to(dtype).contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
             if x.shape[0] <= self.int8_max_rows:
                 y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
                 return y.to(x.dtype)
-            w = self.dense
+            w = self.dense if exact or self.dense_fast is None else self.dense_fast
         else:
             w = self.weight
         if x.dtype != w.dtype:
@@ -138,26 +137,26 @@ def _min_time(fns: list, reps: int) -> list[float]:
 def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, max_layers: int = 12,
                        candidates=(torch.float32, torch.bfloat16)) -> tuple[torch.dtype, dict[str, float]]:
     """Measure a dense GEMM of `rows` rows over (up to `max_layers` of) these int8 layers' weights
-    in each candidate dtype (with fp32 activations cast to it and back, as forward does), store
-    every layer's dense copy in the fastest, and return (dtype, {dtype name: ms}).
+    in each candidate dtype (fp32 activations cast to it and back, as forward does), make the
+    fastest every layer's `dense_fast` dtype (decode-only wide batches), and return
+    (dtype, {dtype name: ms}).
 
-    bf16 is ~4x faster than fp32 where the CPU has avx512_bf16 (AMX-less EPYC/Xeon) and ~6x
-    slower where it has only AVX2, so this is measured, not assumed. A wide batch is compute
-    bound, so a sample of the layers is enough (the crossover below streams all of them)."""
+    bf16 is ~3x faster than fp32 where the CPU has avx512_bf16 and ~6x slower where it has only
+    AVX2, so this is measured, not assumed. A wide batch is compute bound, so a sample of the
+    layers is enough (the int8 crossover, measured after this, streams all of them)."""
     if not layers:
         return torch.float32, {}
     sample = layers[:max_layers]
     times: dict[str, float] = {}
     with torch.inference_mode():
         xs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in sample}}
-        copies = {dt: [layer.dense if layer.dense.dtype == dt else layer.dense.to(dt) for layer in sample]
+        copies = {dt: [layer.dense if dt == torch.float32 else layer.dense.to(dt) for layer in sample]
                   for dt in candidates}
 
         def run(dt):
             def f():
                 for layer, w in zip(sample, copies[dt]):
-                    x = xs[layer.in_features]
-                    torch.nn.functional.linear(x.to(dt), w).float()
+                    torch.nn.functional.linear(xs[layer.in_features].to(dt), w).float()
             return f
 
         best = _min_time([run(dt) for dt in candidates], reps)
@@ -165,13 +164,13 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
         times[str(dt).removeprefix("torch.")] = round(t * 1000, 3)
     choice = candidates[min(range(len(candidates)), key=best.__getitem__)]
     for layer in layers:
-        layer.set_dense_dtype(choice)
+        layer.set_fast_dtype(choice)
     return choice, times
 
 
 def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
     """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
-    kernel beats each layer's dense copy (in its current `dense_dtype`: choose that first), and
+    kernel beats each layer's decode-time dense weight (`dense_fast` if set: choose it first), and
     set it as every layer's `int8_max_rows`. Each timing runs all the layers in turn, so weights
     come from memory as in a real step, not from cache; candidates are timed interleaved after a
     warm-up, best of `reps`. Returns the threshold (0: dense is faster even for one row)."""
@@ -189,7 +188,7 @@ def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16
 
             def dense():
                 for layer in layers:
-                    w = layer.dense
+                    w = layer.dense if layer.dense_fast is None else layer.dense_fast
                     torch.nn.functional.linear(xs[layer.in_features].to(w.dtype), w).float()
 
             t_int8, t_dense = _min_time([int8, dense], reps)

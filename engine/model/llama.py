@@ -30,10 +30,10 @@ class DecoderLayer(nn.Module):
         self.down_proj = BaseLinear(w[p + "mlp.down_proj.weight"], fmt)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora):
+    def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
         cfg = self.cfg
         h = self.input_norm(x)
-        qkv = self.qkv_proj(h)
+        qkv = self.qkv_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "qkv", h, qkv)
         T = x.shape[0]
@@ -44,17 +44,17 @@ class DecoderLayer(nn.Module):
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv.k[self.idx], kv.v[self.idx], attn, self.scale)
         o = o.reshape(T, cfg.q_size)
-        out = self.o_proj(o)
+        out = self.o_proj(o, exact)
         if lora is not None:
             lora.apply(self.idx, "o", o, out)
         x = x + out
         h = self.post_attn_norm(x)
-        gu = self.gate_up_proj(h)
+        gu = self.gate_up_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "gate_up", h, gu)
         g, u = gu.split(cfg.intermediate_size, dim=-1)
         m = F.silu(g).mul_(u)
-        d = self.down_proj(m)
+        d = self.down_proj(m, exact)
         if lora is not None:
             lora.apply(self.idx, "down", m, d)
         return x + d
@@ -62,7 +62,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv, attn, lora) -> hidden [T, H];
-    compute_logits(hidden [N, H]) -> fp32 logits [N, V]."""
+    compute_logits(hidden [N, H], exact) -> fp32 logits [N, V].
+
+    A step that prefills (attn.prefills non-empty) runs wide matmuls on the exact fp32 weights,
+    a decode-only step on the fastest measured copy (BaseLinear): prompts' first tokens keep
+    fp32 numerics while decode batches take bf16 where the CPU makes it faster."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, fmt: str, dtype: torch.dtype):
         super().__init__()
@@ -81,10 +85,11 @@ class LlamaModel(nn.Module):
                 attn: AttentionMetadata, lora=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions)
+        exact = bool(attn.prefills)
         for layer in self.layers:
-            x = layer(x, cos_sin, kv, attn, lora)
+            x = layer(x, cos_sin, kv, attn, lora, exact)
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, exact).float()

@@ -1,7 +1,10 @@
-"""Base weight formats: int8 weight-only layers with a dense copy whose dtype (fp32 or bf16) and
-int8/dense crossover are measured on the loaded weights, and each batch size takes the path the
-measurement chose. The exact fp32 format stays available (tests/engine/test_model_vs_hf.py)."""
+"""Base weight formats: int8 weight-only layers keep an fp32 dense copy (steps that prefill) and,
+where it measured faster, a bf16 one (decode-only wide batches); the int8/dense crossover is
+measured on the loaded weights, and each batch takes the path the measurement chose. The exact
+fp32 format stays available and tested against transformers (tests/engine/test_model_vs_hf.py)."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ def test_calibration_sets_a_measured_threshold_that_forward_follows(dense):
     g = torch.Generator().manual_seed(0)
     layers = _layers(g)
     for layer in layers:
-        layer.set_dense_dtype(dense)
+        layer.set_fast_dtype(dense)
     rows = calibrate_int8_rows(layers, candidates=(1, 2, 4, 8, 16, 32))
     assert rows in (0, 1, 2, 4, 8, 16, 32)
     assert all(layer.int8_max_rows == rows for layer in layers)
@@ -29,11 +32,16 @@ def test_calibration_sets_a_measured_threshold_that_forward_follows(dense):
     for m in (1, 8, 33):
         x = torch.randn(m, 128, generator=g)
         int8 = torch._weight_int8pack_mm(x.bfloat16(), layer.weight, layer.scales).float()
-        wide = torch.nn.functional.linear(x.to(dense), layer.dense).float()
+        fast = layer.dense if layer.dense_fast is None else layer.dense_fast
+        wide = torch.nn.functional.linear(x.to(dense), fast).float()
+        assert fast.dtype == dense
         want = int8 if m <= rows else wide
         got = layer(x)
         assert got.dtype == torch.float32
         assert torch.equal(got, want)
+        # Steps that prefill take the fp32 copy past the crossover.
+        want_exact = int8 if m <= rows else torch.nn.functional.linear(x, layer.dense)
+        assert torch.equal(layer(x, exact=True), want_exact)
 
 
 def test_dense_dtype_choice_is_one_of_the_candidates_and_is_applied():
@@ -44,8 +52,10 @@ def test_dense_dtype_choice_is_one_of_the_candidates_and_is_applied():
     assert dtype in (torch.float32, torch.bfloat16)
     assert set(timings) == {"float32", "bfloat16"} and all(t > 0 for t in timings.values())
     for layer, w in zip(layers, ref):
-        assert layer.dense.dtype == dtype and layer.dense.is_contiguous()
+        assert torch.equal(layer.dense, w) and layer.dense.dtype == torch.float32  # the exact copy stays
+        assert (layer.dense_fast is None) == (dtype == torch.float32)
         # Whatever was chosen, the wide path stays within bf16 rounding of the fp32 weights.
+        layer.int8_max_rows = 0
         x = torch.randn(40, layer.in_features, generator=g)
         torch.testing.assert_close(layer(x), x @ w.T, rtol=2e-2, atol=2e-2 * float((x @ w.T).abs().max()))
 
@@ -53,9 +63,9 @@ def test_dense_dtype_choice_is_one_of_the_candidates_and_is_applied():
 def test_a_forced_candidate_list_decides_the_dtype():
     layers = _layers(torch.Generator().manual_seed(2))
     dtype, _ = choose_dense_dtype(layers, rows=8, reps=1, candidates=(torch.bfloat16,))
-    assert dtype == torch.bfloat16 and all(layer.dense.dtype == torch.bfloat16 for layer in layers)
+    assert dtype == torch.bfloat16 and all(layer.dense_fast.dtype == torch.bfloat16 for layer in layers)
     with pytest.raises(ValueError, match="int8"):
-        BaseLinear(torch.randn(8, 8), "fp32").set_dense_dtype(torch.bfloat16)
+        BaseLinear(torch.randn(8, 8), "fp32").set_fast_dtype(torch.bfloat16)
 
 
 def test_auto_is_int8_on_cpu_and_explicit_formats_are_kept():
@@ -69,14 +79,57 @@ def test_calibration_of_nothing_is_a_no_op():
     assert choose_dense_dtype([]) == (torch.float32, {})
 
 
-def test_auto_engine_greedy_output_stays_close_to_the_exact_engine(make_engine, tokenizer):
-    """The measured format (int8 for decode, fp32 or bf16 for wide batches) is not exact, but a
-    short greedy answer must still read the same as the fp32 engine's for a factual prompt."""
-    from .conftest import chat
-    from .helpers import greedy
+def _decode_forward(layer, x, exact=False):
+    return BaseLinear.forward(layer, x, exact=False)
 
-    prompt = chat(tokenizer, "What is the capital of France?")
-    fast = make_engine(weight_format="auto")
-    assert fast.weight_format == "int8" and fast.int8_max_rows is not None
-    out = fast.generate([greedy("auto", prompt, 16)])["auto"]
-    assert "Paris" in out.text
+
+@pytest.mark.parametrize("path", ["wide", "int8"])
+def test_fast_formats_stay_close_to_the_exact_model(smollm_checkpoint, tokenizer, path):
+    """The measured format is not exact (bf16 or int8 weights, bf16 matmul outputs), so it is held
+    to a looser bound than the fp32 path's 1e-3 against transformers: logits within 8% of the
+    largest, and where its argmax differs from the exact model's, it picks a near-tie (the exact
+    model rates it within 0.5 of its best). Both paths are forced: the dense copy in bf16 for
+    every batch size ("wide"; the model would take it only in decode-only steps), or int8 for
+    every batch size ("int8")."""
+    from engine.model.llama import LlamaModel
+
+    from .conftest import chat
+    from .test_model_vs_hf import _our_logits
+
+    cfg, weights, _ = smollm_checkpoint
+    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
+    fast = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    for m in fast.modules():
+        if isinstance(m, BaseLinear):
+            m.set_fast_dtype(torch.bfloat16)
+            m.int8_max_rows = 0 if path == "wide" else 1 << 20
+            m.forward = functools.partial(_decode_forward, m)  # as in a decode-only step
+    for text in ("What is the capital of France?", "Write a haiku about the sea.", "2 + 2 ="):
+        ids = tokenizer.encode(chat(tokenizer, text))
+        ref, got = _our_logits(exact, ids), _our_logits(fast, ids)
+        rel = float((got - ref).abs().max() / ref.abs().max())
+        assert rel < 8e-2, f"{text!r}: relative error {rel:.3f}"
+        gap = ref.max(-1).values - ref.gather(1, got.argmax(-1, keepdim=True)).squeeze(1)
+        assert float(gap.max()) < 0.5, f"{text!r}: picks a token {float(gap.max()):.2f} below the best"
+        assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_a_prefill_step_on_the_auto_format_keeps_the_exact_first_token(smollm_checkpoint, tokenizer):
+    """Steps that prefill multiply wide batches by the fp32 copy, so a prompt's logits (and first
+    token) match the exact model's up to the int8 lm_head for few rows."""
+    from engine.model.llama import LlamaModel
+
+    from .conftest import chat
+    from .test_model_vs_hf import _our_logits
+
+    cfg, weights, _ = smollm_checkpoint
+    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
+    auto = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    for m in auto.modules():
+        if isinstance(m, BaseLinear):
+            m.set_fast_dtype(torch.bfloat16)
+            m.int8_max_rows = 16
+    ids = tokenizer.encode(chat(tokenizer, "What is the capital of France?"))
+    assert len(ids) > 16
+    ref, got = _our_logits(exact, ids), _our_logits(auto, ids)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 * float(ref.abs().max()))
