@@ -61,10 +61,10 @@ class EngineConfig:
     #: the base matmuls cast to bf16 inside BaseLinear where that is faster; bf16 elementwise
     #: ops, attention and small batched matmuls are slower than fp32 on CPU).
     dtype: torch.dtype = torch.float32
-    #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only for
-    #: decode-sized batches + a dense fp32 or bf16 copy for wider ones, both chosen by measuring
-    #: on the loaded weights at start; see llm_engine.pick_weight_format), "fp32" (exact),
-    #: "bf16", "int8".
+    #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only up to a
+    #: measured batch size, fp32 dense for steps that prefill, bf16 dense for wider decode-only
+    #: batches where it measured faster at start; see llm_engine.pick_weight_format and
+    #: model.layers.BaseLinear), "fp32" (exact), "bf16", "int8" (same as "auto" on CPU).
     weight_format: str = "auto"
     #: Seconds a waiting request needs to be promoted one priority class (prevents starvation).
     aging_seconds: float = 10.0

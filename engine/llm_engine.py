@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def pick_weight_format(cfg: EngineConfig) -> str:
-    """"auto" on CPU: "int8", i.e. int8 weight-only for decode-sized batches and a dense copy for
-    wider ones, with fp32 activations; which dense dtype (fp32 or bf16) and where the crossover
-    lies are measured on the loaded weights at start (LLMEngine.__init__), because both differ by
-    CPU (bench/RESULTS.md). Exactness checks ask for "fp32"."""
+    """"auto" on CPU: "int8", i.e. int8 weight-only for decode-sized batches and dense copies for
+    wider ones (fp32 in steps that prefill; fp32 or bf16 in decode-only steps), with fp32
+    activations; the fast dense dtype and the int8 crossover are measured on the loaded weights
+    at start (LLMEngine.__init__), because both differ by CPU (bench/RESULTS.md). Exactness
+    checks ask for "fp32"."""
     if cfg.weight_format != "auto":
         return cfg.weight_format
     return "int8" if cfg.device == "cpu" else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(cfg.dtype, "fp32")
