@@ -73,14 +73,13 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         max_bytes = next((n for pattern, n in self.large if pattern.match(scope.get("path", ""))), self.max_bytes)
-        too_big = ApiError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large")
         length = None
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 length = int(value) if value.isdigit() else None
         if length is not None:
             if length > max_bytes:
-                return await too_big.response()(scope, receive, send)
+                return await self._too_big(max_bytes)(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
             return await self.app(scope, receive, send)
@@ -93,7 +92,7 @@ class BodyLimit:
                 break
             seen += len(message.get("body", b""))
             if seen > max_bytes:
-                return await too_big.response()(scope, receive, send)
+                return await self._too_big(max_bytes)(scope, receive, send)
             if not message.get("more_body"):
                 break
 
@@ -101,6 +100,10 @@ class BodyLimit:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
+
+    @staticmethod
+    def _too_big(max_bytes: int):
+        return ApiError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large").response()
 
 
 def create_app(settings: PlatformSettings | None = None, *, engine_client: EngineClient | None = None,
@@ -120,10 +123,10 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
                                  adapter_labels=settings.metrics_adapter_labels,
                                  max_adapter_labels=settings.metrics_max_adapter_labels)
         epoch = make_epoch(settings.redis_url, key_prefix=settings.redis_key_prefix)
+        meter = Meter(ctx.engine, ctx.session_factory, observer=metrics.observe)
         app.state.gateway = Gateway(settings=settings, db=ctx.engine, session_factory=ctx.session_factory,
                                     store=ctx.store, engine=client, quota=RefusalCountingQuota(q, metrics),
-                                    meter=Meter(ctx.engine, ctx.session_factory, observer=metrics.observe),
-                                    epoch=epoch)
+                                    meter=meter, epoch=epoch)
         try:
             async with anyio.create_task_group() as tg:
                 if settings.celery_eager:  # embedded: no Celery beat; the gateway runs billing on a timer
@@ -136,9 +139,12 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
                 await q.close()
             if engine_client is None:
                 await client.close()
+            meter.close()
             ctx.engine.dispose()
 
-    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
+    otel = settings.otel_tracing
+    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan,
+                  telemetry={"tracing": otel, "metrics": otel, "logs": otel, "operation_spans": otel})
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(admin.router)

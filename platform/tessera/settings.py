@@ -53,6 +53,7 @@ class PlatformSettings(RegistrySettings):
     metrics_adapter_labels: bool = Field(False, description="Also export per-adapter request counts and latency (tenant, adapter name).")
     metrics_max_adapter_labels: int = Field(50, ge=1, description="Distinct (tenant, adapter) label pairs per process; the rest are '_other'.")
     prometheus_url: str | None = Field(None, description="Prometheus HTTP API the SLO status reads burn rates and alerts from; unset computes them from usage events.")
+    otel_tracing: bool = Field(False, description="FastAPI's OpenTelemetry spans and HTTP metrics, exported through the providers configured by OTEL_* settings; off by default (its per-request checks cost ~5% of the gateway's own time, and Prometheus already has the request metrics).")
 
     # Billing (tessera.billing): prices in integer micro-units of this currency.
     billing_currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="ISO 4217 code of every price and invoice.")

@@ -40,7 +40,7 @@ from tessera.metering import Usage
 from tessera.models import UsageEvent
 from tessera.quota import Decision, QuotaUnavailable, month_of
 from tessera.services import Caller
-from tessera.streaming import ClientDisconnected, DisconnectAwareStream, cancel_on_disconnect
+from tessera.streaming import ClientDisconnected, DisconnectAwareStream, Final, cancel_on_disconnect
 
 router = APIRouter(prefix="/v1")
 
@@ -387,8 +387,8 @@ async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> J
 async def _events(gw, caller, job, decision, stream, first, ttft):
     """SSE body: one chunk per engine delta, the usage chunk if asked, then [DONE]. Chunks produced
     at the same moment go out in one write (the role chunk with the first delta; the last delta,
-    usage and [DONE] together). The usage event is durable before the last write; on a disconnect
-    the `finally` records what was forwarded."""
+    usage, [DONE] and the end of the body together). The usage event is durable before the last
+    write; on a disconnect the `finally` records what was forwarded."""
     completion, done = 0, False
     try:
         pending = _sse(_chunk(job, None, None, first=True)) if job.kind == "chat" else b""
@@ -405,7 +405,7 @@ async def _events(gw, caller, job, decision, stream, first, ttft):
         if out.finish_reason == "error":
             await _finish(gw, caller, job, decision, status="error", finish_reason="error",
                           completion_tokens=completion, ttft=ttft)
-            yield pending + _sse(_engine_error(out).body())
+            yield Final(pending + _sse(_engine_error(out).body()))
             return
         finish = _FINISH.get(out.finish_reason, "stop")
         if job.kind == "chat":
@@ -420,14 +420,14 @@ async def _events(gw, caller, job, decision, stream, first, ttft):
             pending += _sse({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
                              "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
                              "usage": _usage_dict(len(job.prompt_ids), completion)})
-        yield pending + _sse("[DONE]")
+        yield Final(pending + _sse("[DONE]"))
     except EngineUnavailable as e:
         if not done:
             done = True
             await _finish(gw, caller, job, decision, status="error", finish_reason=None,
                           completion_tokens=completion, ttft=ttft)
-            yield _sse(ApiError(503, f"the engine failed mid-request: {e}", type="server_error",
-                                code="engine_unavailable").body())
+            yield Final(_sse(ApiError(503, f"the engine failed mid-request: {e}", type="server_error",
+                                      code="engine_unavailable").body()))
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()  # aborts the engine request if it is still running

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import json
-from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -69,11 +68,11 @@ def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
 
         async def lines():
             try:
-                yield (json.dumps(asdict(first)) + "\n").encode()
+                yield (json.dumps(vars(first)) + "\n").encode()
                 if first.finished:
                     return
                 async for out in stream:
-                    yield (json.dumps(asdict(out)) + "\n").encode()
+                    yield (json.dumps(vars(out)) + "\n").encode()
             except EngineDeadError as e:
                 yield (json.dumps({"engine_dead": str(e)}) + "\n").encode()
             finally:
