@@ -73,6 +73,8 @@ class LLMEngine:
             layers = [m for m in self.model.layers.modules() if isinstance(m, BaseLinear)]
             dense, self.format_timings = choose_dense_dtype(layers)
             self.model.lm_head.set_fast_dtype(dense)
+            packed = all([layer.pack_dense() for layer in layers + [self.model.lm_head]])
+            self.format_timings["onednn_packed"] = packed
             self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
             log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
                      "steps, fp32 in steps that prefill (%s ms)",

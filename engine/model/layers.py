@@ -2,6 +2,7 @@
 storage format chosen by measurement (fp32, bf16, or int8 weight-only)."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -67,6 +68,9 @@ class BaseLinear(nn.Module):
         AVX2, so it is kept only where it measured faster.
     Both the crossover and the fast dtype depend on the CPU: `calibrate_int8_rows` and
     `choose_dense_dtype` measure them on the loaded weights at engine start.
+    `pack_dense` (CPU with oneDNN) adds oneDNN-blocked copies of those dense weights, which
+    `dense_linear` then uses: the same dtype and numerics, without the per-call reorder of a
+    plain weight (1.2-2x faster at 1-100 rows, bench/RESULTS.md).
     The output has the activation dtype.
     """
 
@@ -78,6 +82,7 @@ class BaseLinear(nn.Module):
         self.int8_max_rows = self.INT8_MAX_ROWS
         self.out_features, self.in_features = weight.shape
         self.dense_fast: torch.Tensor | None = None
+        self.packed: dict[torch.dtype, torch.Tensor] = {}  # oneDNN-blocked dense copies (pack_dense)
         w = weight.float()
         if fmt == "fp32":
             self.register_buffer("weight", w.contiguous())
@@ -99,14 +104,32 @@ class BaseLinear(nn.Module):
             raise ValueError("only int8 layers keep dense copies")
         self.dense_fast = None if dtype == torch.float32 else self.dense.to(dtype).contiguous()
 
+    def pack_dense(self) -> bool:
+        """Add oneDNN-blocked copies of the int8 format's dense weights (fp32 `dense`, and
+        `dense_fast` if set) for `dense_linear`. False (nothing packed) where oneDNN packing is
+        unavailable (not a CPU tensor, or a torch build without it)."""
+        if self.fmt != "int8" or not _onednn_packing():
+            return False
+        self.packed = {w.dtype: torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+                       for w in (self.dense, self.dense_fast) if w is not None}
+        return True
+
+    def dense_linear(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
+        """x @ dense.T for the int8 format's wide batches: the fp32 copy when `exact`, else
+        `dense_fast` (if set); the oneDNN-blocked copy when packed. Output in x's dtype."""
+        w = self.dense if exact or self.dense_fast is None else self.dense_fast
+        packed = self.packed.get(w.dtype)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), packed, None, "none", [], "").to(x.dtype)
+        return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
             if x.shape[0] <= self.int8_max_rows:
                 y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
                 return y.to(x.dtype)
-            w = self.dense if exact or self.dense_fast is None else self.dense_fast
-        else:
-            w = self.weight
+            return self.dense_linear(x, exact)
+        w = self.weight
         if x.dtype != w.dtype:
             return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
         return torch.nn.functional.linear(x, w)
@@ -116,6 +139,28 @@ class BaseLinear(nn.Module):
         if self.fmt == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         return self.weight.float()
+
+
+#: The row count oneDNN blocks packed weights for (a hint: any row count works).
+_PACK_ROWS = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_packing() -> bool:
+    """Whether this torch build packs linear weights with oneDNN and gets the same result as
+    F.linear from them (checked once, on a small weight, in fp32 and bf16)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        for dt in (torch.float32, torch.bfloat16):
+            w, x = torch.randn(48, 64).to(dt), torch.randn(5, 64).to(dt)
+            y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS),
+                                                   None, "none", [], "")
+            if not torch.allclose(y.float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=2e-2):
+                return False
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _min_time(fns: list, reps: int) -> list[float]:
@@ -170,8 +215,8 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
 
 def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
     """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
-    kernel beats each layer's decode-time dense weight (`dense_fast` if set: choose it first), and
-    set it as every layer's `int8_max_rows`. Each timing runs all the layers in turn, so weights
+    kernel beats each layer's decode-time dense path (`dense_linear`: choose the dtype and pack
+    first), and set it as every layer's `int8_max_rows`. Each timing runs all the layers in turn, so weights
     come from memory as in a real step, not from cache; candidates are timed interleaved after a
     warm-up, best of `reps`. Returns the threshold (0: dense is faster even for one row)."""
     if not layers:
@@ -188,8 +233,7 @@ def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16
 
             def dense():
                 for layer in layers:
-                    w = layer.dense if layer.dense_fast is None else layer.dense_fast
-                    torch.nn.functional.linear(xs[layer.in_features].to(w.dtype), w).float()
+                    layer.dense_linear(xs[layer.in_features], exact=False)
 
             t_int8, t_dense = _min_time([int8, dense], reps)
             if t_int8 <= t_dense:

@@ -44,6 +44,32 @@ def test_calibration_sets_a_measured_threshold_that_forward_follows(dense):
         assert torch.equal(layer(x, exact=True), want_exact)
 
 
+@pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_dense_copies_give_the_plain_weights_results(dense):
+    """oneDNN-blocked copies (pack_dense) change speed, not results: past the int8 crossover both
+    the exact fp32 path and the fast path match F.linear on the plain copies, at every row count
+    (the packing is blocked for 32 rows; any count must work)."""
+    g = torch.Generator().manual_seed(3)
+    layer = _layers(g)[1]
+    layer.set_fast_dtype(dense)
+    layer.int8_max_rows = 0
+    plain = {exact: [] for exact in (True, False)}
+    xs = [torch.randn(m, layer.in_features, generator=g) for m in (1, 3, 31, 32, 33, 100)]
+    for x in xs:
+        for exact in (True, False):
+            plain[exact].append(layer(x, exact=exact))
+    if not layer.pack_dense():
+        pytest.skip("this torch build has no oneDNN weight packing")
+    assert set(layer.packed) == {torch.float32, dense}
+    for i, x in enumerate(xs):
+        # fp32: same math, another summation order (~1e-6 relative); bf16: the same kernel.
+        torch.testing.assert_close(layer(x, exact=True), plain[True][i], rtol=1e-5, atol=1e-4)
+        tol = dict(rtol=1e-5, atol=1e-4) if dense == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+        torch.testing.assert_close(layer(x), plain[False][i], **tol)
+        assert layer(x).dtype == torch.float32
+    assert not BaseLinear(torch.randn(8, 8), "fp32").pack_dense()  # only the int8 format keeps dense copies
+
+
 def test_dense_dtype_choice_is_one_of_the_candidates_and_is_applied():
     g = torch.Generator().manual_seed(1)
     layers = _layers(g)
