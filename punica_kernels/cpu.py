@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_native
 from ._checks import check_add_lora, check_expand, check_segments, check_shrink, check_token_slots
 
 # Segments at least this long on average go through one matmul per segment on views;
@@ -315,6 +316,8 @@ def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
         check_token_slots(meta.token_slots, x.shape[0], num_slots, x.device)
     elif meta.num_tokens != x.shape[0]:
         raise ValueError(f"meta has {meta.num_tokens} tokens but x has {x.shape[0]}")
+    if cpu_native.add_lora_f32(args, meta, scales, ranks):  # decode-shaped fp32 calls: the C kernel
+        return y
     pairs = list(zip(args.a_slices, args.b_slices))
     scale_list = None
     for g in _plan(meta.token_slots, ranks, meta):

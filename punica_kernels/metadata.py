@@ -29,6 +29,15 @@ class LoRAMetadata:
     num_tokens: int  # T
     num_slots: int | None  # size of the slot stack the slots were checked against, if given
     _cpu_plans: dict = field(default_factory=dict, repr=False, compare=False)
+    _max_adapter_run: int | None = field(default=None, repr=False, compare=False)
+
+    def max_adapter_run(self) -> int:
+        """Longest run of consecutive tokens on one adapter slot (runs of -1 not counted); cached.
+        The CPU kernel takes decode-shaped batches by it (punica_kernels.cpu_native)."""
+        if self._max_adapter_run is None:
+            lens = (self.seg_starts[1:] - self.seg_starts[:-1])[self.seg_slots >= 0]
+            self._max_adapter_run = int(lens.max()) if lens.numel() else 0
+        return self._max_adapter_run
 
     def cpu_plan(self, ranks: torch.Tensor):
         """The CPU path's token grouping for these slots and `ranks`, cached by rank values."""

@@ -1,0 +1,148 @@
+/* The fused LoRA term of one layer on the CPU, for decode-shaped batches (few tokens per
+ * adapter): for every token t with slot s = slots[t] >= 0 and every slice l,
+ *     y[t, off[l] : off[l] + N[l]] += scales[s] * (x[t] @ A_l[s, :r].T) @ B_l[s, :, :r].T,  r = ranks[s].
+ * All fp32; x [T, K], y [T, ldy], A_l [S, R, K], B_l [S, N_l, R], all contiguous.
+ *
+ * Why by hand: a decode step reads every distinct adapter's matrices once, a few KB to tens of
+ * KB each, so the work is a stream of short dot products that torch can only express as padded
+ * batched GEMMs plus gathers (bench/RESULTS.md). Here consecutive tokens on the same slot (the
+ * engine orders decodes by slot) form a run whose weights are read once while they are hot in
+ * L1, and the (run, slice) pairs are shared between threads. OpenMP: the process's libgomp is
+ * torch's (loaded first, same soname), so both share one thread pool.
+ */
+#include <stdint.h>
+
+#define CHUNK 8 /* tokens of one run handled per pass over its weights (cpu_native.MAX_RUN) */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* r[k] = sum of the 16 lanes of v[k], for k = 0..15: a transpose-and-add tree (15 shuffles and
+ * adds in all) instead of 16 horizontal reductions. */
+static inline __m512 sum16(__m512 v[16]) {
+    __m512 w[8], u[4], s[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* t[4k + m] holds the sum of v[4m + k] */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, t);
+}
+
+/* v[j] = sc * x . a[j] for j < r (rows of a are K long); v[j] = 0 for r <= j < 16*ceil(r/16).
+ * Rows are read one after the other (one linear stream through the slot's matrix, which the
+ * hardware prefetcher follows), with four accumulators per row for the FMA latency. */
+static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t r, float sc, float *v) {
+    for (int64_t j0 = 0; j0 < r; j0 += 16) {
+        __m512 acc[16];
+        int64_t left = r - j0 < 16 ? r - j0 : 16;
+        for (int k = 0; k < 16; k++) {
+            if (k >= left) {
+                acc[k] = _mm512_setzero_ps();
+                continue;
+            }
+            const float *row = a + (j0 + k) * K;
+            __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+            int64_t c = 0;
+            for (; c + 64 <= K; c += 64) {
+                p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(row + c), p0);
+                p1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(row + c + 16), p1);
+                p2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 32), _mm512_loadu_ps(row + c + 32), p2);
+                p3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 48), _mm512_loadu_ps(row + c + 48), p3);
+            }
+            for (; c + 16 <= K; c += 16) p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(row + c), p0);
+            if (c < K) {
+                __mmask16 m = (__mmask16)((1u << (K - c)) - 1);
+                p1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + c), _mm512_maskz_loadu_ps(m, row + c), p1);
+            }
+            acc[k] = _mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_add_ps(p2, p3));
+        }
+        _mm512_storeu_ps(v + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+    }
+}
+
+/* y[n] += v . b[n, :r] for n < n_out (rows of b are R long; lanes past r are never read). */
+static inline void expand_row(const float *v, const float *b, int64_t R, int64_t r, int64_t n_out, float *y) {
+    int64_t n = 0;
+    for (; n + 16 <= n_out; n += 16) {
+        __m512 acc[16];
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < r; j0 += 16) {
+            __mmask16 m = (__mmask16)(r - j0 >= 16 ? 0xFFFF : (1u << (r - j0)) - 1);
+            __m512 vv = _mm512_maskz_loadu_ps(m, v + j0);
+            for (int k = 0; k < 16; k++)
+                acc[k] = _mm512_fmadd_ps(vv, _mm512_maskz_loadu_ps(m, b + (n + k) * R + j0), acc[k]);
+        }
+        _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), sum16(acc)));
+    }
+    for (; n < n_out; n++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < r; j++) acc += v[j] * b[n * R + j];
+        y[n] += acc;
+    }
+}
+#else
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t r, float sc, float *v) {
+    for (int64_t j = 0; j < r; j++) v[j] = sc * dot(x, a + j * K, K);
+}
+
+static inline void expand_row(const float *v, const float *b, int64_t R, int64_t r, int64_t n_out, float *y) {
+    for (int64_t n = 0; n < n_out; n++) y[n] += dot(v, b + n * R, r);
+}
+#endif
+
+/* Returns 0, or -1 if a rank is outside [0, R] (nothing is written then). */
+int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const float *x, float *y,
+                         const int32_t *slots, const int64_t *ranks, const float *scales, int64_t nslices,
+                         const float *const *A, const float *const *B, const int64_t *N, const int64_t *off,
+                         int64_t *runs /* scratch: 3 * T */) {
+    if (R > 64) return -1;
+    int64_t nruns = 0;
+    for (int64_t t = 0; t < T;) {
+        int32_t s = slots[t];
+        int64_t e = t + 1;
+        while (e < T && slots[e] == s) e++;
+        if (s >= 0) {
+            if (ranks[s] < 0 || ranks[s] > R) return -1;
+            for (int64_t c = t; c < e; c += CHUNK) {
+                runs[3 * nruns] = c;
+                runs[3 * nruns + 1] = c + CHUNK < e ? c + CHUNK : e;
+                runs[3 * nruns + 2] = s;
+                nruns++;
+            }
+        }
+        t = e;
+    }
+    const int64_t work = nruns * nslices;
+#pragma omp parallel for schedule(dynamic, 1) if (work > 1)
+    for (int64_t p = 0; p < work; p++) {
+        const int64_t *run = runs + 3 * (p / nslices);
+        const int64_t l = p % nslices, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
+        const int64_t r = ranks[s], n_out = N[l];
+        const float sc = scales[s];
+        if (r == 0) continue;
+        float v[CHUNK][64];
+        const float *a = A[l] + s * R * K;
+        const float *b = B[l] + s * n_out * R;
+        /* Token by token: each token's pass reads the slot's weights, which stay in L1/L2 for the
+         * run's next tokens (a run is at most CHUNK tokens). */
+        for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i]);
+        for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l]);
+    }
+    return 0;
+}

@@ -1,0 +1,84 @@
+"""The hand-written CPU kernel for decode-shaped add_lora calls (punica_kernels/csrc, loaded by
+punica_kernels.cpu_native): built here with the machine's compiler, it must give the float64
+reference's result for every shape the engine's decode steps produce, never read past a slot's
+rank (padding is NaN), and leave everything else to the torch path."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import punica_kernels as pk
+from punica_kernels import cpu_native
+from tests.punica_kernels.pk_cases import assert_close, make_batch
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler to build the kernel")
+
+
+def _reference(bt):
+    v = pk.reference.bgmv_shrink(bt.x, bt.a, bt.token_slots, bt.scales, bt.ranks)
+    return pk.reference.bgmv_expand(v, bt.b, bt.token_slots, bt.ranks, bt.y, bt.offsets)
+
+
+def _runs(slots_per_run: list[tuple[int, int]]) -> torch.Tensor:
+    """Token slots as consecutive runs: [(slot, length), ...] (the engine orders decodes by slot)."""
+    return torch.tensor([s for s, n in slots_per_run for _ in range(n)], dtype=torch.int32)
+
+
+def test_the_kernel_builds_and_loads_here():
+    assert cpu_native.library() is not None
+
+
+@pytest.mark.parametrize("K,R,widths", [(576, 16, (576, 192, 192)), (129, 64, (40, 24)), (1536, 8, (576,)),
+                                        (33, 4, (17,))], ids=lambda v: str(v))
+def test_decode_batches_match_the_reference(K, R, widths):
+    runs = [(3, 1), (-1, 2), (0, 8), (5, 3), (1, 1), (7, 2), (-1, 12), (6, 5), (2, 1)]
+    slots = _runs(runs)
+    S = 8
+    ranks = [R, 1, max(1, R // 2), R, 3 if R >= 3 else 1, R, 0, min(R, 5)]  # rank 0: a slot with nothing to add
+    bt = make_batch(T=slots.numel(), K=K, S=S, R=R, widths=widths, ranks=ranks, seed=K + R)
+    bt.token_slots = slots
+    width = sum(widths) + 7
+    bt.y = torch.randn(slots.numel(), width)
+    bt.offsets = [width - sum(widths[: i + 1]) for i in range(len(widths))]  # unpacked, reversed order
+    meta = pk.build_lora_metadata(slots, num_slots=S)
+    args = pk._checks.check_add_lora(y := bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, bt.offsets)
+    assert cpu_native.add_lora_f32(args, meta, bt.scales, bt.ranks)  # the kernel took it
+    assert_close(y, _reference(bt), torch.float32)
+    # The public op routes the same call through the kernel too.
+    y2 = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
+    assert torch.equal(y2, y)
+
+
+def test_unordered_slots_and_a_slot_on_several_runs():
+    bt = make_batch(T=40, K=200, S=12, R=16, widths=(200, 48), seed=7)
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=12)
+    assert meta.max_adapter_run() <= cpu_native.MAX_RUN
+    y = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
+    assert_close(y, _reference(bt), torch.float32)
+
+
+def test_long_runs_other_dtypes_and_wide_ranks_take_the_torch_path(monkeypatch):
+    long_run = make_batch(T=cpu_native.MAX_RUN + 1, K=64, S=4, R=8, mode="one", seed=1)
+    meta = pk.build_lora_metadata(long_run.token_slots, num_slots=4)
+    args = pk._checks.check_add_lora(long_run.y.clone(), long_run.x, long_run.a, long_run.b, long_run.scales,
+                                     long_run.ranks)
+    assert not cpu_native.add_lora_f32(args, meta, long_run.scales, long_run.ranks)
+    bf16 = make_batch(T=6, K=64, S=4, R=8, dtype=torch.bfloat16, seed=2)
+    meta = pk.build_lora_metadata(bf16.token_slots, num_slots=4)
+    args = pk._checks.check_add_lora(bf16.y.clone(), bf16.x, bf16.a, bf16.b, bf16.scales, bf16.ranks)
+    assert not cpu_native.add_lora_f32(args, meta, bf16.scales, bf16.ranks)
+    wide = make_batch(T=6, K=64, S=2, R=cpu_native.MAX_RANK + 8, seed=3)
+    meta = pk.build_lora_metadata(wide.token_slots, num_slots=2)
+    args = pk._checks.check_add_lora(wide.y.clone(), wide.x, wide.a, wide.b, wide.scales, wide.ranks)
+    assert not cpu_native.add_lora_f32(args, meta, wide.scales, wide.ranks)
+    # Without the library (switched off, or no compiler) the torch path gives the same answer.
+    bt = make_batch(T=24, K=129, S=9, R=16, widths=(129, 40), seed=4)
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=9)
+    native = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta)
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    fallback = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta)
+    assert_close(native, fallback, torch.float32)
+    assert_close(fallback, _reference(bt), torch.float32)
