@@ -1,8 +1,8 @@
 """The hand-written CPU kernel (csrc/add_lora_cpu.c) for decode-shaped `add_lora` calls.
 
 Built on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`, ~0.3 s) into
-a cache directory keyed by the source, the flags and the CPU's feature flags, and loaded with
-ctypes. Where it cannot be built (no compiler) or is switched off (TESSERA_CPU_LORA_KERNEL=0),
+a cache directory keyed by the source, the flags and the CPU's feature flags (punica_kernels.cbuild),
+and loaded with ctypes. Where it cannot be built (no compiler) or is switched off (TESSERA_CPU_LORA_KERNEL=0),
 `add_lora_f32` answers False and the caller takes the torch path (punica_kernels.cpu), which
 computes the same result.
 
@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cbuild
 
 SOURCE = Path(__file__).parent / "csrc" / "add_lora_cpu.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 #: Longest run of one slot the kernel takes (one pass over its weights); past it (a prefill
 #: segment, a popular adapter) the torch path's GEMMs on views win.
 MAX_RUN = 8
@@ -37,62 +29,14 @@ MAX_RUN = 8
 MAX_RANK = 64
 
 
-def _cpu_id() -> str:
-    """The CPU's model and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    """TESSERA_KERNEL_CACHE, else _build/ beside this file (a checkout), else ~/.cache/tessera
-    (an installed, read-only package)."""
-    if os.environ.get("TESSERA_KERNEL_CACHE"):
-        return Path(os.environ["TESSERA_KERNEL_CACHE"])
-    here = Path(__file__).parent
-    if os.access(here, os.W_OK):
-        return here / "_build"
-    return Path.home() / ".cache" / "tessera" / "kernels"
-
-
-def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_id().encode() + cc.encode()).hexdigest()[:16]
-    out = cache_dir() / f"add_lora_cpu-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-        os.replace(tmp, out)  # atomic: concurrent builders all end with one complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (switched off, or it could not be built: logged once)."""
-    if os.environ.get("TESSERA_CPU_LORA_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError) as e:
-        log.warning("CPU LoRA kernel unavailable, using the torch path: %s", e)
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tessera_add_lora_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p, p, p]
-    lib.tessera_add_lora_f32.restype = ctypes.c_int
+    """The loaded kernel library, or None (TESSERA_CPU_LORA_KERNEL=0, or it could not be built)."""
+    lib = cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL")
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.tessera_add_lora_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p, p, p]
+        lib.tessera_add_lora_f32.restype = ctypes.c_int
     return lib
 
 

@@ -1,0 +1,80 @@
+"""Build a C source of this project with the machine's compiler and load it with ctypes.
+
+Used by the hand-written CPU kernels (punica_kernels.cpu_native); one place for how they are built.
+A library is compiled once per source, flags and CPU (`-march=native`) into a cache directory
+and reused by every later process; concurrent builders each write a temporary file and rename
+it into place, so a reader never sees half a library.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    """TESSERA_KERNEL_CACHE, else _build/ beside this file (a checkout), else ~/.cache/tessera
+    (an installed, read-only package)."""
+    if os.environ.get("TESSERA_KERNEL_CACHE"):
+        return Path(os.environ["TESSERA_KERNEL_CACHE"])
+    here = Path(__file__).parent
+    if os.access(here, os.W_OK):
+        return here / "_build"
+    return Path.home() / ".cache" / "tessera" / "kernels"
+
+
+def build(source: Path) -> Path:
+    """The compiled library of `source` (built now if not cached). Raises RuntimeError without a
+    compiler or when compilation fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    src = source.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_id().encode() + cc.encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, out)  # atomic: concurrent builders all end with one complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(source: Path, switch: str) -> ctypes.CDLL | None:
+    """The loaded library of `source`, or None when the environment variable `switch` is "0" or
+    the library cannot be built (logged once per caller; callers cache the answer). Load it after
+    torch: its OpenMP runtime (same soname) then serves both, one thread pool."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (OSError, RuntimeError) as e:
+        log.warning("%s unavailable, using the torch path: %s", source.name, e)
+        return None
