@@ -1,6 +1,7 @@
 """Benchmark punica_kernels: prints one JSON object per configuration (figures, never pass/fail).
 
-    python bench/kernels.py            # CPU: the CPU path vs torch gather+bmm and a loop per adapter
+    python bench/kernels.py            # CPU: the CPU path vs torch gather+bmm and a loop per adapter;
+                                       # add_lora also without the C kernel, and one decode step's LoRA work
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
 
 Workloads (Punica's): distinct (every token its own adapter), uniform (ceil(sqrt(n)) adapters),
@@ -17,6 +18,7 @@ a Python loop of one matmul per adapter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -24,6 +26,7 @@ import time
 import torch
 
 import punica_kernels as pk
+from punica_kernels import cpu_native
 
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 
@@ -122,6 +125,8 @@ def run_cpu(args) -> None:
                 ours_s = cpu_time(lambda: pk.bgmv_shrink(x, rot(a_all), ts, scales, ranks, meta=meta), reps)
                 ours_e = cpu_time(lambda: pk.bgmv_expand(v, rot(b_all), ts, ranks, y, meta=meta), reps)
                 fused = cpu_time(lambda: pk.add_lora(y, x, rot(a_all), rot(b_all), scales, ranks, meta=meta), reps)
+                with torch_plan_only():
+                    fused_torch = cpu_time(lambda: pk.add_lora(y, x, rot(a_all), rot(b_all), scales, ranks, meta=meta), reps)
                 bmm_s = cpu_time(lambda: baseline_gather_bmm_shrink(x, rot(a_all), slots, scales), reps)
                 bmm_e = cpu_time(lambda: baseline_gather_bmm_expand(v, rot(b_all), slots, y), reps)
                 out = torch.zeros(T, rank)
@@ -129,13 +134,16 @@ def run_cpu(args) -> None:
                 loop_e = cpu_time(lambda: baseline_loop_expand(v, rot(b_all), sl, rl, y), reps)
                 for op, ours, bmm, loop in (("bgmv_shrink", ours_s, bmm_s, loop_s), ("bgmv_expand", ours_e, bmm_e, loop_e),
                                             ("add_lora", fused, bmm_s + bmm_e, loop_s + loop_e)):
-                    print(json.dumps({
+                    row = {
                         "device": "cpu", "threads": torch.get_num_threads(), "op": op, "workload": workload,
                         "tokens": T, "distinct_adapters": len(set(sl)), "hidden": hidden, "rank": rank,
                         "dtype": "float32", "weight_copies_rotated": copies, "us": round(ours, 1),
                         "gather_bmm_us": round(bmm, 1), "loop_us": round(loop, 1),
                         "speedup_vs_gather_bmm": round(bmm / ours, 2), "speedup_vs_loop": round(loop / ours, 2),
-                    }), flush=True)
+                    }
+                    if op == "add_lora":  # the same call without the C kernel (the torch bmm plan)
+                        row["torch_plan_us"] = round(fused_torch, 1)
+                    print(json.dumps(row), flush=True)
             # Prefill: 4 sequences of 128 tokens, each with its own adapter (SGMV).
             T = 512
             slots = torch.arange(4).repeat_interleave(128)
@@ -159,6 +167,53 @@ def run_cpu(args) -> None:
                     "us": round(ours, 1), "gather_bmm_us": round(bmm, 1), "loop_us": round(loop, 1),
                     "speedup_vs_gather_bmm": round(bmm / ours, 2), "speedup_vs_loop": round(loop / ours, 2),
                 }), flush=True)
+    decode_step_lora()
+
+
+@contextlib.contextmanager
+def torch_plan_only():
+    """The CPU add_lora without the C kernel (punica_kernels.cpu_native), i.e. the torch plan."""
+    saved = cpu_native.library
+    cpu_native.library = lambda: None
+    try:
+        yield
+    finally:
+        cpu_native.library = saved
+
+
+def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None:
+    """The LoRA work of one SmolLM2 decode step: 30 layers x the engine's four fused groups
+    (q/k/v, o, gate/up, down), `tokens` tokens on as many adapters, rank 16, fp32, every layer
+    with its own stacks (625 MB in all, read once per step). Against: the torch plan, and a
+    plain sum() over the same tensors (what reading them costs at best)."""
+    gen = torch.Generator().manual_seed(1)
+    S, K = tokens, 576
+    groups = [((576, 192, 192), K), ((576,), K), ((1536, 1536), K), ((576,), 1536)]
+    stacks = [[([torch.randn(S, rank, k, generator=gen) for _ in ns], [torch.randn(S, n, rank, generator=gen) for n in ns])
+               for ns, k in groups] for _ in range(layers)]
+    flat = [t for layer in stacks for a, b in layer for t in a + b]
+    nbytes = sum(t.numel() * t.element_size() for t in flat)
+    ranks, scales = torch.full((S,), rank, dtype=torch.int64), torch.rand(S, generator=gen)
+    meta = pk.build_lora_metadata(list(range(tokens)), num_slots=S)
+    xs = [torch.randn(tokens, k, generator=gen) for _, k in groups]
+    ys = [torch.zeros(tokens, sum(ns)) for ns, _ in groups]
+
+    def step():
+        for layer in stacks:
+            for (a, b), x, y in zip(layer, xs, ys):
+                pk.add_lora(y, x, a, b, scales, ranks, meta=meta)
+
+    ours = cpu_time(step, 8)
+    with torch_plan_only():
+        plan = cpu_time(step, 8)
+    floor = cpu_time(lambda: [t.sum() for t in flat], 8)
+    print(json.dumps({
+        "device": "cpu", "threads": torch.get_num_threads(), "op": "decode_step_lora", "layers": layers,
+        "tokens": tokens, "distinct_adapters": tokens, "rank": rank, "weight_mb": round(nbytes / 1e6),
+        "kernel": "c" if cpu_native.library() is not None else "torch", "ms": round(ours / 1000, 2),
+        "torch_plan_ms": round(plan / 1000, 2), "sum_same_tensors_ms": round(floor / 1000, 2),
+        "gb_s": round(nbytes / ours / 1e3, 1), "speedup_vs_torch_plan": round(plan / ours, 2),
+    }), flush=True)
 
 
 # ----------------------------------------------------------------------------- CUDA
