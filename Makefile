@@ -9,10 +9,11 @@ PROMPT ?= What is the capital of France?
 
 setup: $(VENV)/.installed tools browser admin-ui kernels
 
-# The CPU LoRA kernel (punica_kernels/csrc, C + OpenMP, -march=native) is compiled on first use;
-# building it here keeps that ~0.3 s out of the first request. No compiler: the torch path serves.
+# The CPU kernels (punica_kernels/csrc: LoRA; engine/model/csrc: int8 linear; C + OpenMP,
+# -march=native) are compiled on first use; building them here keeps that ~0.5 s out of the first
+# request. No compiler: the torch paths serve.
 kernels: $(VENV)/.installed
-	@$(PY) -c "from punica_kernels import cpu_native; print('CPU LoRA kernel:', 'built' if cpu_native.library() else 'unavailable (torch path)')"
+	@$(PY) -c "from punica_kernels import cpu_native; from engine.model import cpu_int8; print('CPU kernels: LoRA', 'built' if cpu_native.library() else 'unavailable', '/ int8', 'built' if cpu_int8.library() else 'unavailable')"
 
 # promtool + prometheus (Debian's prometheus package) for the SLO rule tests and the Prometheus
 # integration test, amtool (prometheus-alertmanager) for the routing test; installed only when

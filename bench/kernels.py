@@ -1,7 +1,8 @@
 """Benchmark punica_kernels: prints one JSON object per configuration (figures, never pass/fail).
 
     python bench/kernels.py            # CPU: the CPU path vs torch gather+bmm and a loop per adapter;
-                                       # add_lora also without the C kernel, and one decode step's LoRA work
+                                       # add_lora also without the C kernel, one decode step's LoRA work,
+                                       # and one decode step's int8 base weights (engine's C kernel vs torch)
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
 
 Workloads (Punica's): distinct (every token its own adapter), uniform (ceil(sqrt(n)) adapters),
@@ -168,6 +169,34 @@ def run_cpu(args) -> None:
                     "speedup_vs_gather_bmm": round(bmm / ours, 2), "speedup_vs_loop": round(loop / ours, 2),
                 }), flush=True)
     decode_step_lora()
+    decode_step_int8()
+
+
+def decode_step_int8(layers: int = 30) -> None:
+    """The base weights of one SmolLM2 decode step in the int8 format (30 layers x q/k/v, o,
+    gate/up, down; 104 MB, each layer its own) at 1, 2 and 4 rows: the engine's C kernel on its
+    blocked copy (engine.model.cpu_int8) against torch's `_weight_int8pack_mm`."""
+    from engine.model import cpu_int8
+
+    if cpu_int8.library() is None:
+        return
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * layers
+    ws = [torch.randint(-127, 128, s, dtype=torch.int8, generator=gen) for s in shapes]
+    blocked = [cpu_int8.block_weight(w) for w in ws]
+    scales = [torch.rand(s[0], generator=gen) / 100 for s in shapes]
+    scales_bf16 = [s.bfloat16() for s in scales]
+    nbytes = sum(w.numel() for w in ws)
+    for m in (1, 2, 4):
+        xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+        xbs = {k: x.bfloat16() for k, x in xs.items()}
+        ours = cpu_time(lambda: [cpu_int8.int8_linear(xs[w.shape[1]], b, s) for w, b, s in zip(ws, blocked, scales)], 4)
+        theirs = cpu_time(lambda: [torch._weight_int8pack_mm(xbs[w.shape[1]], w, s) for w, s in zip(ws, scales_bf16)], 4)
+        print(json.dumps({
+            "device": "cpu", "threads": torch.get_num_threads(), "op": "decode_step_int8", "rows": m,
+            "weight_mb": round(nbytes / 1e6), "ms": round(ours / 1000, 2), "gb_s": round(nbytes / ours / 1e3, 1),
+            "torch_int8pack_ms": round(theirs / 1000, 2), "speedup_vs_torch": round(theirs / ours, 2),
+        }), flush=True)
 
 
 @contextlib.contextmanager

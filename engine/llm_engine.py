@@ -75,6 +75,7 @@ class LLMEngine:
             self.model.lm_head.set_fast_dtype(dense)
             packed = all([layer.pack_dense() for layer in layers + [self.model.lm_head]])
             self.format_timings["onednn_packed"] = packed
+            self.format_timings["int8_kernel"] = all([layer.pack_int8() for layer in layers + [self.model.lm_head]])
             self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
             log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
                      "steps, fp32 in steps that prefill (%s ms)",

@@ -8,6 +8,8 @@ import time
 import torch
 from torch import nn
 
+from engine.model import cpu_int8
+
 
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
@@ -57,10 +59,11 @@ class BaseLinear(nn.Module):
     """y = x @ W.T for a frozen base weight W [out, in], stored as `fmt`.
 
     fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
-    fmt "int8": per-output-channel symmetric int8 with bf16 scales, multiplied by torch's fused
-    weight-only kernel (`_weight_int8pack_mm`, bf16 activations, 1 byte read per weight) for
-    skinny batches (M <= int8_max_rows); wider batches use a dense copy, because a dense GEMM
-    beats that kernel there:
+    fmt "int8": per-output-channel symmetric int8 with bf16 scales, read 1 byte per weight for
+    skinny batches (M <= int8_max_rows) by `int8_linear`: the C kernel on a blocked copy
+    (`pack_int8`, fp32 activations, ~2x torch's rate at 1-2 rows) or torch's fused weight-only
+    kernel (`_weight_int8pack_mm`, bf16 activations); wider batches use a dense copy, because a
+    dense GEMM beats those there:
       - `dense` (fp32) for `exact=True` calls, which the model makes for steps that prefill:
         a prompt's first token comes from (near) fp32 numerics, as with the exact format;
       - `dense_fast` (bf16, or None = use `dense`) for decode-only steps wider than the int8
@@ -83,6 +86,8 @@ class BaseLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dense_fast: torch.Tensor | None = None
         self.packed: dict[torch.dtype, torch.Tensor] = {}  # oneDNN-blocked dense copies (pack_dense)
+        self.int8_blocked: torch.Tensor | None = None  # the C kernel's layout of `weight` (pack_int8)
+        self.int8_scales: torch.Tensor | None = None   # fp32 copy of `scales` for it
         w = weight.float()
         if fmt == "fp32":
             self.register_buffer("weight", w.contiguous())
@@ -114,6 +119,22 @@ class BaseLinear(nn.Module):
                        for w in (self.dense, self.dense_fast) if w is not None}
         return True
 
+    def pack_int8(self) -> bool:
+        """Add the CPU int8 kernel's blocked copy of the int8 weight (engine.model.cpu_int8) for
+        `int8_linear`. False (nothing added) where the kernel cannot take it."""
+        if self.fmt != "int8" or not cpu_int8.supports(self.weight):
+            return False
+        self.int8_blocked = cpu_int8.block_weight(self.weight)
+        self.int8_scales = self.scales.float()
+        return True
+
+    def int8_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ (int8 weight * scales).T for decode-sized batches, in x's dtype: the C kernel (fp32
+        activations) where packed, else torch's `_weight_int8pack_mm` (bf16 activations)."""
+        if self.int8_blocked is not None and x.dtype == torch.float32:
+            return cpu_int8.int8_linear(x, self.int8_blocked, self.int8_scales)
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
+
     def dense_linear(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
         """x @ dense.T for the int8 format's wide batches: the fp32 copy when `exact`, else
         `dense_fast` (if set); the oneDNN-blocked copy when packed. Output in x's dtype."""
@@ -126,8 +147,7 @@ class BaseLinear(nn.Module):
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
             if x.shape[0] <= self.int8_max_rows:
-                y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
-                return y.to(x.dtype)
+                return self.int8_linear(x)
             return self.dense_linear(x, exact)
         w = self.weight
         if x.dtype != w.dtype:
@@ -225,11 +245,10 @@ def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16
     with torch.inference_mode():
         for m in candidates:
             xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in layers}}
-            xbs = {k: x.to(torch.bfloat16) for k, x in xs.items()}
 
             def int8():
                 for layer in layers:
-                    torch._weight_int8pack_mm(xbs[layer.in_features], layer.weight, layer.scales).float()
+                    layer.int8_linear(xs[layer.in_features])
 
             def dense():
                 for layer in layers:

@@ -31,7 +31,7 @@ def test_calibration_sets_a_measured_threshold_that_forward_follows(dense):
     layer = layers[0]
     for m in (1, 8, 33):
         x = torch.randn(m, 128, generator=g)
-        int8 = torch._weight_int8pack_mm(x.bfloat16(), layer.weight, layer.scales).float()
+        int8 = layer.int8_linear(x)
         fast = layer.dense if layer.dense_fast is None else layer.dense_fast
         wide = torch.nn.functional.linear(x.to(dense), fast).float()
         assert fast.dtype == dense
@@ -68,6 +68,30 @@ def test_packed_dense_copies_give_the_plain_weights_results(dense):
         torch.testing.assert_close(layer(x), plain[False][i], **tol)
         assert layer(x).dtype == torch.float32
     assert not BaseLinear(torch.randn(8, 8), "fp32").pack_dense()  # only the int8 format keeps dense copies
+
+
+def test_int8_kernel_gives_the_quantized_weights_product_and_forward_takes_it():
+    """The C int8 kernel (pack_int8) multiplies by exactly the quantized weights (int8 x bf16
+    scales) in fp32, where torch's kernel rounds the activations to bf16; forward takes it for
+    batches up to the crossover. Shapes that are not multiples of 16 keep torch's kernel."""
+    g = torch.Generator().manual_seed(4)
+    layer = BaseLinear(torch.randn(96, 160, generator=g), "int8")
+    xs = [torch.randn(m, 160, generator=g) for m in (1, 2, 4)]
+    torch_path = [layer.int8_linear(x) for x in xs]
+    if not layer.pack_int8():
+        pytest.skip("no C compiler here to build the int8 kernel")
+    assert layer.int8_blocked.dtype == torch.int8 and layer.int8_blocked.numel() == layer.weight.numel()
+    layer.int8_max_rows = 4
+    w = layer.dequantized().double()
+    for x, tp in zip(xs, torch_path):
+        want = x.double() @ w.T
+        got = layer(x)
+        assert got.dtype == torch.float32 and torch.equal(got, layer.int8_linear(x))
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        # torch's kernel (bf16 activations) agrees to bf16 rounding, and is less exact.
+        torch.testing.assert_close(tp.double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+        assert (got.double() - want).abs().max() <= (tp.double() - want).abs().max()
+    assert not BaseLinear(torch.randn(40, 24), "int8").pack_int8()  # 40 x 24: not 16-aligned
 
 
 def test_dense_dtype_choice_is_one_of_the_candidates_and_is_applied():

@@ -1,0 +1,53 @@
+"""The hand-written CPU kernel for the int8 format's decode-sized batches (csrc/int8_linear.c).
+
+Built and loaded like the CPU LoRA kernel (punica_kernels.cbuild: the machine's compiler,
+-march=native, a cache keyed by source and CPU). It reads int8 weights in a blocked layout
+(`block_weight`) at about twice the rate of torch's `_weight_int8pack_mm` at 1-2 rows, with fp32
+activations. Where it is unavailable (no compiler, TESSERA_CPU_INT8_KERNEL=0) or the shape is not
+a multiple of 16, model.layers.BaseLinear keeps torch's kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from punica_kernels import cbuild
+
+SOURCE = Path(__file__).parent / "csrc" / "int8_linear.c"
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (switched off, or it could not be built)."""
+    lib = cbuild.load(SOURCE, "TESSERA_CPU_INT8_KERNEL")
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.tessera_int8_linear_f32.argtypes = [i64, i64, i64, p, p, p, p]
+        lib.tessera_int8_linear_f32.restype = None
+    return lib
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether the kernel can take this int8 [N, K] CPU weight (built here, N and K multiples of 16)."""
+    n, k = weight.shape
+    return weight.device.type == "cpu" and n % 16 == 0 and k % 16 == 0 and library() is not None
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's layout [N/16, K/16, 16, 16]: each 16 output rows x 16 inputs
+    contiguous, so a block of rows is one linear stream."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ (blocked int8 weight * scales).T -> [M, N] fp32 (scales [N] fp32)."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    library().tessera_int8_linear_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(), y.data_ptr())
+    return y
