@@ -22,12 +22,17 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
-import torch
+# The repository root first: run as a script, this folder's engine.py would shadow the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import punica_kernels as pk
-from punica_kernels import cpu_native
+import torch  # noqa: E402
+
+import punica_kernels as pk  # noqa: E402
+from punica_kernels import cpu_native  # noqa: E402
 
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 
