@@ -21,6 +21,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+#: Headers every kernel may include (`#include "tessera_simd.h"`); part of each library's cache key.
+INCLUDE_DIR = Path(__file__).parent / "csrc"
 
 
 def _cpu_id() -> str:
@@ -49,7 +51,7 @@ def build(source: Path) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = source.read_bytes()
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_id().encode() + cc.encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
@@ -58,7 +60,7 @@ def build(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, f"-I{INCLUDE_DIR}", "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp, out)  # atomic: concurrent builders all end with one complete file

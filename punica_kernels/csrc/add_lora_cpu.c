@@ -14,29 +14,9 @@
 
 #define CHUNK 8 /* tokens of one run handled per pass over its weights (cpu_native.MAX_RUN) */
 
+#include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
+
 #ifdef __AVX512F__
-#include <immintrin.h>
-
-/* r[k] = sum of the 16 lanes of v[k], for k = 0..15: a transpose-and-add tree (15 shuffles and
- * adds in all) instead of 16 horizontal reductions. */
-static inline __m512 sum16(__m512 v[16]) {
-    __m512 w[8], u[4], s[2];
-    for (int i = 0; i < 8; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int i = 0; i < 2; i++)
-        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* t[4k + m] holds the sum of v[4m + k] */
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(idx, t);
-}
-
 /* v[j] = sc * x . a[j] for j < r (rows of a are K long); v[j] = 0 for r <= j < 16*ceil(r/16).
  * Rows are read one after the other (one linear stream through the slot's matrix, which the
  * hardware prefetcher follows), with four accumulators per row for the FMA latency. */
@@ -65,7 +45,7 @@ static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t
             }
             acc[k] = _mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_add_ps(p2, p3));
         }
-        _mm512_storeu_ps(v + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+        _mm512_storeu_ps(v + j0, _mm512_mul_ps(tessera_sum16(acc), _mm512_set1_ps(sc)));
     }
 }
 
@@ -81,7 +61,7 @@ static inline void expand_row(const float *v, const float *b, int64_t R, int64_t
             for (int k = 0; k < 16; k++)
                 acc[k] = _mm512_fmadd_ps(vv, _mm512_maskz_loadu_ps(m, b + (n + k) * R + j0), acc[k]);
         }
-        _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), sum16(acc)));
+        _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), tessera_sum16(acc)));
     }
     for (; n < n_out; n++) {
         float acc = 0.0f;

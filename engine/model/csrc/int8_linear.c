@@ -12,27 +12,7 @@
  */
 #include <stdint.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-static inline __m512 sum16(__m512 v[16]) { /* r[k] = sum of the lanes of v[k] */
-    __m512 w[8], u[4], s[2];
-    for (int i = 0; i < 8; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int i = 0; i < 2; i++)
-        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* t[4k + m] holds the sum of v[4m + k] */
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(idx, t);
-}
-#endif
+#include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
 
 void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
                              const float *scales, float *y) {
@@ -53,7 +33,7 @@ void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, co
                         xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + r * 16)))),
                         acc[r]);
             }
-            _mm512_storeu_ps(y + m * N + nb * 16, _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(scales + nb * 16)));
+            _mm512_storeu_ps(y + m * N + nb * 16, _mm512_mul_ps(tessera_sum16(acc), _mm512_loadu_ps(scales + nb * 16)));
 #else
             float acc[16] = {0};
             for (int64_t kb = 0; kb < KB; kb++) {
