@@ -79,6 +79,7 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_lens=ctx if decodes else None,
         )
         return torch.tensor(ids, dtype=torch.int64), torch.cat(pos), meta, logit_rows, sampled
 

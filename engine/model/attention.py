@@ -4,6 +4,11 @@ The step's tokens are laid out decode-first: tokens [0, num_decode) are one new 
 `num_decode` decoding sequences; after them come prefill chunks, one contiguous run per sequence.
 K/V of every token are written to their cache slots first, then each query attends to its
 sequence's cached keys (which now include itself).
+
+`attention` is the layer's entry: the decode tokens go through the C kernel
+(model.cpu_ops.decode_attention: RoPE, cache write and attention in one call, cached rows read in
+place) where it can take them; prefill chunks, and decode tokens where it cannot, through RoPE in
+torch and `paged_attention` (index gathers + SDPA).
 """
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine.model import cpu_ops
+from engine.model.layers import RotaryEmbedding
 
 
 @dataclass
@@ -33,6 +41,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None     #: [num_decode, Lmax] int64 cache slots (0-padded)
     decode_mask: torch.Tensor | None      #: [num_decode, 1, 1, Lmax] bool, True = attend
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_lens: torch.Tensor | None = None  #: [num_decode] int64 context length (new token included)
 
 
 class KVCache:
@@ -58,13 +67,43 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's new keys/values) -> out [T, Hq, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+def attention(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+              head_dim: int, scale: float) -> torch.Tensor:
+    """qkv: [T, (Hq + 2 Hkv) D], unrotated q | k | v heads of the step's tokens; cos_sin: [T, 1, D]
+    each (RotaryEmbedding.cos_sin). Writes the step's K/V to the cache and returns the attention
+    output [T, Hq * D]."""
+    T = qkv.shape[0]
+    out = torch.empty(T, num_heads * head_dim, dtype=qkv.dtype)
     nd = meta.num_decode
+    first = 0  # rows [first, T) still need the torch path
+    if nd and meta.decode_lens is not None and cpu_ops.decode_attention(
+            qkv, nd, num_heads, num_kv_heads, head_dim, cos_sin[0][:nd], cos_sin[1][:nd], k_cache, v_cache,
+            meta.decode_slots, meta.decode_lens, scale, out):
+        first = nd
+    if first < T:
+        rest = qkv[first:]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        qk, v = rest.split([q_size + kv_size, kv_size], dim=-1)
+        # q and k heads are adjacent in the fused projection: rotate them in one pass.
+        qk = RotaryEmbedding.apply((cos_sin[0][first:], cos_sin[1][first:]),
+                                   qk.reshape(T - first, num_heads + num_kv_heads, head_dim))
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        v = v.reshape(T - first, num_kv_heads, head_dim)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, scale, first=first)
+        out[first:] = o.reshape(T - first, q_size)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, first: int = 0) -> torch.Tensor:
+    """q: [T', Hq, D]; k, v: [T', Hkv, D] (new keys/values of the step's tokens [first, T)) ->
+    out [T', Hq, D]. `first` is 0, or num_decode when the decode tokens were done elsewhere."""
+    slot_mapping = meta.slot_mapping[first:] if first else meta.slot_mapping
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode - first
     if nd:
         kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
         vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
@@ -75,7 +114,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for p in meta.prefills:
         # 4-D [1, H, Q, D] operands: with a batch dim SDPA takes its CPU flash kernel (3-D ones
         # fall back to the math path, which copies K/V per GQA group): ~2x faster per prompt.
-        s, e = p.start, p.start + p.num_tokens
+        s, e = p.start - first, p.start - first + p.num_tokens
         qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
         if p.context_slots is None:
             kp, vp = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from engine.model import cpu_int8
+from engine.model import cpu_int8, cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
+    def add_and_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, norm(x + a)) for the residual stream x [T, H]; x may be updated in place."""
+        h = cpu_ops.add_rms_norm(x, a, self.weight, self.eps)
+        if h is not None:
+            return x, h
+        x = x + a
+        return x, self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
+        h = cpu_ops.rms_norm(x, self.weight, self.eps)
+        if h is not None:
+            return h
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op instead of seven: per-op dispatch is a visible share of a decode step.
             return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)

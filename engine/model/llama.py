@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.attention import AttentionMetadata, KVCache, paged_attention
+from engine.model import cpu_ops
+from engine.model.attention import AttentionMetadata, KVCache, attention
 from engine.model.layers import BaseLinear, RMSNorm, RotaryEmbedding
 
 
@@ -31,33 +32,29 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
+        """x: [T, H] the residual stream (updated in place and returned)."""
         cfg = self.cfg
         h = self.input_norm(x)
         qkv = self.qkv_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "qkv", h, qkv)
-        T = x.shape[0]
-        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
-        # q and k heads are adjacent in the fused projection: rotate them in one pass.
-        qk = RotaryEmbedding.apply(cos_sin, qk.reshape(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        o = paged_attention(q, k, v, kv.k[self.idx], kv.v[self.idx], attn, self.scale)
-        o = o.reshape(T, cfg.q_size)
+        o = attention(qkv, cos_sin, kv.k[self.idx], kv.v[self.idx], attn, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim, self.scale)
         out = self.o_proj(o, exact)
         if lora is not None:
             lora.apply(self.idx, "o", o, out)
-        x = x + out
-        h = self.post_attn_norm(x)
+        x, h = self.post_attn_norm.add_and_norm(x, out)
         gu = self.gate_up_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "gate_up", h, gu)
-        g, u = gu.split(cfg.intermediate_size, dim=-1)
-        m = F.silu(g).mul_(u)
+        m = cpu_ops.silu_mul(gu)
+        if m is None:
+            g, u = gu.split(cfg.intermediate_size, dim=-1)
+            m = F.silu(g).mul_(u)
         d = self.down_proj(m, exact)
         if lora is not None:
             lora.apply(self.idx, "down", m, d)
-        return x + d
+        return x.add_(d)
 
 
 class LlamaModel(nn.Module):
