@@ -19,7 +19,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import default_model_path, load_checkpoint
 from engine.model.attention import KVCache
-from engine.model.layers import BaseLinear, calibrate_int8_rows, choose_dense_dtype
+from engine.model.layers import (FAST_PREFILL_MIN_SPEEDUP, BaseLinear, calibrate_int8_rows, choose_dense_dtype,
+                                 measure_prefill_speedup)
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
@@ -77,9 +78,15 @@ class LLMEngine:
             self.format_timings["onednn_packed"] = packed
             self.format_timings["int8_kernel"] = all([layer.pack_int8() for layer in layers + [self.model.lm_head]])
             self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
+            if self.config.exact_prefill is None:
+                speedup = measure_prefill_speedup(layers)
+                self.format_timings["prefill_fast_speedup"] = round(speedup, 2)
+                self.model.exact_prefill = speedup < FAST_PREFILL_MIN_SPEEDUP
+            else:
+                self.model.exact_prefill = self.config.exact_prefill
             log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
-                     "steps, fp32 in steps that prefill (%s ms)",
-                     *self.int8_max_rows, dense, self.format_timings)
+                     "steps, %s in steps that prefill (%s ms)", *self.int8_max_rows, dense,
+                     "fp32" if self.model.exact_prefill else dense, self.format_timings)
 
         ec = self.config
         self.max_model_len = min(ec.max_model_len or model_cfg.max_position_embeddings,

@@ -90,4 +90,4 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv, meta, lora)
         if not rows:
             return torch.empty(0, self.model.cfg.vocab_size), []
-        return self.model.compute_logits(hidden[rows], exact=bool(meta.prefills)), sampled
+        return self.model.compute_logits(hidden[rows], exact=self.model.exact_step(meta)), sampled

@@ -244,6 +244,38 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
     return choice, times
 
 
+#: Steps that prefill run on the fast dense copy (not fp32) only where its GEMMs are at least this
+#: many times faster at prefill width. With AMX, bf16 GEMMs measure ~6-7x fp32 at 512 rows and the
+#: prompt's first token then costs a fraction; on this project's SmolLM2 test prompts the answers
+#: stay the same (the closest first-token margin, 0.12 in fp32, is 0.21 with bf16 weights here).
+#: With avx512_bf16 alone (~2-3x) bf16 prefill flipped that near-tie on an EPYC (bench/RESULTS.md),
+#: so there prefill stays fp32.
+FAST_PREFILL_MIN_SPEEDUP = 4.0
+
+
+def measure_prefill_speedup(layers: list[BaseLinear], rows: int = 512, reps: int = 3, max_layers: int = 8) -> float:
+    """fp32 time / fast-copy time of the GEMMs alone (activations already in each copy's dtype) at
+    `rows` rows over (up to `max_layers` of) the largest of these int8 layers (most of a prefill's
+    FLOPs), packed where packed. 1.0 where the layers keep no fast copy. Set the dtype
+    (choose_dense_dtype) and pack first."""
+    fast = [layer for layer in layers if layer.dense_fast is not None]
+    sample = sorted(fast, key=lambda layer: -layer.weight.numel())[:max_layers]
+    if not sample:
+        return 1.0
+    with torch.inference_mode():
+        def run(exact):
+            w = [layer.dense if exact else layer.dense_fast for layer in sample]
+            xs = [torch.randn(rows, layer.in_features).to(wi.dtype) for layer, wi in zip(sample, w)]
+
+            def f():
+                for layer, x in zip(sample, xs):
+                    layer.dense_linear(x, exact)
+            return f
+
+        t_exact, t_fast = _min_time([run(True), run(False)], reps)
+    return t_exact / t_fast
+
+
 def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
     """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
     kernel beats each layer's decode-time dense path (`dense_linear`: choose the dtype and pack

@@ -61,9 +61,13 @@ class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv, attn, lora) -> hidden [T, H];
     compute_logits(hidden [N, H], exact) -> fp32 logits [N, V].
 
-    A step that prefills (attn.prefills non-empty) runs wide matmuls on the exact fp32 weights,
+    A step that prefills (attn.prefills non-empty) runs wide matmuls on the exact fp32 weights
+    while `exact_prefill` (set by the engine from a measurement, see EngineConfig.exact_prefill),
     a decode-only step on the fastest measured copy (BaseLinear): prompts' first tokens keep
     fp32 numerics while decode batches take bf16 where the CPU makes it faster."""
+
+    #: Whether steps that prefill take the exact fp32 copies of int8 layers (see above).
+    exact_prefill = True
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, fmt: str, dtype: torch.dtype):
         super().__init__()
@@ -82,10 +86,14 @@ class LlamaModel(nn.Module):
                 attn: AttentionMetadata, lora=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions)
-        exact = bool(attn.prefills)
+        exact = self.exact_step(attn)
         for layer in self.layers:
             x = layer(x, cos_sin, kv, attn, lora, exact)
         return self.norm(x)
+
+    def exact_step(self, attn: AttentionMetadata) -> bool:
+        """Whether this step's int8 layers take their exact fp32 dense copies."""
+        return self.exact_prefill and bool(attn.prefills)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:

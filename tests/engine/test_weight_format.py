@@ -183,3 +183,46 @@ def test_a_prefill_step_on_the_auto_format_keeps_the_exact_first_token(smollm_ch
     assert len(ids) > 16
     ref, got = _our_logits(exact, ids), _our_logits(auto, ids)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 * float(ref.abs().max()))
+
+
+def test_fast_prefill_keeps_the_first_tokens_of_the_test_prompts(smollm_checkpoint, tokenizer):
+    """Where the engine runs prefill on the bf16 copy (exact_prefill False: chosen where its GEMMs
+    measure >= FAST_PREFILL_MIN_SPEEDUP times fp32's), a prompt's logits stay within the fast
+    formats' bound and its first greedy token is the exact model's, the near-tie
+    "capital of France" prompt included."""
+    from engine.model.llama import LlamaModel
+
+    from .conftest import chat
+    from .test_model_vs_hf import _our_logits
+
+    cfg, weights, _ = smollm_checkpoint
+    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
+    fast = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    fast.exact_prefill = False
+    for m in fast.modules():
+        if isinstance(m, BaseLinear):
+            m.set_fast_dtype(torch.bfloat16)
+            m.pack_dense()
+            m.int8_max_rows = 16
+    for text in ("What is the capital of France?", "What is the capital of Germany?", "2 + 2 ="):
+        ids = tokenizer.encode(chat(tokenizer, text))
+        ref, got = _our_logits(exact, ids), _our_logits(fast, ids)
+        assert not torch.equal(got, ref)  # it did take the bf16 copy
+        assert float((got - ref).abs().max() / ref.abs().max()) < 8e-2
+        assert int(got[-1].argmax()) == int(ref[-1].argmax()), text
+
+
+def test_engine_picks_the_prefill_copy_by_measurement_or_by_config(smollm_checkpoint, tokenizer):
+    from engine.llm_engine import LLMEngine
+    from engine.model.layers import FAST_PREFILL_MIN_SPEEDUP
+
+    def make(**kw):
+        return LLMEngine(config=EngineConfig(kv_cache_bytes=16 << 20, **kw), checkpoint=smollm_checkpoint,
+                         tokenizer=tokenizer)
+
+    measured = make()
+    speedup = measured.format_timings["prefill_fast_speedup"]
+    assert speedup > 0
+    assert measured.model.exact_prefill == (speedup < FAST_PREFILL_MIN_SPEEDUP)
+    assert make(exact_prefill=True).model.exact_prefill is True
+    assert make(exact_prefill=False).model.exact_prefill is False

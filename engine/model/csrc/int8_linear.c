@@ -14,12 +14,12 @@
 
 #include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
 
-/* Software prefetch distance in the weight stream. Each call streams one layer's weights (0.3-1.7
- * MB) once; the hardware prefetcher ramps up too slowly on streams that short, and a step's 120
- * calls left each core at ~8 GB/s. Prefetching 8 KB ahead measured 16.5 -> 36 GB/s over a
- * SmolLM2 step's int8 weights (bench/RESULTS.md); past the end of a thread's rows it only touches
- * the next rows or misses harmlessly (a prefetch never faults). */
-#define PREFETCH_BYTES 8192
+/* Software prefetch distance in the weight stream (into L2). Each call streams one layer's weights
+ * (0.3-1.7 MB) once; the hardware prefetcher ramps up too slowly on streams that short, and a
+ * step's 120 calls left each core at ~8 GB/s. 16 KB ahead into L2 measured best of 2-64 KB (L1
+ * or L2) inside a real decode step: ~16 -> ~24 GB/s (bench/RESULTS.md). Past the end of a thread's
+ * rows it only touches the next rows or misses harmlessly (a prefetch never faults). */
+#define PREFETCH_BYTES 16384
 
 void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
                              const float *scales, float *y) {
@@ -36,7 +36,7 @@ void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, co
                 const __m512 xv = _mm512_loadu_ps(xm + kb * 16);
                 const int8_t *p = blk + kb * 256;
                 if (m == 0) /* the first row streams the weights in; later rows find them in L1/L2 */
-                    for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T0);
+                    for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T1);
                 for (int r = 0; r < 16; r++)
                     acc[r] = _mm512_fmadd_ps(
                         xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + r * 16)))),
