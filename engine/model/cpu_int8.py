@@ -1,4 +1,6 @@
-"""The hand-written CPU kernel for the int8 format's decode-sized batches (csrc/int8_linear.c).
+"""The hand-written CPU kernels for the int8 format's decode batches: csrc/int8_linear.c for
+1-4 rows (AVX-512 FMAs), csrc/int8_amx.c for wider ones on CPUs with AMX (int8 tiles widened to
+bf16 on the tile unit).
 
 Built and loaded like the CPU LoRA kernel (punica_kernels.cbuild: the machine's compiler,
 -march=native, a cache keyed by source and CPU). It reads int8 weights in a blocked layout
@@ -17,6 +19,7 @@ import torch
 from punica_kernels import cbuild
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.c"
+AMX_SOURCE = Path(__file__).parent / "csrc" / "int8_amx.c"
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,4 +53,42 @@ def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) ->
     n = scales.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     library().tessera_int8_linear_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(), y.data_ptr())
+    return y
+
+
+@functools.lru_cache(maxsize=1)
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX kernel, or None: switched off (TESSERA_CPU_AMX_KERNEL=0), not built, built for a
+    CPU without AMX, or the OS refused the tile state."""
+    lib = cbuild.load(AMX_SOURCE, "TESSERA_CPU_AMX_KERNEL")
+    if lib is None or lib.tessera_amx_init() != 0:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.tessera_int8_linear_amx.argtypes = [i64, i64, i64, p, p, p, p, p]
+    lib.tessera_int8_linear_amx.restype = None
+    return lib
+
+
+def supports_amx(weight: torch.Tensor) -> bool:
+    """Whether the AMX kernel can take this int8 [N, K] CPU weight (N % 16 == 0, K % 32 == 0)."""
+    n, k = weight.shape
+    return weight.device.type == "cpu" and n % 16 == 0 and k % 32 == 0 and amx_library() is not None
+
+
+def tile_weight(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the AMX kernel's layout [N/16, K/32, 16, 16, 2]: for each 16 outputs x 32
+    inputs, input pairs (2i, 2i+1) of each output side by side (the tile unit's B layout)."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def int8_linear_amx(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16(x [M, K] fp32) @ (tiled int8 weight * scales).T, accumulated in fp32 -> [M, N] fp32."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(-(-m // 16) * 16, k, dtype=torch.int16)  # x as bf16, rows padded to 16
+    amx_library().tessera_int8_linear_amx(m, k, n, x.data_ptr(), tiled.data_ptr(), scales.data_ptr(),
+                                          y.data_ptr(), scratch.data_ptr())
     return y

@@ -99,6 +99,7 @@ class BaseLinear(nn.Module):
         self.packed: dict[torch.dtype, torch.Tensor] = {}  # oneDNN-blocked dense copies (pack_dense)
         self.int8_blocked: torch.Tensor | None = None  # the C kernel's layout of `weight` (pack_int8)
         self.int8_scales: torch.Tensor | None = None   # fp32 copy of `scales` for it
+        self.int8_tiled: torch.Tensor | None = None    # the AMX kernel's layout of `weight` (pack_int8)
         w = weight.float()
         if fmt == "fp32":
             self.register_buffer("weight", w.contiguous())
@@ -132,11 +133,14 @@ class BaseLinear(nn.Module):
 
     def pack_int8(self) -> bool:
         """Add the CPU int8 kernel's blocked copy of the int8 weight (engine.model.cpu_int8) for
-        `int8_linear`. False (nothing added) where the kernel cannot take it."""
+        `int8_linear`, and on CPUs with AMX the tiled copy for `wide_linear`. False (nothing
+        added) where the kernel cannot take it."""
         if self.fmt != "int8" or not cpu_int8.supports(self.weight):
             return False
         self.int8_blocked = cpu_int8.block_weight(self.weight)
         self.int8_scales = self.scales.float()
+        if cpu_int8.supports_amx(self.weight):
+            self.int8_tiled = cpu_int8.tile_weight(self.weight)
         return True
 
     def int8_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,11 +159,19 @@ class BaseLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), packed, None, "none", [], "").to(x.dtype)
         return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
 
+    def wide_linear(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
+        """The int8 format's batches wider than `int8_max_rows`: decode batches (not `exact`) on
+        the AMX kernel where packed (the int8 weights themselves, bf16 activations, half the
+        bytes of the bf16 dense copy), else `dense_linear`. Output in x's dtype."""
+        if not exact and self.int8_tiled is not None and x.dtype == torch.float32:
+            return cpu_int8.int8_linear_amx(x, self.int8_tiled, self.int8_scales)
+        return self.dense_linear(x, exact)
+
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.fmt == "int8":
             if x.shape[0] <= self.int8_max_rows:
                 return self.int8_linear(x)
-            return self.dense_linear(x, exact)
+            return self.wide_linear(x, exact)
         w = self.weight
         if x.dtype != w.dtype:
             return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
@@ -278,7 +290,7 @@ def measure_prefill_speedup(layers: list[BaseLinear], rows: int = 512, reps: int
 
 def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
     """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
-    kernel beats each layer's decode-time dense path (`dense_linear`: choose the dtype and pack
+    kernel beats each layer's decode-time wide path (`wide_linear`: choose the dtype and pack
     first), and set it as every layer's `int8_max_rows`. Each timing runs all the layers in turn, so weights
     come from memory as in a real step, not from cache; candidates are timed interleaved after a
     warm-up, best of `reps`. Returns the threshold (0: dense is faster even for one row)."""
@@ -295,7 +307,7 @@ def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16
 
             def dense():
                 for layer in layers:
-                    layer.dense_linear(xs[layer.in_features], exact=False)
+                    layer.wide_linear(xs[layer.in_features], exact=False)
 
             t_int8, t_dense = _min_time([int8, dense], reps)
             if t_int8 <= t_dense:

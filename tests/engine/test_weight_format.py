@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import pick_weight_format
+from engine.model import cpu_int8
 from engine.model.layers import BaseLinear, calibrate_int8_rows, choose_dense_dtype
 
 
@@ -92,6 +93,32 @@ def test_int8_kernel_gives_the_quantized_weights_product_and_forward_takes_it():
         torch.testing.assert_close(tp.double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
         assert (got.double() - want).abs().max() <= (tp.double() - want).abs().max()
     assert not BaseLinear(torch.randn(40, 24), "int8").pack_int8()  # 40 x 24: not 16-aligned
+
+
+@pytest.mark.skipif(cpu_int8.amx_library() is None, reason="no AMX on this CPU (or no C compiler)")
+def test_amx_kernel_gives_the_quantized_weights_product_for_wide_decode_batches():
+    """On CPUs with AMX, decode batches past the int8 crossover multiply by the int8 weights
+    themselves on the tile unit: bf16 activations (as the bf16 dense copy rounds them), exact int8
+    weights and fp32 scales, fp32 accumulation. Steps that prefill (exact) keep the fp32 copy."""
+    g = torch.Generator().manual_seed(6)
+    layer = BaseLinear(torch.randn(96, 160, generator=g), "int8")
+    assert layer.pack_int8() and layer.int8_tiled is not None
+    assert layer.int8_tiled.numel() == layer.weight.numel()
+    layer.set_fast_dtype(torch.bfloat16)
+    layer.int8_max_rows = 4
+    w = layer.dequantized().double()
+    for m in (5, 16, 33, 64, 70):  # partial 16-row tiles, and more than one 64-row chunk
+        x = torch.randn(m, 160, generator=g)
+        want = x.bfloat16().double() @ w.T
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (m, 96)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        # closer to the fp32 product than the bf16 dense copy it replaces
+        exact = x.double() @ w.T
+        assert (got.double() - exact).abs().max() < (layer.dense_linear(x, exact=False).double() - exact).abs().max()
+        torch.testing.assert_close(layer(x, exact=True), x @ layer.dense.T, rtol=1e-5, atol=1e-4)
+    narrow = BaseLinear(torch.randn(32, 48), "int8")
+    assert narrow.pack_int8() and narrow.int8_tiled is None  # 48 inputs: the FMA kernel's, not AMX's
 
 
 def test_dense_dtype_choice_is_one_of_the_candidates_and_is_applied():
