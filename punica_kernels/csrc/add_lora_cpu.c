@@ -1,5 +1,5 @@
-/* The fused LoRA term of one layer on the CPU, for decode-shaped batches (few tokens per
- * adapter): for every token t with slot s = slots[t] >= 0 and every slice l,
+/* The fused LoRA term of one layer on the CPU, for decode-shaped batches and chat-length prefill
+ * runs (cpu_native.MAX_RUN tokens per adapter at most): for every token t with slot s = slots[t] >= 0 and every slice l,
  *     y[t, off[l] : off[l] + N[l]] += scales[s] * (x[t] @ A_l[s, :r].T) @ B_l[s, :, :r].T,  r = ranks[s].
  * All fp32; x [T, K], y [T, ldy], A_l [S, R, K], B_l [S, N_l, R], all contiguous.
  *
@@ -12,7 +12,7 @@
  */
 #include <stdint.h>
 
-#define CHUNK 8 /* tokens of one run handled per pass over its weights (cpu_native.MAX_RUN) */
+#define CHUNK 8 /* tokens of one run handled per pass over its weights (a run may take several) */
 
 #include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
 

@@ -1,4 +1,4 @@
-"""The hand-written CPU kernel for decode-shaped add_lora calls (punica_kernels/csrc, loaded by
+"""The hand-written CPU kernel for decode- and chat-prefill-shaped add_lora calls (punica_kernels/csrc, loaded by
 punica_kernels.cpu_native): built here with the machine's compiler, it must give the float64
 reference's result for every shape the engine's decode steps produce, never read past a slot's
 rank (padding is NaN), and leave everything else to the torch path."""
@@ -50,6 +50,18 @@ def test_decode_batches_match_the_reference(K, R, widths):
     # The public op routes the same call through the kernel too.
     y2 = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
     assert torch.equal(y2, y)
+
+
+def test_prompt_length_runs_in_several_passes_match_the_reference():
+    """Prefill chunks of chat-length prompts (runs longer than one 8-token pass) go through the
+    kernel too, pass after pass over the same slot's weights."""
+    slots = _runs([(2, 37), (0, 9), (-1, 5), (3, cpu_native.MAX_RUN), (1, 17)])
+    bt = make_batch(T=slots.numel(), K=576, S=4, R=16, widths=(576, 192, 192), seed=11)
+    bt.token_slots = slots
+    meta = pk.build_lora_metadata(slots, num_slots=4)
+    args = pk._checks.check_add_lora(y := bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, bt.offsets)
+    assert cpu_native.add_lora_f32(args, meta, bt.scales, bt.ranks)
+    assert_close(y, _reference(bt), torch.float32)
 
 
 def test_unordered_slots_and_a_slot_on_several_runs():
