@@ -76,6 +76,10 @@ class EngineConfig:
     max_loras: int = 8
     #: Largest LoRA rank the slots hold.
     max_lora_rank: int = 64
+    #: Storage dtype of loaded adapters (CPU tier and slots). None: bf16 where the step reads them
+    #: through the C LoRA kernel (CPU, "auto"/"int8" format with fp32 activations, max_lora_rank
+    #: <= its 64, kernel built): half the bytes a many-adapter decode step reads; else `dtype`.
+    lora_dtype: torch.dtype | None = None
     #: CPU-tier budget for loaded adapters, in bytes.
     lora_cpu_cache_bytes: int = 1 << 30
     #: Torch intra-op threads; None leaves torch's default.

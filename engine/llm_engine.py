@@ -28,6 +28,7 @@ from engine.sampling_params import GenerationRequest, InvalidRequestError, Prior
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import TextTokenizer
+from punica_kernels import cpu_native
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,20 @@ class LLMEngine:
 
             self.lora_manager = LoRAManager(adapter_source, model_cfg, num_slots=ec.max_loras,
                                             max_rank=ec.max_lora_rank, cpu_budget_bytes=ec.lora_cpu_cache_bytes,
-                                            dtype=ec.dtype)
+                                            dtype=self._lora_dtype())
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
         engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
+
+    def _lora_dtype(self) -> torch.dtype:
+        """EngineConfig.lora_dtype, or its default: bf16 stacks where the C LoRA kernel reads them
+        (it widens them in registers; the exact "fp32" format keeps fp32 adapters)."""
+        ec = self.config
+        if ec.lora_dtype is not None:
+            return ec.lora_dtype
+        if (self.weight_format == "int8" and ec.dtype == torch.float32 and ec.device == "cpu"
+                and ec.max_lora_rank <= cpu_native.MAX_RANK and cpu_native.library() is not None):
+            return torch.bfloat16
+        return ec.dtype
 
     # -- requests -----------------------------------------------------------------------------
 

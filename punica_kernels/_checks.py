@@ -214,6 +214,13 @@ class AddLoRAArgs:
     packed: bool  # slices fill y's columns side by side from 0
 
 
+def _bf16_weights(x, y, a, b) -> bool:
+    """add_lora's one mixed form: CPU stacks stored as bf16 (half the bytes a decode step reads),
+    fp32 activations and output."""
+    return (x.device.type == "cpu" and x.dtype == y.dtype == torch.float32
+            and a.dtype == b.dtype == torch.bfloat16)
+
+
 def check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets=None) -> AddLoRAArgs:
     """Checks of shrink (x, A, scales, ranks) and expand (B, y, offsets) with no intermediate to
     allocate: the fused op never materialises v in token order."""
@@ -229,9 +236,10 @@ def check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets=None) -> AddLoRA
     for i, (a, b) in enumerate(zip(a_slices, b_slices)):
         _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=x.device)
         _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=x.device)
-        if a.dtype != x.dtype or b.dtype != y.dtype:
-            raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's; got {_dtype_name(a.dtype)}/"
-                            f"{_dtype_name(x.dtype)} and {_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
+        if (a.dtype != x.dtype or b.dtype != y.dtype) and not _bf16_weights(x, y, a, b):
+            raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's (or, on CPU, both be bfloat16 "
+                            f"with float32 x and y); got {_dtype_name(a.dtype)}/{_dtype_name(x.dtype)} and "
+                            f"{_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
         if tuple(a.shape) != (S, R, x.shape[1]):
             raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {x.shape[1]}] (x's width)")
         if b.shape[0] != S or b.shape[2] != R:

@@ -20,7 +20,9 @@ For SGMV with long segments (prefill) the rows are already contiguous, so each s
 plain matmul on a view of x, with no gather at all.
 
 fp16/bf16 on CPU: products run in the input dtype (CPU GEMMs accumulate in fp32 internally)
-and are widened to the fp32 intermediate; the Triton path keeps every step in fp32.
+and are widened to the fp32 intermediate; the Triton path keeps every step in fp32. `add_lora`
+also takes bf16 stacks with fp32 activations on CPU (the engine's storage where the C kernel is
+built): the kernel widens the weights in registers; here they are widened per call.
 """
 
 from __future__ import annotations
@@ -319,6 +321,11 @@ def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
     if cpu_native.add_lora_f32(args, meta, scales, ranks):  # decode-shaped fp32 calls: the C kernel
         return y
     pairs = list(zip(args.a_slices, args.b_slices))
+    if args.a_slices[0].dtype != x.dtype:
+        # bf16 stacks with fp32 activations, and no C kernel to widen them in registers: widen
+        # whole stacks here (correct, but a copy per call; the engine stores bf16 stacks only
+        # where the kernel is built).
+        pairs = [(A.to(x.dtype), B.to(y.dtype)) for A, B in pairs]
     scale_list = None
     for g in _plan(meta.token_slots, ranks, meta):
         r = g.rank

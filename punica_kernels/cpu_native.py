@@ -38,22 +38,26 @@ def library() -> ctypes.CDLL | None:
     lib = cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL")
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.tessera_add_lora_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p, p, p]
+        lib.tessera_add_lora_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p, p, p, ctypes.c_int]
         lib.tessera_add_lora_f32.restype = ctypes.c_int
     return lib
 
 
 def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:
     """Run the fused LoRA term of a checked `add_lora` call (punica_kernels._checks.AddLoRAArgs)
-    through the kernel; False (nothing done) when the call is not one it takes: not all fp32,
-    a rank stack wider than MAX_RANK, or a run of one adapter slot longer than MAX_RUN (prefill)."""
+    through the kernel; False (nothing done) when the call is not one it takes: activations not
+    fp32, stacks neither all fp32 nor all bf16, a rank stack wider than MAX_RANK, or (fp32 stacks)
+    a run of one adapter slot longer than MAX_RUN. bf16 stacks take any run length: the torch path
+    would have to widen whole stacks per call."""
     x, y = args.x, args.y
-    if x.shape[0] == 0 or meta.max_adapter_run() > MAX_RUN:
+    if x.shape[0] == 0:
         return False
     a0 = args.a_slices[0]
+    weights = args.a_slices + args.b_slices
+    bf16 = a0.dtype == torch.bfloat16
     if (x.dtype != torch.float32 or y.dtype != torch.float32 or a0.shape[1] > MAX_RANK
-            or any(a.dtype != torch.float32 for a in args.a_slices)
-            or any(b.dtype != torch.float32 for b in args.b_slices)):
+            or a0.dtype not in (torch.float32, torch.bfloat16) or any(w.dtype != a0.dtype for w in weights)
+            or (not bf16 and meta.max_adapter_run() > MAX_RUN)):
         return False
     lib = library()
     if lib is None:
@@ -68,7 +72,7 @@ def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:
         x.shape[0], x.shape[1], a0.shape[1], y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
         ranks64.data_ptr(), scales.data_ptr(), n,
         ptrs(*(a.data_ptr() for a in args.a_slices)), ptrs(*(b.data_ptr() for b in args.b_slices)),
-        i64s(*args.widths), i64s(*args.offsets), runs.data_ptr())
+        i64s(*args.widths), i64s(*args.offsets), runs.data_ptr(), int(bf16))
     if rc != 0:  # the checks ran before: a rank outside [0, R] here means a bug, not bad input
         raise RuntimeError("CPU LoRA kernel refused its arguments (rank outside the stack)")
     return True

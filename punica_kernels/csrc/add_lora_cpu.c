@@ -1,7 +1,8 @@
 /* The fused LoRA term of one layer on the CPU, for decode-shaped batches and chat-length prefill
  * runs (cpu_native.MAX_RUN tokens per adapter at most): for every token t with slot s = slots[t] >= 0 and every slice l,
  *     y[t, off[l] : off[l] + N[l]] += scales[s] * (x[t] @ A_l[s, :r].T) @ B_l[s, :, :r].T,  r = ranks[s].
- * All fp32; x [T, K], y [T, ldy], A_l [S, R, K], B_l [S, N_l, R], all contiguous.
+ * x [T, K] and y [T, ldy] fp32; A_l [S, R, K], B_l [S, N_l, R] all fp32, or all bf16 (weights_bf16:
+ * half the bytes to read, widened to fp32 in registers); all contiguous. Accumulation in fp32.
  *
  * Why by hand: a decode step reads every distinct adapter's matrices once, a few KB to tens of
  * KB each, so the work is a stream of short dot products that torch can only express as padded
@@ -11,16 +12,45 @@
  * torch's (loaded first, same soname), so both share one thread pool.
  */
 #include <stdint.h>
+#include <string.h>
 
 #define CHUNK 8 /* tokens of one run handled per pass over its weights (a run may take several) */
 
 #include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
 
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* element i of w as fp32 */
+ALWAYS_INLINE float weight_at(const void *w, int64_t i, int bf16) {
+    if (bf16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)w)[i];
+}
+
 #ifdef __AVX512F__
+/* 16 weights from element i of w (fp32, or bf16 widened by a shift: bf16 is fp32's top half) */
+ALWAYS_INLINE __m512 load_w(const void *w, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+    return _mm512_loadu_ps((const float *)w + i);
+}
+
+ALWAYS_INLINE __m512 maskz_load_w(__mmask16 m, const void *w, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+
 /* v[j] = sc * x . a[j] for j < r (rows of a are K long); v[j] = 0 for r <= j < 16*ceil(r/16).
  * Rows are read one after the other (one linear stream through the slot's matrix, which the
  * hardware prefetcher follows), with four accumulators per row for the FMA latency. */
-static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t r, float sc, float *v) {
+ALWAYS_INLINE void shrink_row(const float *x, const void *a, int64_t K, int64_t r, float sc, float *v, int bf16) {
     for (int64_t j0 = 0; j0 < r; j0 += 16) {
         __m512 acc[16];
         int64_t left = r - j0 < 16 ? r - j0 : 16;
@@ -29,19 +59,19 @@ static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t
                 acc[k] = _mm512_setzero_ps();
                 continue;
             }
-            const float *row = a + (j0 + k) * K;
+            const int64_t row = (j0 + k) * K; /* element offset of the row in a */
             __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
             int64_t c = 0;
             for (; c + 64 <= K; c += 64) {
-                p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(row + c), p0);
-                p1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(row + c + 16), p1);
-                p2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 32), _mm512_loadu_ps(row + c + 32), p2);
-                p3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 48), _mm512_loadu_ps(row + c + 48), p3);
+                p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), load_w(a, row + c, bf16), p0);
+                p1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), load_w(a, row + c + 16, bf16), p1);
+                p2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 32), load_w(a, row + c + 32, bf16), p2);
+                p3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 48), load_w(a, row + c + 48, bf16), p3);
             }
-            for (; c + 16 <= K; c += 16) p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(row + c), p0);
+            for (; c + 16 <= K; c += 16) p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), load_w(a, row + c, bf16), p0);
             if (c < K) {
                 __mmask16 m = (__mmask16)((1u << (K - c)) - 1);
-                p1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + c), _mm512_maskz_loadu_ps(m, row + c), p1);
+                p1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + c), maskz_load_w(m, a, row + c, bf16), p1);
             }
             acc[k] = _mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_add_ps(p2, p3));
         }
@@ -50,7 +80,7 @@ static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t
 }
 
 /* y[n] += v . b[n, :r] for n < n_out (rows of b are R long; lanes past r are never read). */
-static inline void expand_row(const float *v, const float *b, int64_t R, int64_t r, int64_t n_out, float *y) {
+ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t r, int64_t n_out, float *y, int bf16) {
     int64_t n = 0;
     for (; n + 16 <= n_out; n += 16) {
         __m512 acc[16];
@@ -59,38 +89,39 @@ static inline void expand_row(const float *v, const float *b, int64_t R, int64_t
             __mmask16 m = (__mmask16)(r - j0 >= 16 ? 0xFFFF : (1u << (r - j0)) - 1);
             __m512 vv = _mm512_maskz_loadu_ps(m, v + j0);
             for (int k = 0; k < 16; k++)
-                acc[k] = _mm512_fmadd_ps(vv, _mm512_maskz_loadu_ps(m, b + (n + k) * R + j0), acc[k]);
+                acc[k] = _mm512_fmadd_ps(vv, maskz_load_w(m, b, (n + k) * R + j0, bf16), acc[k]);
         }
         _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), tessera_sum16(acc)));
     }
     for (; n < n_out; n++) {
         float acc = 0.0f;
-        for (int64_t j = 0; j < r; j++) acc += v[j] * b[n * R + j];
+        for (int64_t j = 0; j < r; j++) acc += v[j] * weight_at(b, n * R + j, bf16);
         y[n] += acc;
     }
 }
 #else
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+/* x . w[i : i + n] */
+ALWAYS_INLINE float dot(const float *x, const void *w, int64_t i, int64_t n, int bf16) {
     float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    for (int64_t k = 0; k < n; k++) acc += x[k] * weight_at(w, i + k, bf16);
     return acc;
 }
 
-static inline void shrink_row(const float *x, const float *a, int64_t K, int64_t r, float sc, float *v) {
-    for (int64_t j = 0; j < r; j++) v[j] = sc * dot(x, a + j * K, K);
+ALWAYS_INLINE void shrink_row(const float *x, const void *a, int64_t K, int64_t r, float sc, float *v, int bf16) {
+    for (int64_t j = 0; j < r; j++) v[j] = sc * dot(x, a, j * K, K, bf16);
 }
 
-static inline void expand_row(const float *v, const float *b, int64_t R, int64_t r, int64_t n_out, float *y) {
-    for (int64_t n = 0; n < n_out; n++) y[n] += dot(v, b + n * R, r);
+ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t r, int64_t n_out, float *y, int bf16) {
+    for (int64_t n = 0; n < n_out; n++) y[n] += dot(v, b, n * R, r, bf16);
 }
 #endif
 
 /* Returns 0, or -1 if a rank is outside [0, R] (nothing is written then). */
 int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const float *x, float *y,
                          const int32_t *slots, const int64_t *ranks, const float *scales, int64_t nslices,
-                         const float *const *A, const float *const *B, const int64_t *N, const int64_t *off,
-                         int64_t *runs /* scratch: 3 * T */) {
+                         const void *const *A, const void *const *B, const int64_t *N, const int64_t *off,
+                         int64_t *runs /* scratch: 3 * T */, int weights_bf16) {
+    const int64_t es = weights_bf16 ? 2 : 4; /* bytes per weight */
     if (R > 64) return -1;
     int64_t nruns = 0;
     for (int64_t t = 0; t < T;) {
@@ -117,12 +148,18 @@ int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const flo
         const float sc = scales[s];
         if (r == 0) continue;
         float v[CHUNK][64];
-        const float *a = A[l] + s * R * K;
-        const float *b = B[l] + s * n_out * R;
+        const void *a = (const char *)A[l] + s * R * K * es;
+        const void *b = (const char *)B[l] + s * n_out * R * es;
         /* Token by token: each token's pass reads the slot's weights, which stay in L1/L2 for the
-         * run's next tokens (a run is at most CHUNK tokens). */
-        for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i]);
-        for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l]);
+         * run's next tokens (a run is at most CHUNK tokens). Two call sites so each is compiled
+         * for its weight type. */
+        if (weights_bf16) {
+            for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
+            for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 1);
+        } else {
+            for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 0);
+            for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 0);
+        }
     }
     return 0;
 }

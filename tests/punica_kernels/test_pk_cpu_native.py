@@ -94,3 +94,36 @@ def test_long_runs_other_dtypes_and_wide_ranks_take_the_torch_path(monkeypatch):
     fallback = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta)
     assert_close(native, fallback, torch.float32)
     assert_close(fallback, _reference(bt), torch.float32)
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
+def test_bf16_stacks_with_fp32_activations(monkeypatch, torch_path):
+    """add_lora's one mixed form (the engine's adapter storage where the kernel is built): bf16
+    stacks, fp32 x and y. The result is the reference's on the bf16 values widened to fp32, through
+    the kernel (widening in registers, any run length) and through the torch path alike; padding
+    past each rank (NaN) is never read."""
+    slots = _runs([(1, 3), (-1, 2), (0, 70), (2, 1), (3, 9)])  # one run longer than MAX_RUN
+    bt = make_batch(T=slots.numel(), K=576, S=4, R=16, widths=(576, 192), seed=21)
+    bt.token_slots = slots
+    a16 = [a.bfloat16() for a in bt.a]
+    b16 = [b.bfloat16() for b in bt.b]
+    bt.a, bt.b = [a.float() for a in a16], [b.float() for b in b16]  # the values the op sees
+    meta = pk.build_lora_metadata(slots, num_slots=4)
+    if torch_path:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    else:
+        args = pk._checks.check_add_lora(bt.y.clone(), bt.x, a16, b16, bt.scales, bt.ranks, bt.offsets)
+        assert cpu_native.add_lora_f32(args, meta, bt.scales, bt.ranks)  # the kernel takes it
+    y = pk.add_lora(bt.y.clone(), bt.x, a16, b16, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
+    assert y.dtype == torch.float32
+    assert_close(y, _reference(bt), torch.float32)
+
+
+def test_other_mixed_dtypes_are_refused():
+    bt = make_batch(T=4, K=32, S=2, R=4, seed=5)
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=2)
+    with pytest.raises(TypeError, match="bfloat16"):
+        pk.add_lora(bt.y.clone(), bt.x, [a.half() for a in bt.a], [b.half() for b in bt.b], bt.scales, bt.ranks,
+                    meta=meta)
+    with pytest.raises(TypeError):  # bf16 A with fp32 B
+        pk.add_lora(bt.y.clone(), bt.x, [a.bfloat16() for a in bt.a], bt.b, bt.scales, bt.ranks, meta=meta)
