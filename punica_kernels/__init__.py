@@ -25,6 +25,8 @@ BGMV (decode) takes a slot per token; SGMV (prefill) takes segments: `seg_starts
 (0 ... T, empty segments allowed) and `seg_slots` [n]. `build_lora_metadata` produces both from
 one slot list without permuting tokens. x, weights and y: fp16, bf16 or fp32 (x matches
 lora_a, y matches lora_b), contiguous, one device; v is always fp32. y is updated in place.
+One mixed form, `add_lora` on CPU only: bf16 stacks with fp32 x and y (adapters stored at half
+the bytes; the C kernel widens them in registers).
 
 Dispatch: CUDA tensors run the Triton kernels (punica_kernels.kernels); CPU tensors run the torch
 path (punica_kernels.cpu). `meta` is optional: the CPU path reuses its token grouping across the
