@@ -2,7 +2,8 @@
 
     python bench/kernels.py            # CPU: the CPU path vs torch gather+bmm and a loop per adapter;
                                        # add_lora also without the C kernel, one decode step's LoRA work,
-                                       # and one decode step's int8 base weights (engine's C kernel vs torch)
+                                       # (fp32 and bf16 stacks), and one decode step's int8 base weights
+                                       # (C kernel vs torch at 1-4 rows; AMX kernel vs bf16 dense at 8-64)
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
 
 Workloads (Punica's): distinct (every token its own adapter), uniform (ceil(sqrt(n)) adapters),
@@ -202,6 +203,23 @@ def decode_step_int8(layers: int = 30) -> None:
             "weight_mb": round(nbytes / 1e6), "ms": round(ours / 1000, 2), "gb_s": round(nbytes / ours / 1e3, 1),
             "torch_int8pack_ms": round(theirs / 1000, 2), "speedup_vs_torch": round(theirs / ours, 2),
         }), flush=True)
+    if cpu_int8.amx_library() is None:
+        return
+    # Wide decode batches: the AMX kernel on the int8 weights against the path it replaces, oneDNN's
+    # GEMM on packed bf16 dense copies of the same weights (activations cast to bf16 and back).
+    tiled = [cpu_int8.tile_weight(w) for w in ws]
+    packed = [torch.ops.mkldnn._reorder_linear_weight((w.float() * s[:, None]).bfloat16(), 32)
+              for w, s in zip(ws, scales)]
+    for m in (8, 32, 64):
+        xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+        ours = cpu_time(lambda: [cpu_int8.int8_linear_amx(xs[w.shape[1]], t, s) for w, t, s in zip(ws, tiled, scales)], 4)
+        theirs = cpu_time(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]].bfloat16(), p, None, "none", [], "").float()
+                                   for w, p in zip(ws, packed)], 4)
+        print(json.dumps({
+            "device": "cpu", "threads": torch.get_num_threads(), "op": "decode_step_int8_amx", "rows": m,
+            "weight_mb": round(nbytes / 1e6), "ms": round(ours / 1000, 2), "gb_s": round(nbytes / ours / 1e3, 1),
+            "onednn_bf16_dense_ms": round(theirs / 1000, 2), "speedup_vs_bf16_dense": round(theirs / ours, 2),
+        }), flush=True)
 
 
 @contextlib.contextmanager
@@ -241,12 +259,17 @@ def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None
     with torch_plan_only():
         plan = cpu_time(step, 8)
     floor = cpu_time(lambda: [t.sum() for t in flat], 8)
+    # The engine's storage where the kernel is built: the same adapters as bf16 stacks.
+    fp32_stacks = stacks
+    stacks = [[([a.bfloat16() for a in aa], [b.bfloat16() for b in bb]) for aa, bb in layer] for layer in fp32_stacks]
+    bf16 = cpu_time(step, 8) if cpu_native.library() is not None else None
     print(json.dumps({
         "device": "cpu", "threads": torch.get_num_threads(), "op": "decode_step_lora", "layers": layers,
         "tokens": tokens, "distinct_adapters": tokens, "rank": rank, "weight_mb": round(nbytes / 1e6),
         "kernel": "c" if cpu_native.library() is not None else "torch", "ms": round(ours / 1000, 2),
         "torch_plan_ms": round(plan / 1000, 2), "sum_same_tensors_ms": round(floor / 1000, 2),
         "gb_s": round(nbytes / ours / 1e3, 1), "speedup_vs_torch_plan": round(plan / ours, 2),
+        "bf16_stacks_ms": None if bf16 is None else round(bf16 / 1000, 2),
     }), flush=True)
 
 
