@@ -265,7 +265,7 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
 FAST_PREFILL_MIN_SPEEDUP = 4.0
 
 
-def measure_prefill_speedup(layers: list[BaseLinear], rows: int = 512, reps: int = 3, max_layers: int = 8) -> float:
+def measure_prefill_speedup(layers: list[BaseLinear], rows: int = 512, reps: int = 5, max_layers: int = 8) -> float:
     """fp32 time / fast-copy time of the GEMMs alone (activations already in each copy's dtype) at
     `rows` rows over (up to `max_layers` of) the largest of these int8 layers (most of a prefill's
     FLOPs), packed where packed. 1.0 where the layers keep no fast copy. Set the dtype
