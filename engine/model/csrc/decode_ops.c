@@ -154,6 +154,7 @@ static void head_scores(const float *q, int64_t G, const float *k_cache, const f
         return;
     }
 #endif
+    (void)v_cache; /* prefetched on the vector path only */
     for (int64_t j = j0; j < L; j++) {
         const float *kj = k_cache + (tslots[j] * Hkv + h) * D;
         for (int64_t g = 0; g < G; g++) s[g * ld + j] = dot(q + g * D, kj, D) * scale;
