@@ -256,8 +256,8 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
     return choice, times
 
 
-#: Steps that prefill run on the fast dense copy (not fp32) only where its GEMMs are at least this
-#: many times faster at prefill width. With AMX, bf16 GEMMs measure ~6-7x fp32 at 512 rows and the
+#: Steps that prefill take the decode path (the AMX kernel, else the fast dense copy) instead of the
+#: fp32 copy only where the fast copy's GEMMs are at least this many times fp32's at prefill width. With AMX, bf16 GEMMs measure ~6-7x fp32 at 512 rows and the
 #: prompt's first token then costs a fraction; on this project's SmolLM2 test prompts the answers
 #: stay the same (the closest first-token margin, 0.12 in fp32, is 0.21 with bf16 weights here).
 #: With avx512_bf16 alone (~2-3x) bf16 prefill flipped that near-tie on an EPYC (bench/RESULTS.md),
