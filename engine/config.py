@@ -66,9 +66,10 @@ class EngineConfig:
     #: batches where it measured faster at start; see llm_engine.pick_weight_format and
     #: model.layers.BaseLinear), "fp32" (exact), "bf16", "int8" (same as "auto" on CPU).
     weight_format: str = "auto"
-    #: Whether steps that prefill use the int8 format's exact fp32 dense copy (True) or its fast
-    #: one (False); None: the fast one where it measures >= FAST_PREFILL_MIN_SPEEDUP times faster
-    #: at prefill width at start (model.layers.measure_prefill_speedup), else fp32.
+    #: Whether steps that prefill use the int8 format's exact fp32 dense copy (True) or its decode
+    #: path (False: the AMX kernel, else the bf16 copy); None: the decode path where the bf16 copy's
+    #: GEMMs measure >= FAST_PREFILL_MIN_SPEEDUP times fp32's at prefill width at start
+    #: (model.layers.measure_prefill_speedup), else fp32.
     exact_prefill: bool | None = None
     #: Seconds a waiting request needs to be promoted one priority class (prevents starvation).
     aging_seconds: float = 10.0
