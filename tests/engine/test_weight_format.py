@@ -253,3 +253,43 @@ def test_engine_picks_the_prefill_copy_by_measurement_or_by_config(smollm_checkp
     assert measured.model.exact_prefill == (speedup < FAST_PREFILL_MIN_SPEEDUP)
     assert make(exact_prefill=True).model.exact_prefill is True
     assert make(exact_prefill=False).model.exact_prefill is False
+
+
+def test_gguf_q4_1_layers_keep_their_raw_blocks_in_the_weights_order(smollm_checkpoint):
+    """The loader keeps each Q4_1 layer weight's raw blocks, rows permuted like the weights (Q/K
+    un-permuted into HF's layout), so they dequantize to exactly the fp32 weights."""
+    from engine.loader.gguf_loader import Q4_1_SUFFIX
+    from engine.model import cpu_q4
+
+    _, weights, _ = smollm_checkpoint
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.3.mlp.down_proj.weight"):
+        raw = weights[name + Q4_1_SUFFIX]
+        assert raw.dtype == torch.uint8 and raw.shape == (weights[name].shape[0], weights[name].shape[1] // 32 * 20)
+        assert torch.equal(cpu_q4.dequantize(raw), weights[name])
+    assert "model.embed_tokens.weight" + Q4_1_SUFFIX not in weights  # Q8_0 in this file
+
+
+def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it(smollm_checkpoint):
+    """Where the checkpoint is Q4_1, the int8 format's smallest batches read those 4-bit blocks:
+    the product with exactly the fp32 weights (no int8 re-quantization), fused projections
+    included; batches past the crossover keep the wide path."""
+    from engine.model import cpu_q4
+    from engine.model.llama import LlamaModel
+
+    if cpu_q4.library() is None:
+        pytest.skip("no Q4_1 kernel here (no C compiler or no AVX-512)")
+    cfg, weights, _ = smollm_checkpoint
+    model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    for layer in (model.layers[0].qkv_proj, model.layers[5].gate_up_proj, model.layers[7].down_proj):
+        assert layer.pack_int8() and layer.q4_blocked is not None and layer.q4_1_raw is None
+        layer.int8_max_rows = 3
+        for m in (1, 2, 3):
+            x = torch.randn(m, layer.in_features, generator=g)
+            want = x.double() @ layer.dense.double().T  # the dequantized GGUF weights
+            got = layer(x)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        x = torch.randn(4, layer.in_features, generator=g)
+        assert torch.equal(layer(x), layer.wide_linear(x, exact=False))
+    assert model.lm_head.q4_1_raw is None  # tied Q8_0 embeddings: the int8 kernels serve the head
