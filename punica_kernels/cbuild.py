@@ -70,14 +70,27 @@ def build(source: Path) -> Path:
     return out
 
 
-def load(source: Path, switch: str) -> ctypes.CDLL | None:
+#: Argument type names of the kernels' C signatures (`load`'s `signatures`).
+C_TYPES = {"i64": ctypes.c_int64, "int": ctypes.c_int, "f32": ctypes.c_float, "ptr": ctypes.c_void_p}
+
+
+def load(source: Path, switch: str, signatures: dict[str, tuple[str, ...]] | None = None,
+         returns: dict[str, str] | None = None) -> ctypes.CDLL | None:
     """The loaded library of `source`, or None when the environment variable `switch` is "0" or
     the library cannot be built (logged once per caller; callers cache the answer). Load it after
-    torch: its OpenMP runtime (same soname) then serves both, one thread pool."""
+    torch: its OpenMP runtime (same soname) then serves both, one thread pool.
+
+    signatures: {function: argument type names (C_TYPES)}; returns: {function: return type name},
+    functions not named there return nothing."""
     if os.environ.get(switch, "1") == "0":
         return None
     try:
-        return ctypes.CDLL(str(build(source)))
+        lib = ctypes.CDLL(str(build(source)))
     except (OSError, RuntimeError) as e:
         log.warning("%s unavailable, using the torch path: %s", source.name, e)
         return None
+    for name, args in (signatures or {}).items():
+        fn = getattr(lib, name)
+        fn.argtypes = [C_TYPES[a] for a in args]
+        fn.restype = C_TYPES[(returns or {})[name]] if name in (returns or {}) else None
+    return lib

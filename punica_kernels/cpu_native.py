@@ -35,12 +35,9 @@ MAX_RANK = 64
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (TESSERA_CPU_LORA_KERNEL=0, or it could not be built)."""
-    lib = cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.tessera_add_lora_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, i64, p, p, p, p, p, ctypes.c_int]
-        lib.tessera_add_lora_f32.restype = ctypes.c_int
-    return lib
+    return cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL", {
+        "tessera_add_lora_f32": ("i64",) * 4 + ("ptr",) * 5 + ("i64",) + ("ptr",) * 5 + ("int",),
+    }, returns={"tessera_add_lora_f32": "int"})
 
 
 def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:

@@ -25,12 +25,8 @@ AMX_SOURCE = Path(__file__).parent / "csrc" / "int8_amx.c"
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (switched off, or it could not be built)."""
-    lib = cbuild.load(SOURCE, "TESSERA_CPU_INT8_KERNEL")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.tessera_int8_linear_f32.argtypes = [i64, i64, i64, p, p, p, p]
-        lib.tessera_int8_linear_f32.restype = None
-    return lib
+    return cbuild.load(SOURCE, "TESSERA_CPU_INT8_KERNEL",
+                       {"tessera_int8_linear_f32": ("i64",) * 3 + ("ptr",) * 4})
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -60,13 +56,10 @@ def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) ->
 def amx_library() -> ctypes.CDLL | None:
     """The AMX kernel, or None: switched off (TESSERA_CPU_AMX_KERNEL=0), not built, built for a
     CPU without AMX, or the OS refused the tile state."""
-    lib = cbuild.load(AMX_SOURCE, "TESSERA_CPU_AMX_KERNEL")
-    if lib is None or lib.tessera_amx_init() != 0:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tessera_int8_linear_amx.argtypes = [i64, i64, i64, p, p, p, p, p]
-    lib.tessera_int8_linear_amx.restype = None
-    return lib
+    lib = cbuild.load(AMX_SOURCE, "TESSERA_CPU_AMX_KERNEL",
+                      {"tessera_amx_init": (), "tessera_int8_linear_amx": ("i64",) * 3 + ("ptr",) * 5},
+                      returns={"tessera_amx_init": "int"})
+    return lib if lib is not None and lib.tessera_amx_init() == 0 else None
 
 
 def supports_amx(weight: torch.Tensor) -> bool:

@@ -22,17 +22,12 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_ops.c"
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (switched off, or it could not be built)."""
-    lib = cbuild.load(SOURCE, "TESSERA_CPU_DECODE_OPS")
-    if lib is not None:
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.tessera_rms_norm.argtypes = [i64, i64, p, p, f32, p]
-        lib.tessera_add_rms_norm.argtypes = [i64, i64, p, p, p, f32, p]
-        lib.tessera_silu_mul.argtypes = [i64, i64, p, p]
-        lib.tessera_decode_attention.argtypes = [i64, i64, i64, i64, p, i64, p, p, p, p, p, i64, p, f32, p]
-        lib.tessera_decode_attention.restype = ctypes.c_int
-        for f in (lib.tessera_rms_norm, lib.tessera_add_rms_norm, lib.tessera_silu_mul):
-            f.restype = None
-    return lib
+    return cbuild.load(SOURCE, "TESSERA_CPU_DECODE_OPS", {
+        "tessera_rms_norm": ("i64", "i64", "ptr", "ptr", "f32", "ptr"),
+        "tessera_add_rms_norm": ("i64", "i64", "ptr", "ptr", "ptr", "f32", "ptr"),
+        "tessera_silu_mul": ("i64", "i64", "ptr", "ptr"),
+        "tessera_decode_attention": ("i64",) * 4 + ("ptr", "i64") + ("ptr",) * 5 + ("i64", "ptr", "f32", "ptr"),
+    }, returns={"tessera_decode_attention": "int"})
 
 
 def _takes(*tensors: torch.Tensor) -> bool:

@@ -21,13 +21,10 @@ BLOCK_BYTES = 20  # ggml's Q4_1 block: fp16 d, fp16 min, 16 bytes of nibbles (32
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (switched off, not built, or built without AVX-512)."""
-    lib = cbuild.load(SOURCE, "TESSERA_CPU_Q4_KERNEL")
-    if lib is None or not lib.tessera_q4_1_available():
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tessera_q4_1_linear_f32.argtypes = [i64, i64, i64, p, p, p, p]
-    lib.tessera_q4_1_linear_f32.restype = None
-    return lib
+    lib = cbuild.load(SOURCE, "TESSERA_CPU_Q4_KERNEL",
+                      {"tessera_q4_1_available": (), "tessera_q4_1_linear_f32": ("i64",) * 3 + ("ptr",) * 4},
+                      returns={"tessera_q4_1_available": "int"})
+    return lib if lib is not None and lib.tessera_q4_1_available() else None
 
 
 def supports(raw: torch.Tensor) -> bool:

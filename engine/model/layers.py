@@ -151,8 +151,10 @@ class BaseLinear(nn.Module):
         return True
 
     def int8_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (int8 weight * scales).T for decode-sized batches, in x's dtype: the C kernel (fp32
-        activations) where packed, else torch's `_weight_int8pack_mm` (bf16 activations)."""
+        """x @ W.T for decode-sized batches, in x's dtype: with fp32 activations, the Q4_1 kernel on
+        the checkpoint's own blocks where packed (exactly the fp32 weights), else the int8 C
+        kernel; otherwise torch's `_weight_int8pack_mm` (bf16 activations). The int8 paths
+        multiply by the int8 weight * scales."""
         if self.q4_blocked is not None and x.dtype == torch.float32:
             return cpu_q4.q4_linear(x, self.q4_blocked)
         if self.int8_blocked is not None and x.dtype == torch.float32:
@@ -266,8 +268,9 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
 
 
 #: Steps that prefill take the decode path (the AMX kernel, else the fast dense copy) instead of the
-#: fp32 copy only where the fast copy's GEMMs are at least this many times fp32's at prefill width. With AMX, bf16 GEMMs measure ~6-7x fp32 at 512 rows and the
-#: prompt's first token then costs a fraction; on this project's SmolLM2 test prompts the answers
+#: fp32 copy only where the fast copy's GEMMs are at least this many times fp32's at prefill width.
+#: With AMX, bf16 GEMMs measure ~6-7x fp32 at 512 rows and the prompt's first token then costs a
+#: fraction; on this project's SmolLM2 test prompts the answers
 #: stay the same (the closest first-token margin, 0.12 in fp32, is 0.21 with bf16 weights here).
 #: With avx512_bf16 alone (~2-3x) bf16 prefill flipped that near-tie on an EPYC (bench/RESULTS.md),
 #: so there prefill stays fp32.

@@ -72,10 +72,10 @@ class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv, attn, lora) -> hidden [T, H];
     compute_logits(hidden [N, H], exact) -> fp32 logits [N, V].
 
-    A step that prefills (attn.prefills non-empty) runs wide matmuls on the exact fp32 weights
-    while `exact_prefill` (set by the engine from a measurement, see EngineConfig.exact_prefill),
-    a decode-only step on the fastest measured copy (BaseLinear): prompts' first tokens keep
-    fp32 numerics while decode batches take bf16 where the CPU makes it faster."""
+    A step that prefills (attn.prefills non-empty) runs wide matmuls on the exact fp32 weights if
+    `exact_prefill` (set by the engine from a measurement, see EngineConfig.exact_prefill); every
+    other step takes the fastest measured path (BaseLinear), bf16 activations in wide batches where
+    the CPU makes them faster."""
 
     #: Whether steps that prefill take the exact fp32 copies of int8 layers (see above).
     exact_prefill = True
