@@ -1,7 +1,7 @@
 """Build a C source of this project with the machine's compiler and load it with ctypes.
 
-Used by the hand-written CPU kernels (punica_kernels.cpu_native, engine.model.cpu_int8); one place
-for how they are built.
+Used by the hand-written CPU kernels (punica_kernels.cpu_native, engine.model.cpu_int8, cpu_q4 and
+cpu_ops); one place for how they are built, loaded and given their C signatures.
 A library is compiled once per source, flags and CPU (`-march=native`) into a cache directory
 and reused by every later process; concurrent builders each write a temporary file and rename
 it into place, so a reader never sees half a library.
