@@ -16,7 +16,7 @@
 
 #define CHUNK 8 /* tokens of one run handled per pass over its weights (a run may take several) */
 
-#include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
+#include "tessera_simd.h" /* tessera_sum16 / tessera_sum8, immintrin.h */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -92,6 +92,71 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
                 acc[k] = _mm512_fmadd_ps(vv, maskz_load_w(m, b, (n + k) * R + j0, bf16), acc[k]);
         }
         _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), tessera_sum16(acc)));
+    }
+    for (; n < n_out; n++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < r; j++) acc += v[j] * weight_at(b, n * R + j, bf16);
+        y[n] += acc;
+    }
+}
+#elif defined(TESSERA_AVX2)
+/* 8 weights from element i of w (fp32, or bf16 widened by a shift) */
+ALWAYS_INLINE __m256 load_w(const void *w, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+/* the first n < 8 weights from element i of w, zeros in the other lanes (nothing past them is read) */
+ALWAYS_INLINE __m256 load_w_part(const void *w, int64_t i, int64_t n, int bf16) {
+    float buf[8] = {0};
+    for (int64_t k = 0; k < n; k++) buf[k] = weight_at(w, i + k, bf16);
+    return _mm256_loadu_ps(buf);
+}
+
+/* As the AVX-512 shrink_row, 8 rows of a at a time: the 8 rows' dot products share each load of
+ * x and are 8 independent FMA chains (AVX2 has 16 registers; 8 accumulators leave room for x and
+ * the weights). v[j] = 0 for r <= j < 8*ceil(r/8). */
+ALWAYS_INLINE void shrink_row(const float *x, const void *a, int64_t K, int64_t r, float sc, float *v, int bf16) {
+    for (int64_t j0 = 0; j0 < r; j0 += 8) {
+        const int64_t left = r - j0 < 8 ? r - j0 : 8;
+        int64_t row[8]; /* rows past r repeat the block's first (read from L1, result dropped) */
+        for (int k = 0; k < 8; k++) row[k] = (j0 + (k < left ? k : 0)) * K;
+        __m256 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 8 <= K; c += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + c);
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(xv, load_w(a, row[k] + c, bf16), acc[k]);
+        }
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_mul_ps(tessera_sum8(acc), _mm256_set1_ps(sc)));
+        for (int k = 0; k < 8; k++) {
+            float tail = 0.0f; /* K % 8 inputs */
+            for (int64_t cc = c; cc < K; cc++) tail += x[cc] * weight_at(a, row[k] + cc, bf16);
+            v[j0 + k] = k < left ? out[k] + sc * tail : 0.0f;
+        }
+    }
+}
+
+/* y[n] += v . b[n, :r] for n < n_out, 8 output rows at a time (lanes past r are never read). */
+ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t r, int64_t n_out, float *y, int bf16) {
+    int64_t n = 0;
+    for (; n + 8 <= n_out; n += 8) {
+        __m256 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        int64_t j0 = 0;
+        for (; j0 + 8 <= r; j0 += 8) {
+            const __m256 vv = _mm256_loadu_ps(v + j0);
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(vv, load_w(b, (n + k) * R + j0, bf16), acc[k]);
+        }
+        if (j0 < r) { /* v is zero past r (shrink_row) */
+            const __m256 vv = _mm256_loadu_ps(v + j0);
+            for (int k = 0; k < 8; k++)
+                acc[k] = _mm256_fmadd_ps(vv, load_w_part(b, (n + k) * R + j0, r - j0, bf16), acc[k]);
+        }
+        _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), tessera_sum8(acc)));
     }
     for (; n < n_out; n++) {
         float acc = 0.0f;

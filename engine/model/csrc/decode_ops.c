@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "tessera_simd.h" /* immintrin.h where AVX-512 is on */
+#include "tessera_simd.h" /* tessera_sum16 / tessera_sum8, immintrin.h */
 
 static float sum_squares(const float *x, int64_t n) {
     int64_t i = 0;
@@ -30,6 +30,14 @@ static float sum_squares(const float *x, int64_t n) {
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     s = _mm512_reduce_add_ps(acc);
+#elif defined(TESSERA_AVX2)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    s = tessera_hsum8(_mm256_add_ps(a0, a1));
 #endif
     for (; i < n; i++) s += x[i] * x[i];
     return s;
@@ -42,6 +50,13 @@ static float dot(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     s = _mm512_reduce_add_ps(acc);
+#elif defined(TESSERA_AVX2)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    }
+    s = tessera_hsum8(_mm256_add_ps(a0, a1));
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -64,6 +79,25 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+#elif defined(TESSERA_AVX2)
+/* exp16's method on 8 lanes; 2^n is built in the exponent field (n is within [-126, 127] after
+ * the clamp, so it is a normal number). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
 
@@ -98,6 +132,12 @@ void tessera_silu_mul(int64_t M, int64_t I, const float *gu, float *out) {
             const __m512 gv = _mm512_loadu_ps(g + i);
             const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
             _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(u + i)));
+        }
+#elif defined(TESSERA_AVX2)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
         }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -153,8 +193,28 @@ static void head_scores(const float *q, int64_t G, const float *k_cache, const f
         }
         return;
     }
+#elif defined(TESSERA_AVX2)
+    if (D % 8 == 0) {
+        /* 8 keys at a time in 8 accumulators, summed by one transpose-and-add */
+        for (; j0 + 8 <= L; j0 += 8) {
+            const float *kr[8];
+            for (int r = 0; r < 8; r++) kr[r] = k_cache + (tslots[j0 + r] * Hkv + h) * D;
+            for (int64_t r = j0 + 8; r < L && r < j0 + 16; r++) prefetch_row(k_cache + (tslots[r] * Hkv + h) * D, D);
+            for (int64_t r = j0; r < j0 + 8; r++) prefetch_row(v_cache + (tslots[r] * Hkv + h) * D, D);
+            for (int64_t g = 0; g < G; g++) {
+                __m256 acc[8];
+                for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < D; c += 8) {
+                    const __m256 qv = _mm256_loadu_ps(q + g * D + c);
+                    for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + c), acc[r]);
+                }
+                _mm256_storeu_ps(s + g * ld + j0, _mm256_mul_ps(tessera_sum8(acc), _mm256_set1_ps(scale)));
+            }
+        }
+        /* the last L % 8 keys below, one at a time */
+    }
 #endif
-    (void)v_cache; /* prefetched on the vector path only */
+    (void)v_cache; /* prefetched on the vector paths only */
     for (int64_t j = j0; j < L; j++) {
         const float *kj = k_cache + (tslots[j] * Hkv + h) * D;
         for (int64_t g = 0; g < G; g++) s[g * ld + j] = dot(q + g * D, kj, D) * scale;
@@ -187,6 +247,26 @@ static void head_values(const float *p, int64_t ld, int64_t G, const float *v_ca
             }
         return;
     }
+#elif defined(TESSERA_AVX2)
+    if (D % 8 == 0) {
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < D; c += 8) {
+                const float *pg = p + g * ld;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                int64_t j = 0;
+#define V_ROW(jj) _mm256_loadu_ps(v_cache + (tslots[jj] * Hkv + h) * D + c)
+                for (; j + 4 <= L; j += 4) {
+                    a0 = _mm256_fmadd_ps(_mm256_set1_ps(pg[j]), V_ROW(j), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[j + 1]), V_ROW(j + 1), a1);
+                    a2 = _mm256_fmadd_ps(_mm256_set1_ps(pg[j + 2]), V_ROW(j + 2), a2);
+                    a3 = _mm256_fmadd_ps(_mm256_set1_ps(pg[j + 3]), V_ROW(j + 3), a3);
+                }
+                for (; j < L; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(pg[j]), V_ROW(j), a0);
+#undef V_ROW
+                _mm256_storeu_ps(acc + g * D + c, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            }
+        return;
+    }
 #endif
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
     for (int64_t j = 0; j < L; j++) {
@@ -205,6 +285,10 @@ static float softmax_numerators(float *s, int64_t L) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= L; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
     mx = _mm512_reduce_max_ps(mv);
+#elif defined(TESSERA_AVX2)
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= L; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    mx = tessera_hmax8(mv);
 #endif
     for (; j < L; j++) mx = s[j] > mx ? s[j] : mx;
     j = 0;
@@ -217,6 +301,15 @@ static float softmax_numerators(float *s, int64_t L) {
         zv = _mm512_add_ps(zv, e);
     }
     z = _mm512_reduce_add_ps(zv);
+#elif defined(TESSERA_AVX2)
+    __m256 zv = _mm256_setzero_ps();
+    const __m256 mxv = _mm256_set1_ps(mx);
+    for (; j + 8 <= L; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
+        _mm256_storeu_ps(s + j, e);
+        zv = _mm256_add_ps(zv, e);
+    }
+    z = tessera_hsum8(zv);
 #endif
     for (; j < L; j++) {
         s[j] = expf(s[j] - mx);

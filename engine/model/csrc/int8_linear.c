@@ -12,7 +12,7 @@
  */
 #include <stdint.h>
 
-#include "tessera_simd.h" /* tessera_sum16, and immintrin.h where AVX-512 is on */
+#include "tessera_simd.h" /* tessera_sum16 / tessera_sum8, immintrin.h */
 
 /* Software prefetch distance in the weight stream (into L2). Each call streams one layer's weights
  * (0.3-1.7 MB) once; the hardware prefetcher ramps up too slowly on streams that short, and a
@@ -43,6 +43,27 @@ void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, co
                         acc[r]);
             }
             _mm512_storeu_ps(y + m * N + nb * 16, _mm512_mul_ps(tessera_sum16(acc), _mm512_loadu_ps(scales + nb * 16)));
+#elif defined(TESSERA_AVX2)
+            /* 8 accumulators: the block's 16 rows in two halves, each a pass over the 16 rows'
+             * stream (K/16 blocks of 256 bytes; a row group's whole stream is 9-24 KB for
+             * SmolLM2, so the second half finds it in L1/L2) */
+            for (int half = 0; half < 2; half++) {
+                __m256 acc[8];
+                for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    const __m256 x0 = _mm256_loadu_ps(xm + kb * 16), x1 = _mm256_loadu_ps(xm + kb * 16 + 8);
+                    const int8_t *p = blk + kb * 256 + half * 128;
+                    if (m == 0 && half == 0)
+                        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T1);
+                    for (int r = 0; r < 8; r++) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(p + r * 16));
+                        acc[r] = _mm256_fmadd_ps(x0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(x1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), acc[r]);
+                    }
+                }
+                const int64_t n0 = nb * 16 + half * 8;
+                _mm256_storeu_ps(y + m * N + n0, _mm256_mul_ps(tessera_sum8(acc), _mm256_loadu_ps(scales + n0)));
+            }
 #else
             float acc[16] = {0};
             for (int64_t kb = 0; kb < KB; kb++) {

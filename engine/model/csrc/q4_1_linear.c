@@ -20,7 +20,7 @@
 #define PREFETCH_BYTES 16384
 
 int tessera_q4_1_available(void) {
-#if defined(__AVX512F__) && defined(__F16C__)
+#if (defined(__AVX512F__) || defined(TESSERA_AVX2)) && defined(__F16C__)
     return 1;
 #else
     return 0;
@@ -60,6 +60,50 @@ void tessera_q4_1_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, co
                 acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * KB + kb]), acc);
             }
             _mm512_storeu_ps(y + m * N + nb * 16, acc);
+        }
+    }
+#elif defined(TESSERA_AVX2) && defined(__F16C__)
+    /* As above with 8 lanes: each row group's 16 rows in two halves of 8 (8 partial sums fit
+     * AVX2's 16 registers beside the block's 32 inputs); the second half's pass over the group's
+     * stream finds it in L1/L2. */
+    const int64_t NB = N / 16, KB = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const float *xb = x + m * K + kb * 32;
+            xsum[m * KB + kb] = tessera_hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                                            _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
+        }
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+#pragma omp parallel for schedule(static) if (NB > 1)
+    for (int64_t nb = 0; nb < NB; nb++) {
+        const uint8_t *blk = w + nb * KB * 320;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            for (int half = 0; half < 2; half++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    const uint8_t *p = blk + kb * 320;
+                    if (m == 0 && half == 0)
+                        for (int l = 0; l < 5; l++) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T1);
+                    const float *xb = xm + kb * 32;
+                    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+                    const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+                    __m256 part[8];
+                    for (int r = 0; r < 8; r++) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(p + (half * 8 + r) * 16));
+                        const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+                        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1, t);
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, t);
+                        part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, t);
+                    }
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + half * 16)));
+                    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + half * 16)));
+                    acc = _mm256_fmadd_ps(d, tessera_sum8(part), acc);
+                    acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * KB + kb]), acc);
+                }
+                _mm256_storeu_ps(y + m * N + nb * 16 + half * 8, acc);
+            }
         }
     }
 #else
