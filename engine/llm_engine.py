@@ -19,8 +19,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import default_model_path, load_checkpoint
 from engine.model.attention import KVCache
-from engine.model.layers import (FAST_PREFILL_MIN_SPEEDUP, BaseLinear, calibrate_int8_rows, choose_dense_dtype,
-                                 measure_prefill_speedup)
+from engine.model.layers import (FAST_PREFILL_MIN_SPEEDUP, BaseLinear, calibrate_int8_rows, calibrate_q4_rows,
+                                 choose_dense_dtype, measure_prefill_speedup)
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
@@ -78,6 +78,7 @@ class LLMEngine:
             packed = all([layer.pack_dense() for layer in layers + [self.model.lm_head]])
             self.format_timings["onednn_packed"] = packed
             self.format_timings["int8_kernel"] = all([layer.pack_int8() for layer in layers + [self.model.lm_head]])
+            self.format_timings["q4_1_max_rows"] = calibrate_q4_rows(layers)
             self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
             if self.config.exact_prefill is None:
                 speedup = measure_prefill_speedup(layers)

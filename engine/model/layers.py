@@ -97,6 +97,7 @@ class BaseLinear(nn.Module):
         self.fmt = fmt
         self.q4_1_raw = q4_1 if fmt == "int8" else None
         self.q4_blocked: torch.Tensor | None = None  # the Q4_1 kernel's layout of q4_1_raw (pack_int8)
+        self.q4_max_rows = 1  # batches up to this many rows take the Q4_1 kernel (calibrate_q4_rows)
         self.int8_max_rows = self.INT8_MAX_ROWS
         self.out_features, self.in_features = weight.shape
         self.dense_fast: torch.Tensor | None = None
@@ -152,10 +153,10 @@ class BaseLinear(nn.Module):
 
     def int8_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for decode-sized batches, in x's dtype: with fp32 activations, the Q4_1 kernel on
-        the checkpoint's own blocks where packed (exactly the fp32 weights), else the int8 C
-        kernel; otherwise torch's `_weight_int8pack_mm` (bf16 activations). The int8 paths
-        multiply by the int8 weight * scales."""
-        if self.q4_blocked is not None and x.dtype == torch.float32:
+        the checkpoint's own blocks where packed and the batch has at most `q4_max_rows` rows
+        (exactly the fp32 weights), else the int8 C kernel; otherwise torch's
+        `_weight_int8pack_mm` (bf16 activations). The int8 paths multiply by the int8 weight * scales."""
+        if self.q4_blocked is not None and x.shape[0] <= self.q4_max_rows and x.dtype == torch.float32:
             return cpu_q4.q4_linear(x, self.q4_blocked)
         if self.int8_blocked is not None and x.dtype == torch.float32:
             return cpu_int8.int8_linear(x, self.int8_blocked, self.int8_scales)
@@ -298,6 +299,39 @@ def measure_prefill_speedup(layers: list[BaseLinear], rows: int = 512, reps: int
 
         t_exact, t_fast = _min_time([run(True), run(False)], reps)
     return t_exact / t_fast
+
+
+def calibrate_q4_rows(layers: list[BaseLinear], candidates=(1, 2, 4), reps: int = 5) -> int:
+    """Measure, on the layers that keep Q4_1 blocks, the largest batch (rows) for which the Q4_1
+    kernel is at least as fast as the int8 kernel, and set it as their `q4_max_rows` (0: never).
+    Q4_1 reads 0.625 bytes a weight against int8's 1 but does more work per weight: with AVX-512
+    it won at one row (bench/RESULTS.md), with AVX2 alone it measured even there, and past a few
+    rows the int8 kernel (which shares each widened weight between rows) wins on both. Returns the
+    threshold; nothing to measure (no Q4_1 layers) returns 0."""
+    q4 = [layer for layer in layers if layer.q4_blocked is not None]
+    if not q4:
+        return 0
+    best = 0
+    with torch.inference_mode():
+        for m in candidates:
+            xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in q4}}
+
+            def q4_kernel():
+                for layer in q4:
+                    cpu_q4.q4_linear(xs[layer.in_features], layer.q4_blocked)
+
+            def int8_kernel():
+                for layer in q4:
+                    cpu_int8.int8_linear(xs[layer.in_features], layer.int8_blocked, layer.int8_scales)
+
+            t_q4, t_int8 = _min_time([q4_kernel, int8_kernel], reps)
+            if t_q4 <= t_int8:
+                best = m
+            else:
+                break
+    for layer in q4:
+        layer.q4_max_rows = best
+    return best
 
 
 def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:

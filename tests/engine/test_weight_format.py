@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import pick_weight_format
 from engine.model import cpu_int8
-from engine.model.layers import BaseLinear, calibrate_int8_rows, choose_dense_dtype
+from engine.model.layers import BaseLinear, calibrate_int8_rows, calibrate_q4_rows, choose_dense_dtype
 
 
 def _layers(g):
@@ -153,6 +153,7 @@ def test_auto_is_int8_on_cpu_and_explicit_formats_are_kept():
 
 def test_calibration_of_nothing_is_a_no_op():
     assert calibrate_int8_rows([]) == 0
+    assert calibrate_q4_rows([BaseLinear(torch.randn(32, 64), "int8")]) == 0  # no Q4_1 blocks kept
     assert choose_dense_dtype([]) == (torch.float32, {})
 
 
@@ -273,23 +274,50 @@ def test_gguf_q4_1_layers_keep_their_raw_blocks_in_the_weights_order(smollm_chec
 def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it(smollm_checkpoint):
     """Where the checkpoint is Q4_1, the int8 format's smallest batches read those 4-bit blocks:
     the product with exactly the fp32 weights (no int8 re-quantization), fused projections
-    included; batches past the crossover keep the wide path."""
-    from engine.model import cpu_q4
+    included; wider batches take the int8 kernel, and past its crossover the wide path."""
+    from engine.model import cpu_int8, cpu_q4
     from engine.model.llama import LlamaModel
 
     if cpu_q4.library() is None:
-        pytest.skip("no Q4_1 kernel here (no C compiler or no AVX-512)")
+        pytest.skip("no Q4_1 kernel here (no C compiler, or neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
     model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
     g = torch.Generator().manual_seed(9)
     for layer in (model.layers[0].qkv_proj, model.layers[5].gate_up_proj, model.layers[7].down_proj):
         assert layer.pack_int8() and layer.q4_blocked is not None and layer.q4_1_raw is None
-        layer.int8_max_rows = 3
+        layer.int8_max_rows = 4
+        layer.q4_max_rows = 3
         for m in (1, 2, 3):
             x = torch.randn(m, layer.in_features, generator=g)
             want = x.double() @ layer.dense.double().T  # the dequantized GGUF weights
             got = layer(x)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-        x = torch.randn(4, layer.in_features, generator=g)
+        x = torch.randn(4, layer.in_features, generator=g)  # past q4_max_rows: the int8 kernel
+        assert torch.equal(layer(x), cpu_int8.int8_linear(x, layer.int8_blocked, layer.int8_scales))
+        x = torch.randn(5, layer.in_features, generator=g)  # past int8_max_rows: the wide path
         assert torch.equal(layer(x), layer.wide_linear(x, exact=False))
     assert model.lm_head.q4_1_raw is None  # tied Q8_0 embeddings: the int8 kernels serve the head
+
+
+def test_q4_calibration_sets_a_measured_threshold_that_forward_follows(smollm_checkpoint):
+    """Whether single rows (or a few) read the Q4_1 blocks is measured against the int8 kernel,
+    and each batch then takes the kernel the measurement chose."""
+    from engine.model import cpu_q4
+    from engine.model.llama import LlamaModel
+
+    if cpu_q4.library() is None:
+        pytest.skip("no Q4_1 kernel here (no C compiler, or neither AVX-512 nor AVX2)")
+    cfg, weights, _ = smollm_checkpoint
+    model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    layers = [model.layers[0].qkv_proj, model.layers[0].down_proj]
+    for layer in layers:
+        assert layer.pack_int8()
+    rows = calibrate_q4_rows(layers, candidates=(1, 2, 4))
+    assert rows in (0, 1, 2, 4) and all(layer.q4_max_rows == rows for layer in layers)
+    g = torch.Generator().manual_seed(3)
+    layer = layers[0]
+    for m in (1, 2, 4, 5):
+        x = torch.randn(m, layer.in_features, generator=g)
+        want = (cpu_q4.q4_linear(x, layer.q4_blocked) if m <= rows
+                else cpu_int8.int8_linear(x, layer.int8_blocked, layer.int8_scales))
+        assert torch.equal(layer.int8_linear(x), want)
