@@ -10,7 +10,7 @@ capture; there `build_lora_metadata` checks slots on the host instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,15 +58,19 @@ def _check_slot_values(slots: torch.Tensor, num_slots: int, name: str) -> None:
         )
 
 
-def _check_ranks_scales(ranks, scales, num_slots: int, max_rank: int, device) -> None:
-    _check_tensor(ranks, "ranks", ndim=1, dtypes=INDEX_DTYPES, device=device)
-    if ranks.shape[0] != num_slots:
-        raise ValueError(f"ranks has {ranks.shape[0]} entries but the stack has {num_slots} slots")
-    if ranks.device.type == "cpu" and num_slots > 0:
+def _check_rank_values(ranks, max_rank: int) -> None:
+    if ranks.device.type == "cpu" and ranks.numel() > 0:
         vals = ranks.tolist()
         lo, hi = min(vals), max(vals)
         if lo < 0 or hi > max_rank:
             raise ValueError(f"ranks must lie in [0, {max_rank}] (the stack's padded rank R); got {lo}..{hi}")
+
+
+def _check_ranks_scales(ranks, scales, num_slots: int, max_rank: int, device) -> None:
+    _check_tensor(ranks, "ranks", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if ranks.shape[0] != num_slots:
+        raise ValueError(f"ranks has {ranks.shape[0]} entries but the stack has {num_slots} slots")
+    _check_rank_values(ranks, max_rank)
     if scales is not None:
         _check_tensor(scales, "scales", ndim=1, dtypes=(torch.float32,), device=device)
         if scales.shape[0] != num_slots:
@@ -202,16 +206,104 @@ def check_segments(seg_starts, seg_slots, num_tokens: int, num_slots: int, devic
 
 
 @dataclass(frozen=True)
+class LoRAStack:
+    """One layer's adapter weights for repeated `add_lora` calls, checked once: A slices
+    [S, R, K], B slices [S, N_i, R], scales [S] fp32, ranks [S], and the columns of y each slice
+    adds into. A caller that makes the same call every step (the engine: 120 a decode step) builds
+    it once with `lora_stack` and passes it as `add_lora`'s `lora_a`; each call then checks only
+    its activations and the rank values (slots are rewritten in place between steps). The
+    tensors are held, not copied: writing into them (a slot load) is seen by the next call."""
+
+    a_slices: list[torch.Tensor]
+    b_slices: list[torch.Tensor]
+    scales: torch.Tensor
+    ranks: torch.Tensor
+    offsets: list[int]
+    widths: list[int]
+    packed: bool  # slices fill y's columns side by side from 0
+    #: backends' per-stack caches (punica_kernels.cpu_native: the C call's pointer arrays)
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_slots(self) -> int:
+        return self.a_slices[0].shape[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.a_slices[0].shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.a_slices[0].shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.a_slices[0].device
+
+    @property
+    def min_out_width(self) -> int:
+        return max(o + n for o, n in zip(self.offsets, self.widths))
+
+
+def lora_stack(lora_a, lora_b, scales, ranks, offsets=None) -> LoRAStack:
+    """Check a layer's stacks once (the `add_lora` checks that do not involve x and y)."""
+    a_slices, single_a = _as_slices(lora_a, "lora_a")
+    b_slices, single_b = _as_slices(lora_b, "lora_b")
+    if single_a != single_b or len(a_slices) != len(b_slices):
+        raise ValueError(f"lora_a and lora_b must have the same number of slices; got {len(a_slices)} and {len(b_slices)}")
+    a0 = a_slices[0]
+    if not isinstance(a0, torch.Tensor) or a0.dim() != 3:
+        _check_tensor(a0, "lora_a[0]", ndim=3, dtypes=FLOAT_DTYPES)
+    S, R, K = a0.shape
+    device = a0.device
+    for i, (a, b) in enumerate(zip(a_slices, b_slices)):
+        _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=device)
+        _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=device)
+        if tuple(a.shape) != (S, R, K):
+            raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {K}] (x's width)")
+        if b.shape[0] != S or b.shape[2] != R:
+            raise ValueError(f"lora_b[{i}] has shape {tuple(b.shape)}; expected [{S}, N, {R}]")
+    _check_ranks_scales(ranks, scales, S, R, device)
+    widths = [b.shape[1] for b in b_slices]
+    packed_offsets = _packed_offsets(widths)
+    if offsets is None:
+        offsets = packed_offsets
+    else:
+        offsets = [int(o) for o in ([offsets] if isinstance(offsets, int) else offsets)]
+        if len(offsets) != len(b_slices):
+            raise ValueError(f"got {len(offsets)} offsets for {len(b_slices)} lora_b slices")
+        if any(o < 0 for o in offsets):
+            raise ValueError(f"slice offsets must be >= 0; got {offsets}")
+    return LoRAStack(a_slices, b_slices, scales, ranks, offsets, widths, offsets == packed_offsets)
+
+
+@dataclass(frozen=True)
 class AddLoRAArgs:
     """Validated fused call: x [T, K], A slices [S, R, K], B slices [S, N_i, R], y [T, width]."""
 
     x: torch.Tensor
-    a_slices: list[torch.Tensor]
-    b_slices: list[torch.Tensor]
     y: torch.Tensor
-    offsets: list[int]
-    widths: list[int]
-    packed: bool  # slices fill y's columns side by side from 0
+    stack: LoRAStack
+
+    @property
+    def a_slices(self) -> list[torch.Tensor]:
+        return self.stack.a_slices
+
+    @property
+    def b_slices(self) -> list[torch.Tensor]:
+        return self.stack.b_slices
+
+    @property
+    def offsets(self) -> list[int]:
+        return self.stack.offsets
+
+    @property
+    def widths(self) -> list[int]:
+        return self.stack.widths
+
+    @property
+    def packed(self) -> bool:
+        return self.stack.packed
 
 
 def _bf16_weights(x, y, a, b) -> bool:
@@ -221,39 +313,32 @@ def _bf16_weights(x, y, a, b) -> bool:
             and a.dtype == b.dtype == torch.bfloat16)
 
 
-def check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets=None) -> AddLoRAArgs:
+def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=None) -> AddLoRAArgs:
     """Checks of shrink (x, A, scales, ranks) and expand (B, y, offsets) with no intermediate to
-    allocate: the fused op never materialises v in token order."""
-    a_slices, single_a = _as_slices(lora_a, "lora_a")
-    b_slices, single_b = _as_slices(lora_b, "lora_b")
-    if single_a != single_b or len(a_slices) != len(b_slices):
-        raise ValueError(f"lora_a and lora_b must have the same number of slices; got {len(a_slices)} and {len(b_slices)}")
-    _check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    allocate: the fused op never materialises v in token order. `lora_a` may be a `LoRAStack`
+    (then lora_b, scales, ranks and offsets stay None): only x, y and the rank values are checked."""
+    if isinstance(lora_a, LoRAStack):
+        if lora_b is not None or scales is not None or ranks is not None or offsets is not None:
+            raise TypeError("with a LoRAStack, pass no lora_b, scales, ranks or offsets (the stack holds them)")
+        stack = lora_a
+        _check_rank_values(stack.ranks, stack.max_rank)
+    else:
+        if lora_b is None or scales is None or ranks is None:
+            raise TypeError("add_lora needs lora_b, scales and ranks (or a LoRAStack as lora_a)")
+        stack = lora_stack(lora_a, lora_b, scales, ranks, offsets)
+    _check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES, device=stack.device)
     _check_tensor(y, "y", ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     if y.shape[0] != x.shape[0]:
         raise ValueError(f"y has {y.shape[0]} rows but x has {x.shape[0]} tokens")
-    S, R = a_slices[0].shape[0], a_slices[0].shape[1]
-    for i, (a, b) in enumerate(zip(a_slices, b_slices)):
-        _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=x.device)
-        _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=x.device)
+    if x.shape[1] != stack.in_features:
+        raise ValueError(f"lora_a has shape {tuple(stack.a_slices[0].shape)}; expected "
+                         f"[{stack.num_slots}, {stack.max_rank}, {x.shape[1]}] (x's width)")
+    for i, (a, b) in enumerate(zip(stack.a_slices, stack.b_slices)):
         if (a.dtype != x.dtype or b.dtype != y.dtype) and not _bf16_weights(x, y, a, b):
             raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's (or, on CPU, both be bfloat16 "
                             f"with float32 x and y); got {_dtype_name(a.dtype)}/{_dtype_name(x.dtype)} and "
                             f"{_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
-        if tuple(a.shape) != (S, R, x.shape[1]):
-            raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {x.shape[1]}] (x's width)")
-        if b.shape[0] != S or b.shape[2] != R:
-            raise ValueError(f"lora_b[{i}] has shape {tuple(b.shape)}; expected [{S}, N, {R}]")
-    _check_ranks_scales(ranks, scales, S, R, x.device)
-    widths = [b.shape[1] for b in b_slices]
-    packed_offsets = _packed_offsets(widths)
-    if offsets is None:
-        offsets = packed_offsets
-    else:
-        offsets = [int(o) for o in ([offsets] if isinstance(offsets, int) else offsets)]
-        if len(offsets) != len(b_slices):
-            raise ValueError(f"got {len(offsets)} offsets for {len(b_slices)} lora_b slices")
-    for o, n in zip(offsets, widths):
-        if o < 0 or o + n > y.shape[1]:
-            raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")
-    return AddLoRAArgs(x, a_slices, b_slices, y, offsets, widths, offsets == packed_offsets)
+    if stack.min_out_width > y.shape[1]:
+        o, n = next((o, n) for o, n in zip(stack.offsets, stack.widths) if o + n > y.shape[1])
+        raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")
+    return AddLoRAArgs(x, y, stack)

@@ -305,7 +305,7 @@ def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max
     return y
 
 
-def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
+def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta, offsets=None):
     """CPU fused shrink + expand; same contract as `punica_kernels.add_lora`.
 
     The intermediate stays in the plan's own layout (slot-major blocks, per-slot rows) between the
@@ -313,7 +313,8 @@ def add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None):
     half the ops of bgmv_shrink + bgmv_expand, which is what a decode step on a CPU pays for.
     """
     args = check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets)
-    num_slots = args.a_slices[0].shape[0]
+    scales, ranks = args.stack.scales, args.stack.ranks
+    num_slots = args.stack.num_slots
     if meta.num_slots != num_slots:  # build_lora_metadata(num_slots=S) already checked the values
         check_token_slots(meta.token_slots, x.shape[0], num_slots, x.device)
     elif meta.num_tokens != x.shape[0]:

@@ -36,8 +36,25 @@ MAX_RANK = 64
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (TESSERA_CPU_LORA_KERNEL=0, or it could not be built)."""
     return cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL", {
-        "tessera_add_lora_f32": ("i64",) * 4 + ("ptr",) * 5 + ("i64",) + ("ptr",) * 5 + ("int",),
+        "tessera_add_lora_f32": ("i64",) * 4 + ("ptr",) * 5 + ("i64",) + ("ptr",) * 4 + ("int",),
     }, returns={"tessera_add_lora_f32": "int"})
+
+
+def _stack_args(stack) -> tuple | None:
+    """The kernel's per-stack arguments (weight type, slice pointers, widths, offsets), built once
+    per `LoRAStack` and kept in its cache (the stacks are never reallocated, only written into);
+    None when the stack is not one the kernel takes (mixed or other dtypes, rank > MAX_RANK)."""
+    if "cpu_native" not in stack.cache:
+        a0 = stack.a_slices[0]
+        weights = stack.a_slices + stack.b_slices
+        ok = (a0.device.type == "cpu" and a0.shape[1] <= MAX_RANK and a0.dtype in (torch.float32, torch.bfloat16)
+              and all(w.dtype == a0.dtype for w in weights))
+        n = len(stack.a_slices)
+        ptrs, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
+        stack.cache["cpu_native"] = (a0.dtype == torch.bfloat16, ptrs(*(a.data_ptr() for a in stack.a_slices)),
+                                     ptrs(*(b.data_ptr() for b in stack.b_slices)), i64s(*stack.widths),
+                                     i64s(*stack.offsets)) if ok else None
+    return stack.cache["cpu_native"]
 
 
 def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:
@@ -47,29 +64,24 @@ def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:
     a run of one adapter slot longer than MAX_RUN. bf16 stacks take any run length: the torch path
     would have to widen whole stacks per call."""
     x, y = args.x, args.y
-    if x.shape[0] == 0:
+    if x.shape[0] == 0 or x.dtype != torch.float32 or y.dtype != torch.float32:
         return False
-    a0 = args.a_slices[0]
-    weights = args.a_slices + args.b_slices
-    bf16 = a0.dtype == torch.bfloat16
-    if (x.dtype != torch.float32 or y.dtype != torch.float32 or a0.shape[1] > MAX_RANK
-            or a0.dtype not in (torch.float32, torch.bfloat16) or any(w.dtype != a0.dtype for w in weights)
-            or (not bf16 and meta.max_adapter_run() > MAX_RUN)):
+    stack_args = _stack_args(args.stack)
+    if stack_args is None:
+        return False
+    bf16, a_ptrs, b_ptrs, widths, offsets = stack_args
+    if not bf16 and meta.max_adapter_run() > MAX_RUN:
         return False
     lib = library()
     if lib is None:
         return False
-    n = len(args.a_slices)
     slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
-    ranks64 = ranks if ranks.dtype == torch.int64 else ranks.to(torch.int64)
-    ptrs = (ctypes.c_void_p * n)
-    i64s = (ctypes.c_int64 * n)
-    runs = torch.empty(3 * x.shape[0], dtype=torch.int64)
+    ranks32 = ranks if ranks.dtype == torch.int32 else ranks.to(torch.int32)
     rc = lib.tessera_add_lora_f32(
-        x.shape[0], x.shape[1], a0.shape[1], y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
-        ranks64.data_ptr(), scales.data_ptr(), n,
-        ptrs(*(a.data_ptr() for a in args.a_slices)), ptrs(*(b.data_ptr() for b in args.b_slices)),
-        i64s(*args.widths), i64s(*args.offsets), runs.data_ptr(), int(bf16))
+        x.shape[0], x.shape[1], args.stack.max_rank, y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
+        ranks32.data_ptr(), scales.data_ptr(), len(widths), a_ptrs, b_ptrs, widths, offsets, int(bf16))
+    if rc == -2:
+        raise MemoryError("CPU LoRA kernel: no memory for its run list")
     if rc != 0:  # the checks ran before: a rank outside [0, R] here means a bug, not bad input
         raise RuntimeError("CPU LoRA kernel refused its arguments (rank outside the stack)")
     return True

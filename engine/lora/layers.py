@@ -48,6 +48,14 @@ class LoRASlots:
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.num_layers = cfg.num_layers
         self.offsets = {"qkv": [0, cfg.q_size, cfg.q_size + cfg.kv_size], "gate_up": [0, cfg.intermediate_size]}
+        # Each (layer, group)'s stacks checked once for punica_kernels.add_lora: a decode step makes
+        # 4 calls a layer, and re-checking every stack's shape and dtype each time cost ~25 us a call.
+        self.stacks: dict[tuple[int, str], punica_kernels.LoRAStack] = {}
+        for layer in range(cfg.num_layers):
+            for group, mods in GROUPS.items():
+                self.stacks[(layer, group)] = punica_kernels.lora_stack(
+                    [self.a[(layer, m)] for m in mods], [self.b[(layer, m)] for m in mods], self.scales, self.ranks,
+                    self.offsets.get(group))
 
     def write(self, slot: int, w: LoRAWeights) -> None:
         """Copy adapter `w` into `slot` (zeroing modules it does not target)."""
@@ -80,13 +88,5 @@ class LoRABatch:
         self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        s = self.slots
-        mods = GROUPS[group]
-        if len(mods) == 1:
-            a, b, offsets = s.a[(layer, mods[0])], s.b[(layer, mods[0])], None
-        else:
-            a = [s.a[(layer, m)] for m in mods]
-            b = [s.b[(layer, m)] for m in mods]
-            offsets = s.offsets[group]
         x = x if x.is_contiguous() else x.contiguous()
-        punica_kernels.add_lora(y, x, a, b, s.scales, s.ranks, meta=self.meta, offsets=offsets)
+        punica_kernels.add_lora(y, x, self.slots.stacks[(layer, group)], meta=self.meta)

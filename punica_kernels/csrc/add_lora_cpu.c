@@ -1,7 +1,7 @@
 /* The fused LoRA term of one layer on the CPU, for decode-shaped batches and chat-length prefill
  * runs (cpu_native.MAX_RUN tokens per adapter at most): for every token t with slot s = slots[t] >= 0 and every slice l,
  *     y[t, off[l] : off[l] + N[l]] += scales[s] * (x[t] @ A_l[s, :r].T) @ B_l[s, :, :r].T,  r = ranks[s].
- * x [T, K] and y [T, ldy] fp32; A_l [S, R, K], B_l [S, N_l, R] all fp32, or all bf16 (weights_bf16:
+ * x [T, K] and y [T, ldy] fp32; slots [T] and ranks [S] int32; A_l [S, R, K], B_l [S, N_l, R] all fp32, or all bf16 (weights_bf16:
  * half the bytes to read, widened to fp32 in registers); all contiguous. Accumulation in fp32.
  *
  * Why by hand: a decode step reads every distinct adapter's matrices once, a few KB to tens of
@@ -12,6 +12,7 @@
  * torch's (loaded first, same soname), so both share one thread pool.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CHUNK 8 /* tokens of one run handled per pass over its weights (a run may take several) */
@@ -115,6 +116,29 @@ ALWAYS_INLINE __m256 load_w_part(const void *w, int64_t i, int64_t n, int bf16) 
     return _mm256_loadu_ps(buf);
 }
 
+/* bf16 weights, 16 at a time in one load, widened without a shuffle: a 32-bit lane holds weights
+ * 2i (low half) and 2i + 1 (high half), so a shift gives the even ones and a mask the odd ones
+ * (one integer op per 8 weights instead of a widening shuffle plus a shift). The activations are
+ * split the same way (evens_odds), once per 16 and shared by all the rows that use them. */
+ALWAYS_INLINE __m256 bf16_evens(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+ALWAYS_INLINE __m256 bf16_odds(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* (e, o) = (v[0], v[2], ..., v[14]), (v[1], v[3], ..., v[15]) */
+ALWAYS_INLINE void evens_odds(const float *v, __m256 *e, __m256 *o) {
+    const __m256 lo = _mm256_loadu_ps(v), hi = _mm256_loadu_ps(v + 8);
+    /* per 128-bit lane: (lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6), then 64-bit pairs reordered */
+    const __m256 ev = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m256 od = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+    *e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), _MM_SHUFFLE(3, 1, 2, 0)));
+    *o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+ALWAYS_INLINE __m256i load_bf16x16(const void *w, int64_t i) {
+    return _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+}
+
 /* As the AVX-512 shrink_row, 8 rows of a at a time: the 8 rows' dot products share each load of
  * x and are 8 independent FMA chains (AVX2 has 16 registers; 8 accumulators leave room for x and
  * the weights). v[j] = 0 for r <= j < 8*ceil(r/8). */
@@ -126,6 +150,15 @@ ALWAYS_INLINE void shrink_row(const float *x, const void *a, int64_t K, int64_t 
         __m256 acc[8];
         for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
         int64_t c = 0;
+        if (bf16) /* lanes hold even/odd partial sums: only their total matters */
+            for (; c + 16 <= K; c += 16) {
+                __m256 xe, xo;
+                evens_odds(x + c, &xe, &xo);
+                for (int k = 0; k < 8; k++) {
+                    const __m256i w = load_bf16x16(a, row[k] + c);
+                    acc[k] = _mm256_fmadd_ps(xo, bf16_odds(w), _mm256_fmadd_ps(xe, bf16_evens(w), acc[k]));
+                }
+            }
         for (; c + 8 <= K; c += 8) {
             const __m256 xv = _mm256_loadu_ps(x + c);
             for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(xv, load_w(a, row[k] + c, bf16), acc[k]);
@@ -142,11 +175,20 @@ ALWAYS_INLINE void shrink_row(const float *x, const void *a, int64_t K, int64_t 
 
 /* y[n] += v . b[n, :r] for n < n_out, 8 output rows at a time (lanes past r are never read). */
 ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t r, int64_t n_out, float *y, int bf16) {
+    const int64_t r16 = bf16 ? r / 16 * 16 : 0; /* ranks taken 16 at a time (bf16 even/odd) */
+    __m256 ve[4], vo[4];                        /* r <= 64 */
+    for (int64_t j0 = 0; j0 < r16; j0 += 16) evens_odds(v + j0, &ve[j0 / 16], &vo[j0 / 16]);
     int64_t n = 0;
     for (; n + 8 <= n_out; n += 8) {
         __m256 acc[8];
         for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
         int64_t j0 = 0;
+        for (; j0 < r16; j0 += 16)
+            for (int k = 0; k < 8; k++) {
+                const __m256i w = load_bf16x16(b, (n + k) * R + j0);
+                acc[k] = _mm256_fmadd_ps(vo[j0 / 16], bf16_odds(w),
+                                         _mm256_fmadd_ps(ve[j0 / 16], bf16_evens(w), acc[k]));
+            }
         for (; j0 + 8 <= r; j0 += 8) {
             const __m256 vv = _mm256_loadu_ps(v + j0);
             for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(vv, load_w(b, (n + k) * R + j0, bf16), acc[k]);
@@ -181,20 +223,26 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
 }
 #endif
 
-/* Returns 0, or -1 if a rank is outside [0, R] (nothing is written then). */
+/* Returns 0, -1 if a rank is outside [0, R], or -2 without memory for the run list (nothing is
+ * written then). */
 int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const float *x, float *y,
-                         const int32_t *slots, const int64_t *ranks, const float *scales, int64_t nslices,
+                         const int32_t *slots, const int32_t *ranks, const float *scales, int64_t nslices,
                          const void *const *A, const void *const *B, const int64_t *N, const int64_t *off,
-                         int64_t *runs /* scratch: 3 * T */, int weights_bf16) {
+                         int weights_bf16) {
     const int64_t es = weights_bf16 ? 2 : 4; /* bytes per weight */
     if (R > 64) return -1;
+    int64_t *runs = malloc(sizeof(int64_t) * 3 * (size_t)(T > 0 ? T : 1)); /* (start, end, slot) per run */
+    if (runs == NULL) return -2;
     int64_t nruns = 0;
     for (int64_t t = 0; t < T;) {
         int32_t s = slots[t];
         int64_t e = t + 1;
         while (e < T && slots[e] == s) e++;
         if (s >= 0) {
-            if (ranks[s] < 0 || ranks[s] > R) return -1;
+            if (ranks[s] < 0 || ranks[s] > R) {
+                free(runs);
+                return -1;
+            }
             for (int64_t c = t; c < e; c += CHUNK) {
                 runs[3 * nruns] = c;
                 runs[3 * nruns + 1] = c + CHUNK < e ? c + CHUNK : e;
@@ -226,5 +274,6 @@ int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const flo
             for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 0);
         }
     }
+    free(runs);
     return 0;
 }

@@ -97,13 +97,16 @@ def test_long_runs_other_dtypes_and_wide_ranks_take_the_torch_path(monkeypatch):
 
 
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
-def test_bf16_stacks_with_fp32_activations(monkeypatch, torch_path):
+@pytest.mark.parametrize("K,R", [(576, 16), (200, 64), (33, 24)], ids=lambda v: str(v))
+def test_bf16_stacks_with_fp32_activations(monkeypatch, torch_path, K, R):
     """add_lora's one mixed form (the engine's adapter storage where the kernel is built): bf16
     stacks, fp32 x and y. The result is the reference's on the bf16 values widened to fp32, through
     the kernel (widening in registers, any run length) and through the torch path alike; padding
-    past each rank (NaN) is never read."""
+    past each rank (NaN) is never read. Ranks and widths with and without whole blocks of 16 (the
+    kernel takes bf16 weights 16 at a time where it can)."""
     slots = _runs([(1, 3), (-1, 2), (0, 70), (2, 1), (3, 9)])  # one run longer than MAX_RUN
-    bt = make_batch(T=slots.numel(), K=576, S=4, R=16, widths=(576, 192), seed=21)
+    ranks = [R, 1, max(1, R // 2), R - 1]
+    bt = make_batch(T=slots.numel(), K=K, S=4, R=R, widths=(K, 40), ranks=ranks, seed=21 + K)
     bt.token_slots = slots
     a16 = [a.bfloat16() for a in bt.a]
     b16 = [b.bfloat16() for b in bt.b]
@@ -127,3 +130,42 @@ def test_other_mixed_dtypes_are_refused():
                     meta=meta)
     with pytest.raises(TypeError):  # bf16 A with fp32 B
         pk.add_lora(bt.y.clone(), bt.x, [a.bfloat16() for a in bt.a], bt.b, bt.scales, bt.ranks, meta=meta)
+
+
+def test_a_prepared_stack_gives_the_same_result_and_sees_slot_writes():
+    """`lora_stack` checks a layer's stacks once (the engine makes the same call every step);
+    add_lora on it equals add_lora on the raw tensors, and slots rewritten in place afterwards
+    (weights, ranks) are what the next call reads."""
+    bt = make_batch(T=20, K=576, S=6, R=16, widths=(576, 192, 192), seed=31)
+    bt.a, bt.b = [a.bfloat16() for a in bt.a], [b.bfloat16() for b in bt.b]
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=6)
+    stack = pk.lora_stack(bt.a, bt.b, bt.scales, bt.ranks, bt.offsets)
+    raw = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
+    assert torch.equal(pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta), raw)
+    slot = int(bt.token_slots[0])
+    bt.ranks[slot] = 0  # the slot emptied in place: its tokens get nothing added
+    for a in bt.a:
+        a[(slot + 1) % 6].mul_(2)
+    y = pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta)
+    assert torch.equal(y, pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta,
+                                      offsets=bt.offsets))
+    assert torch.equal(y[0], bt.y[0]) and not torch.equal(y, raw)
+
+
+def test_bad_calls_on_a_prepared_stack():
+    bt = make_batch(T=4, K=64, S=3, R=8, widths=(64,), seed=2)
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=3)
+    stack = pk.lora_stack(bt.a, bt.b, bt.scales, bt.ranks)
+    with pytest.raises(TypeError, match="LoRAStack"):
+        pk.add_lora(bt.y.clone(), bt.x, stack, bt.b, meta=meta)
+    with pytest.raises(ValueError, match="x's width"):
+        pk.add_lora(torch.zeros(4, 3), torch.zeros(4, 65), stack, meta=meta)
+    with pytest.raises(ValueError, match="outside y's width"):
+        pk.add_lora(torch.zeros(4, 10), bt.x, stack, meta=meta)
+    with pytest.raises(TypeError, match="bfloat16"):
+        pk.add_lora(bt.y.clone().half(), bt.x.half(), stack, meta=meta)  # fp32 stacks, fp16 activations
+    bt.ranks[1] = 9  # written past R after the stack was checked: caught at the call
+    y = bt.y.clone()
+    with pytest.raises(ValueError, match=r"ranks must lie in \[0, 8\]"):
+        pk.add_lora(y, bt.x, stack, meta=meta)
+    assert torch.equal(y, bt.y)
