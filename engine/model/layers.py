@@ -301,6 +301,29 @@ def measure_prefill_speedup(layers: list[BaseLinear], rows: int = 512, reps: int
     return t_exact / t_fast
 
 
+def _largest_winning_rows(layers: list[BaseLinear], candidates, reps: int, ours, theirs) -> int:
+    """The largest row count among `candidates` (ascending; stops at the first loss) for which
+    `ours(layer, x)` over all the layers takes no longer than `theirs(layer, x)`, each timed over
+    all the layers in turn (weights from memory, as in a real step), interleaved after a warm-up,
+    best of `reps`. 0 if ours loses at the first candidate."""
+    best = 0
+    with torch.inference_mode():
+        for m in candidates:
+            xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in layers}}
+
+            def run(fn):
+                def f():
+                    for layer in layers:
+                        fn(layer, xs[layer.in_features])
+                return f
+
+            t_ours, t_theirs = _min_time([run(ours), run(theirs)], reps)
+            if t_ours > t_theirs:
+                break
+            best = m
+    return best
+
+
 def calibrate_q4_rows(layers: list[BaseLinear], candidates=(1, 2, 4), reps: int = 5) -> int:
     """Measure, on the layers that keep Q4_1 blocks, the largest batch (rows) for which the Q4_1
     kernel is at least as fast as the int8 kernel, and set it as their `q4_max_rows` (0: never).
@@ -311,24 +334,9 @@ def calibrate_q4_rows(layers: list[BaseLinear], candidates=(1, 2, 4), reps: int 
     q4 = [layer for layer in layers if layer.q4_blocked is not None]
     if not q4:
         return 0
-    best = 0
-    with torch.inference_mode():
-        for m in candidates:
-            xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in q4}}
-
-            def q4_kernel():
-                for layer in q4:
-                    cpu_q4.q4_linear(xs[layer.in_features], layer.q4_blocked)
-
-            def int8_kernel():
-                for layer in q4:
-                    cpu_int8.int8_linear(xs[layer.in_features], layer.int8_blocked, layer.int8_scales)
-
-            t_q4, t_int8 = _min_time([q4_kernel, int8_kernel], reps)
-            if t_q4 <= t_int8:
-                best = m
-            else:
-                break
+    best = _largest_winning_rows(q4, candidates, reps,
+                                 lambda layer, x: cpu_q4.q4_linear(x, layer.q4_blocked),
+                                 lambda layer, x: cpu_int8.int8_linear(x, layer.int8_blocked, layer.int8_scales))
     for layer in q4:
         layer.q4_max_rows = best
     return best
@@ -337,29 +345,12 @@ def calibrate_q4_rows(layers: list[BaseLinear], candidates=(1, 2, 4), reps: int 
 def calibrate_int8_rows(layers: list[BaseLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
     """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
     kernel beats each layer's decode-time wide path (`wide_linear`: choose the dtype and pack
-    first), and set it as every layer's `int8_max_rows`. Each timing runs all the layers in turn, so weights
-    come from memory as in a real step, not from cache; candidates are timed interleaved after a
-    warm-up, best of `reps`. Returns the threshold (0: dense is faster even for one row)."""
+    first), and set it as every layer's `int8_max_rows` (`_largest_winning_rows`). Returns the
+    threshold (0: the wide path is faster even for one row)."""
     if not layers:
         return 0
-    best = 0
-    with torch.inference_mode():
-        for m in candidates:
-            xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in layers}}
-
-            def int8():
-                for layer in layers:
-                    layer.int8_linear(xs[layer.in_features])
-
-            def dense():
-                for layer in layers:
-                    layer.wide_linear(xs[layer.in_features], exact=False)
-
-            t_int8, t_dense = _min_time([int8, dense], reps)
-            if t_int8 <= t_dense:
-                best = m
-            else:
-                break
+    best = _largest_winning_rows(layers, candidates, reps, lambda layer, x: layer.int8_linear(x),
+                                 lambda layer, x: layer.wide_linear(x, exact=False))
     for layer in layers:
         layer.int8_max_rows = best
     return best
