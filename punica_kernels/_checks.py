@@ -252,15 +252,14 @@ def lora_stack(lora_a, lora_b, scales, ranks, offsets=None) -> LoRAStack:
     if single_a != single_b or len(a_slices) != len(b_slices):
         raise ValueError(f"lora_a and lora_b must have the same number of slices; got {len(a_slices)} and {len(b_slices)}")
     a0 = a_slices[0]
-    if not isinstance(a0, torch.Tensor) or a0.dim() != 3:
-        _check_tensor(a0, "lora_a[0]", ndim=3, dtypes=FLOAT_DTYPES)
+    _check_tensor(a0, "lora_a[0]", ndim=3, dtypes=FLOAT_DTYPES)  # before reading its shape
     S, R, K = a0.shape
     device = a0.device
     for i, (a, b) in enumerate(zip(a_slices, b_slices)):
         _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=device)
         _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=device)
         if tuple(a.shape) != (S, R, K):
-            raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {K}] (x's width)")
+            raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {K}] (lora_a[0]'s)")
         if b.shape[0] != S or b.shape[2] != R:
             raise ValueError(f"lora_b[{i}] has shape {tuple(b.shape)}; expected [{S}, N, {R}]")
     _check_ranks_scales(ranks, scales, S, R, device)
