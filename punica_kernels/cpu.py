@@ -313,14 +313,14 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta, offset
     half the ops of bgmv_shrink + bgmv_expand, which is what a decode step on a CPU pays for.
     """
     args = check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets)
-    scales, ranks = args.stack.scales, args.stack.ranks
     num_slots = args.stack.num_slots
     if meta.num_slots != num_slots:  # build_lora_metadata(num_slots=S) already checked the values
         check_token_slots(meta.token_slots, x.shape[0], num_slots, x.device)
     elif meta.num_tokens != x.shape[0]:
         raise ValueError(f"meta has {meta.num_tokens} tokens but x has {x.shape[0]}")
-    if cpu_native.add_lora_f32(args, meta, scales, ranks):  # decode-shaped fp32 calls: the C kernel
+    if cpu_native.add_lora_f32(args, meta):  # decode-shaped fp32 calls: the C kernel
         return y
+    scales, ranks = args.stack.scales, args.stack.ranks
     pairs = list(zip(args.a_slices, args.b_slices))
     if args.a_slices[0].dtype != x.dtype:
         # bf16 stacks with fp32 activations, and no C kernel to widen them in registers: widen

@@ -57,9 +57,9 @@ def _stack_args(stack) -> tuple | None:
     return stack.cache["cpu_native"]
 
 
-def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:
-    """Run the fused LoRA term of a checked `add_lora` call (punica_kernels._checks.AddLoRAArgs)
-    through the kernel; False (nothing done) when the call is not one it takes: activations not
+def add_lora_f32(args, meta) -> bool:
+    """Run the fused LoRA term of a checked `add_lora` call (punica_kernels._checks.AddLoRAArgs:
+    its stack holds the weights, scales and ranks) through the kernel; False (nothing done) when the call is not one it takes: activations not
     fp32, stacks neither all fp32 nor all bf16, a rank stack wider than MAX_RANK, or (fp32 stacks)
     a run of one adapter slot longer than MAX_RUN. bf16 stacks take any run length: the torch path
     would have to widen whole stacks per call."""
@@ -76,10 +76,11 @@ def add_lora_f32(args, meta, scales: torch.Tensor, ranks: torch.Tensor) -> bool:
     if lib is None:
         return False
     slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
-    ranks32 = ranks if ranks.dtype == torch.int32 else ranks.to(torch.int32)
+    stack = args.stack
+    ranks32 = stack.ranks if stack.ranks.dtype == torch.int32 else stack.ranks.to(torch.int32)
     rc = lib.tessera_add_lora_f32(
-        x.shape[0], x.shape[1], args.stack.max_rank, y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
-        ranks32.data_ptr(), scales.data_ptr(), len(widths), a_ptrs, b_ptrs, widths, offsets, int(bf16))
+        x.shape[0], x.shape[1], stack.max_rank, y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
+        ranks32.data_ptr(), stack.scales.data_ptr(), len(widths), a_ptrs, b_ptrs, widths, offsets, int(bf16))
     if rc == -2:
         raise MemoryError("CPU LoRA kernel: no memory for its run list")
     if rc != 0:  # the checks ran before: a rank outside [0, R] here means a bug, not bad input

@@ -45,7 +45,7 @@ def test_decode_batches_match_the_reference(K, R, widths):
     bt.offsets = [width - sum(widths[: i + 1]) for i in range(len(widths))]  # unpacked, reversed order
     meta = pk.build_lora_metadata(slots, num_slots=S)
     args = pk._checks.check_add_lora(y := bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, bt.offsets)
-    assert cpu_native.add_lora_f32(args, meta, bt.scales, bt.ranks)  # the kernel took it
+    assert cpu_native.add_lora_f32(args, meta)  # the kernel took it
     assert_close(y, _reference(bt), torch.float32)
     # The public op routes the same call through the kernel too.
     y2 = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
@@ -60,7 +60,7 @@ def test_prompt_length_runs_in_several_passes_match_the_reference():
     bt.token_slots = slots
     meta = pk.build_lora_metadata(slots, num_slots=4)
     args = pk._checks.check_add_lora(y := bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, bt.offsets)
-    assert cpu_native.add_lora_f32(args, meta, bt.scales, bt.ranks)
+    assert cpu_native.add_lora_f32(args, meta)
     assert_close(y, _reference(bt), torch.float32)
 
 
@@ -77,15 +77,15 @@ def test_long_runs_other_dtypes_and_wide_ranks_take_the_torch_path(monkeypatch):
     meta = pk.build_lora_metadata(long_run.token_slots, num_slots=4)
     args = pk._checks.check_add_lora(long_run.y.clone(), long_run.x, long_run.a, long_run.b, long_run.scales,
                                      long_run.ranks)
-    assert not cpu_native.add_lora_f32(args, meta, long_run.scales, long_run.ranks)
+    assert not cpu_native.add_lora_f32(args, meta)
     bf16 = make_batch(T=6, K=64, S=4, R=8, dtype=torch.bfloat16, seed=2)
     meta = pk.build_lora_metadata(bf16.token_slots, num_slots=4)
     args = pk._checks.check_add_lora(bf16.y.clone(), bf16.x, bf16.a, bf16.b, bf16.scales, bf16.ranks)
-    assert not cpu_native.add_lora_f32(args, meta, bf16.scales, bf16.ranks)
+    assert not cpu_native.add_lora_f32(args, meta)
     wide = make_batch(T=6, K=64, S=2, R=cpu_native.MAX_RANK + 8, seed=3)
     meta = pk.build_lora_metadata(wide.token_slots, num_slots=2)
     args = pk._checks.check_add_lora(wide.y.clone(), wide.x, wide.a, wide.b, wide.scales, wide.ranks)
-    assert not cpu_native.add_lora_f32(args, meta, wide.scales, wide.ranks)
+    assert not cpu_native.add_lora_f32(args, meta)
     # Without the library (switched off, or no compiler) the torch path gives the same answer.
     bt = make_batch(T=24, K=129, S=9, R=16, widths=(129, 40), seed=4)
     meta = pk.build_lora_metadata(bt.token_slots, num_slots=9)
@@ -116,7 +116,7 @@ def test_bf16_stacks_with_fp32_activations(monkeypatch, torch_path, K, R):
         monkeypatch.setattr(cpu_native, "library", lambda: None)
     else:
         args = pk._checks.check_add_lora(bt.y.clone(), bt.x, a16, b16, bt.scales, bt.ranks, bt.offsets)
-        assert cpu_native.add_lora_f32(args, meta, bt.scales, bt.ranks)  # the kernel takes it
+        assert cpu_native.add_lora_f32(args, meta)  # the kernel takes it
     y = pk.add_lora(bt.y.clone(), bt.x, a16, b16, bt.scales, bt.ranks, meta=meta, offsets=bt.offsets)
     assert y.dtype == torch.float32
     assert_close(y, _reference(bt), torch.float32)

@@ -32,9 +32,9 @@ static inline __m256 widen8(const int8_t *p) {
 }
 
 /* One row group (16 output rows, blocked stream blk of KB blocks) for batch rows m0 and m1: four
- * passes of 4 output rows, 8 accumulators (4 rows x 2 batch rows), so
- * each weight is widened once for both batch rows (widening costs as much as the FMAs on AVX2).
- * The group's stream is 9-24 KB for SmolLM2: the later passes find it in L1/L2. */
+ * passes of 4 output rows, 8 accumulators (4 rows x 2 batch rows), so each weight is widened once
+ * for both batch rows (widening costs as much as the FMAs on AVX2). The group's stream is 9-24 KB
+ * for SmolLM2: the later passes find it in L1/L2. */
 static void row_group_pair(const int8_t *blk, int64_t KB, const float *x0, const float *x1, const float *sc,
                            float *y0, float *y1, int prefetch) {
     for (int qr = 0; qr < 4; qr++) {
