@@ -77,9 +77,11 @@ class EngineConfig:
     max_loras: int = 8
     #: Largest LoRA rank the slots hold.
     max_lora_rank: int = 64
-    #: Storage dtype of loaded adapters (CPU tier and slots). None: bf16 where the step reads them
-    #: through the C LoRA kernel (CPU, "auto"/"int8" format with fp32 activations, max_lora_rank
-    #: <= its 64, kernel built): half the bytes a many-adapter decode step reads; else `dtype`.
+    #: Storage dtype of loaded adapters (CPU tier and slots): float32, bfloat16, float16, or int8
+    #: (rows quantized with fp32 scales; CPU with fp32 activations). None: int8 where the step
+    #: reads them through the C LoRA kernel (CPU, "auto"/"int8" format with fp32 activations,
+    #: max_lora_rank <= its 64, kernel built): a quarter of fp32's bytes, which a many-adapter
+    #: decode step is bound by; else `dtype`.
     lora_dtype: torch.dtype | None = None
     #: CPU-tier budget for loaded adapters, in bytes.
     lora_cpu_cache_bytes: int = 1 << 30
@@ -97,3 +99,8 @@ class EngineConfig:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError("dtype must be float32, bfloat16 or float16")
+        if self.lora_dtype is not None and self.lora_dtype not in (torch.float32, torch.bfloat16, torch.float16,
+                                                                   torch.int8):
+            raise ValueError("lora_dtype must be float32, bfloat16, float16 or int8")
+        if self.lora_dtype == torch.int8 and (self.dtype != torch.float32 or self.device != "cpu"):
+            raise ValueError("lora_dtype int8 needs float32 activations on the CPU (dtype float32, device cpu)")

@@ -119,14 +119,14 @@ class LLMEngine:
         engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
 
     def _lora_dtype(self) -> torch.dtype:
-        """EngineConfig.lora_dtype, or its default: bf16 stacks where the C LoRA kernel reads them
-        (it widens them in registers; the exact "fp32" format keeps fp32 adapters)."""
+        """EngineConfig.lora_dtype, or its default: int8 stacks (rows with fp32 scales) where the
+        C LoRA kernel reads them (the exact "fp32" format keeps fp32 adapters)."""
         ec = self.config
         if ec.lora_dtype is not None:
             return ec.lora_dtype
         if (self.weight_format == "int8" and ec.dtype == torch.float32 and ec.device == "cpu"
                 and ec.max_lora_rank <= cpu_native.MAX_RANK and cpu_native.library() is not None):
-            return torch.bfloat16
+            return torch.int8
         return ec.dtype
 
     # -- requests -----------------------------------------------------------------------------

@@ -26,8 +26,9 @@ BGMV (decode) takes a slot per token; SGMV (prefill) takes segments: `seg_starts
 (0 ... T, empty segments allowed) and `seg_slots` [n]. `build_lora_metadata` produces both from
 one slot list without permuting tokens. x, weights and y: fp16, bf16 or fp32 (x matches
 lora_a, y matches lora_b), contiguous, one device; v is always fp32. y is updated in place.
-One mixed form, `add_lora` on CPU only: bf16 stacks with fp32 x and y (adapters stored at half
-the bytes; the C kernel widens them in registers).
+Mixed forms, `add_lora` on CPU only, with fp32 x and y: bf16 stacks (adapters stored at half
+the bytes; the C kernel widens them in registers) and int8 stacks with fp32 row scales
+(`lora_stack(..., a_row_scales=, b_row_scales=)`, made by `quantize_rows`; a quarter of the bytes).
 
 Dispatch: CUDA tensors run the Triton kernels (punica_kernels.kernels); CPU tensors run the torch
 path (punica_kernels.cpu). `meta` is optional: the CPU path reuses its token grouping across the
@@ -45,10 +46,11 @@ import torch
 from . import cpu, reference
 from ._checks import LoRAStack, lora_stack
 from .metadata import LoRAMetadata, build_lora_metadata
+from .quantize import quantize_rows
 
 __all__ = [
     "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand", "add_lora",
-    "build_lora_metadata", "LoRAMetadata", "LoRAStack", "lora_stack", "reference",
+    "build_lora_metadata", "LoRAMetadata", "LoRAStack", "lora_stack", "quantize_rows", "reference",
 ]
 
 
@@ -130,6 +132,8 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta: LoRAMe
             if lora_b is not None or scales is not None or ranks is not None or offsets is not None:
                 raise TypeError("with a LoRAStack, pass no lora_b, scales, ranks or offsets (the stack holds them)")
             st = lora_a
+            if st.quantized:
+                raise TypeError("int8 LoRA stacks are a CPU form; CUDA stacks are fp16, bf16 or fp32")
             lora_a, lora_b, scales, ranks, offsets = st.a_slices, st.b_slices, st.scales, st.ranks, st.offsets
         v = bgmv_shrink(x, lora_a, meta.token_slots, scales, ranks, meta=meta)
         return bgmv_expand(v, lora_b, meta.token_slots, ranks, y, offsets=offsets, meta=meta)

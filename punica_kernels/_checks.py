@@ -16,6 +16,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: What a `LoRAStack`'s weights may be: a float type, or int8 with per-row scales (CPU add_lora).
+STACK_DTYPES = (*FLOAT_DTYPES, torch.int8)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -212,7 +214,11 @@ class LoRAStack:
     adds into. A caller that makes the same call every step (the engine: 120 a decode step) builds
     it once with `lora_stack` and passes it as `add_lora`'s `lora_a`; each call then checks only
     its activations and the rank values (slots are rewritten in place between steps). The
-    tensors are held, not copied: writing into them (a slot load) is seen by the next call."""
+    tensors are held, not copied: writing into them (a slot load) is seen by the next call.
+
+    int8 stacks (`quantized`) hold each weight as q times its row's scale: A_l[s, j, :] =
+    a_slices[l][s, j, :] * a_row_scales[l][s, j] and B_l[s, n, :] = b_slices[l][s, n, :] *
+    b_row_scales[l][s, n] (`quantize_rows` makes both)."""
 
     a_slices: list[torch.Tensor]
     b_slices: list[torch.Tensor]
@@ -221,6 +227,9 @@ class LoRAStack:
     offsets: list[int]
     widths: list[int]
     packed: bool  # slices fill y's columns side by side from 0
+    #: int8 stacks only: fp32 row scales, [S, R] per A slice and [S, N_i] per B slice
+    a_row_scales: list[torch.Tensor] | None = None
+    b_row_scales: list[torch.Tensor] | None = None
     #: backends' per-stack caches (punica_kernels.cpu_native: the C call's pointer arrays)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -244,25 +253,55 @@ class LoRAStack:
     def min_out_width(self) -> int:
         return max(o + n for o, n in zip(self.offsets, self.widths))
 
+    @property
+    def quantized(self) -> bool:
+        """int8 weights with row scales."""
+        return self.a_row_scales is not None
 
-def lora_stack(lora_a, lora_b, scales, ranks, offsets=None) -> LoRAStack:
-    """Check a layer's stacks once (the `add_lora` checks that do not involve x and y)."""
+
+def _check_row_scales(row_scales, weights: list[torch.Tensor], name: str, device) -> list[torch.Tensor]:
+    """An int8 stack's row scales: one fp32 [S, rows] tensor per slice, rows = the slice's dim 1."""
+    if row_scales is None:
+        raise TypeError(f"int8 stacks need {name} (fp32 row scales; punica_kernels.quantize_rows makes them)")
+    slices, _ = _as_slices(row_scales, name)
+    if len(slices) != len(weights):
+        raise ValueError(f"got {len(slices)} {name} for {len(weights)} slices")
+    for i, (rs, w) in enumerate(zip(slices, weights)):
+        _check_tensor(rs, f"{name}[{i}]", ndim=2, dtypes=(torch.float32,), device=device)
+        if tuple(rs.shape) != tuple(w.shape[:2]):
+            raise ValueError(f"{name}[{i}] has shape {tuple(rs.shape)}; expected {list(w.shape[:2])} (one per row)")
+    return slices
+
+
+def lora_stack(lora_a, lora_b, scales, ranks, offsets=None, *, a_row_scales=None, b_row_scales=None) -> LoRAStack:
+    """Check a layer's stacks once (the `add_lora` checks that do not involve x and y).
+
+    int8 `lora_a` / `lora_b` need `a_row_scales` / `b_row_scales` (a tensor or a sequence, as the
+    weights: [S, R] and [S, N_i] fp32); float stacks take none."""
     a_slices, single_a = _as_slices(lora_a, "lora_a")
     b_slices, single_b = _as_slices(lora_b, "lora_b")
     if single_a != single_b or len(a_slices) != len(b_slices):
         raise ValueError(f"lora_a and lora_b must have the same number of slices; got {len(a_slices)} and {len(b_slices)}")
     a0 = a_slices[0]
-    _check_tensor(a0, "lora_a[0]", ndim=3, dtypes=FLOAT_DTYPES)  # before reading its shape
+    _check_tensor(a0, "lora_a[0]", ndim=3, dtypes=STACK_DTYPES)  # before reading its shape
     S, R, K = a0.shape
     device = a0.device
     for i, (a, b) in enumerate(zip(a_slices, b_slices)):
-        _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=device)
-        _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=FLOAT_DTYPES, device=device)
+        _check_tensor(a, f"lora_a[{i}]", ndim=3, dtypes=STACK_DTYPES, device=device)
+        _check_tensor(b, f"lora_b[{i}]", ndim=3, dtypes=STACK_DTYPES, device=device)
         if tuple(a.shape) != (S, R, K):
             raise ValueError(f"lora_a[{i}] has shape {tuple(a.shape)}; expected [{S}, {R}, {K}] (lora_a[0]'s)")
         if b.shape[0] != S or b.shape[2] != R:
             raise ValueError(f"lora_b[{i}] has shape {tuple(b.shape)}; expected [{S}, N, {R}]")
     _check_ranks_scales(ranks, scales, S, R, device)
+    int8 = [w.dtype == torch.int8 for w in a_slices + b_slices]
+    if any(int8):
+        if not all(int8):
+            raise TypeError("an int8 stack must be int8 in every lora_a and lora_b slice")
+        a_row_scales = _check_row_scales(a_row_scales, a_slices, "a_row_scales", device)
+        b_row_scales = _check_row_scales(b_row_scales, b_slices, "b_row_scales", device)
+    elif a_row_scales is not None or b_row_scales is not None:
+        raise TypeError("row scales go with int8 stacks only; these weights are float")
     widths = [b.shape[1] for b in b_slices]
     packed_offsets = _packed_offsets(widths)
     if offsets is None:
@@ -273,7 +312,8 @@ def lora_stack(lora_a, lora_b, scales, ranks, offsets=None) -> LoRAStack:
             raise ValueError(f"got {len(offsets)} offsets for {len(b_slices)} lora_b slices")
         if any(o < 0 for o in offsets):
             raise ValueError(f"slice offsets must be >= 0; got {offsets}")
-    return LoRAStack(a_slices, b_slices, scales, ranks, offsets, widths, offsets == packed_offsets)
+    return LoRAStack(a_slices, b_slices, scales, ranks, offsets, widths, offsets == packed_offsets,
+                     a_row_scales, b_row_scales)
 
 
 @dataclass(frozen=True)
@@ -305,11 +345,11 @@ class AddLoRAArgs:
         return self.stack.packed
 
 
-def _bf16_weights(x, y, a, b) -> bool:
-    """add_lora's one mixed form: CPU stacks stored as bf16 (half the bytes a decode step reads),
-    fp32 activations and output."""
+def _compact_weights(x, y, a, b) -> bool:
+    """add_lora's mixed forms: CPU stacks stored as bf16 or int8 (a half or a quarter of the bytes
+    a decode step reads), fp32 activations and output."""
     return (x.device.type == "cpu" and x.dtype == y.dtype == torch.float32
-            and a.dtype == b.dtype == torch.bfloat16)
+            and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.int8))
 
 
 def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=None) -> AddLoRAArgs:
@@ -333,9 +373,9 @@ def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=N
         raise ValueError(f"lora_a has shape {tuple(stack.a_slices[0].shape)}; expected "
                          f"[{stack.num_slots}, {stack.max_rank}, {x.shape[1]}] (x's width)")
     for i, (a, b) in enumerate(zip(stack.a_slices, stack.b_slices)):
-        if (a.dtype != x.dtype or b.dtype != y.dtype) and not _bf16_weights(x, y, a, b):
+        if (a.dtype != x.dtype or b.dtype != y.dtype) and not _compact_weights(x, y, a, b):
             raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's (or, on CPU, both be bfloat16 "
-                            f"with float32 x and y); got {_dtype_name(a.dtype)}/{_dtype_name(x.dtype)} and "
+                            f"or int8 with float32 x and y); got {_dtype_name(a.dtype)}/{_dtype_name(x.dtype)} and "
                             f"{_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
     if stack.min_out_width > y.shape[1]:
         o, n = next((o, n) for o, n in zip(stack.offsets, stack.widths) if o + n > y.shape[1])

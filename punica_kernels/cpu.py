@@ -21,8 +21,9 @@ plain matmul on a view of x, with no gather at all.
 
 fp16/bf16 on CPU: products run in the input dtype (CPU GEMMs accumulate in fp32 internally)
 and are widened to the fp32 intermediate; the Triton path keeps every step in fp32. `add_lora`
-also takes bf16 stacks with fp32 activations on CPU (the engine's storage where the C kernel is
-built): the kernel widens the weights in registers; here they are widened per call.
+also takes bf16 and int8 stacks with fp32 activations on CPU (the engine's storage where the C
+kernel is built): the kernel widens the weights in registers; here they are widened (and int8
+ones scaled) per call.
 """
 
 from __future__ import annotations
@@ -322,7 +323,12 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta, offset
         return y
     scales, ranks = args.stack.scales, args.stack.ranks
     pairs = list(zip(args.a_slices, args.b_slices))
-    if args.a_slices[0].dtype != x.dtype:
+    if args.stack.quantized:
+        # int8 stacks and no C kernel: dequantize whole stacks here (correct, but a copy per call;
+        # the engine stores int8 stacks only where the kernel is built).
+        pairs = [(A.to(x.dtype) * ars.unsqueeze(-1), B.to(y.dtype) * brs.unsqueeze(-1))
+                 for (A, B), ars, brs in zip(pairs, args.stack.a_row_scales, args.stack.b_row_scales)]
+    elif args.a_slices[0].dtype != x.dtype:
         # bf16 stacks with fp32 activations, and no C kernel to widen them in registers: widen
         # whole stacks here (correct, but a copy per call; the engine stores bf16 stacks only
         # where the kernel is built).

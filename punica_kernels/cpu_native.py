@@ -36,41 +36,51 @@ MAX_RANK = 64
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (TESSERA_CPU_LORA_KERNEL=0, or it could not be built)."""
     return cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL", {
-        "tessera_add_lora_f32": ("i64",) * 4 + ("ptr",) * 5 + ("i64",) + ("ptr",) * 4 + ("int",),
+        "tessera_add_lora_f32": ("i64",) * 4 + ("ptr",) * 5 + ("i64",) + ("ptr",) * 6 + ("int",),
     }, returns={"tessera_add_lora_f32": "int"})
 
 
+#: The kernel's weight types (its `wtype` argument).
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
 def _stack_args(stack) -> tuple | None:
-    """The kernel's per-stack arguments (weight type, slice pointers, widths, offsets), built once
-    per `LoRAStack` and kept in its cache (the stacks are never reallocated, only written into);
-    None when the stack is not one the kernel takes (mixed or other dtypes, rank > MAX_RANK)."""
+    """The kernel's per-stack arguments (weight type, slice pointers, widths, offsets, int8 row
+    scale pointers), built once per `LoRAStack` and kept in its cache (the stacks are never
+    reallocated, only written into); None when the stack is not one the kernel takes (mixed or
+    other dtypes, rank > MAX_RANK)."""
     if "cpu_native" not in stack.cache:
         a0 = stack.a_slices[0]
         weights = stack.a_slices + stack.b_slices
-        ok = (a0.device.type == "cpu" and a0.shape[1] <= MAX_RANK and a0.dtype in (torch.float32, torch.bfloat16)
+        ok = (a0.device.type == "cpu" and a0.shape[1] <= MAX_RANK and a0.dtype in WEIGHT_TYPES
               and all(w.dtype == a0.dtype for w in weights))
         n = len(stack.a_slices)
         ptrs, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
-        stack.cache["cpu_native"] = (a0.dtype == torch.bfloat16, ptrs(*(a.data_ptr() for a in stack.a_slices)),
-                                     ptrs(*(b.data_ptr() for b in stack.b_slices)), i64s(*stack.widths),
-                                     i64s(*stack.offsets)) if ok else None
+
+        def pointers(tensors):
+            return ptrs(*(t.data_ptr() for t in tensors)) if tensors is not None else None
+
+        stack.cache["cpu_native"] = (
+            WEIGHT_TYPES[a0.dtype], pointers(stack.a_slices), pointers(stack.b_slices), i64s(*stack.widths),
+            i64s(*stack.offsets), pointers(stack.a_row_scales), pointers(stack.b_row_scales)) if ok else None
     return stack.cache["cpu_native"]
 
 
 def add_lora_f32(args, meta) -> bool:
     """Run the fused LoRA term of a checked `add_lora` call (punica_kernels._checks.AddLoRAArgs:
-    its stack holds the weights, scales and ranks) through the kernel; False (nothing done) when the call is not one it takes: activations not
-    fp32, stacks neither all fp32 nor all bf16, a rank stack wider than MAX_RANK, or (fp32 stacks)
-    a run of one adapter slot longer than MAX_RUN. bf16 stacks take any run length: the torch path
-    would have to widen whole stacks per call."""
+    its stack holds the weights, scales and ranks) through the kernel; False (nothing done) when
+    the call is not one it takes: activations not fp32, stacks not all of one of fp32, bf16 or int8,
+    a rank stack wider than MAX_RANK, or (fp32 stacks) a run of one adapter slot longer than
+    MAX_RUN. bf16 and int8 stacks take any run length: the torch path would have to widen whole
+    stacks per call."""
     x, y = args.x, args.y
     if x.shape[0] == 0 or x.dtype != torch.float32 or y.dtype != torch.float32:
         return False
     stack_args = _stack_args(args.stack)
     if stack_args is None:
         return False
-    bf16, a_ptrs, b_ptrs, widths, offsets = stack_args
-    if not bf16 and meta.max_adapter_run() > MAX_RUN:
+    wtype, a_ptrs, b_ptrs, widths, offsets, a_rs_ptrs, b_rs_ptrs = stack_args
+    if wtype == WEIGHT_TYPES[torch.float32] and meta.max_adapter_run() > MAX_RUN:
         return False
     lib = library()
     if lib is None:
@@ -80,7 +90,8 @@ def add_lora_f32(args, meta) -> bool:
     ranks32 = stack.ranks if stack.ranks.dtype == torch.int32 else stack.ranks.to(torch.int32)
     rc = lib.tessera_add_lora_f32(
         x.shape[0], x.shape[1], stack.max_rank, y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
-        ranks32.data_ptr(), stack.scales.data_ptr(), len(widths), a_ptrs, b_ptrs, widths, offsets, int(bf16))
+        ranks32.data_ptr(), stack.scales.data_ptr(), len(widths), a_ptrs, b_ptrs, widths, offsets, a_rs_ptrs,
+        b_rs_ptrs, wtype)
     if rc == -2:
         raise MemoryError("CPU LoRA kernel: no memory for its run list")
     if rc != 0:  # the checks ran before: a rank outside [0, R] here means a bug, not bad input

@@ -6,7 +6,9 @@ The slot stacks hold, per (layer, fused group), one zero-padded A and B stack pe
     gate_up: A gate/up [S, R, hidden]    B gate/up [S, inter, R]
     down:    A [S, R, inter]             B [S, hidden, R]
 A module an adapter does not target stays zero in its slot. `ranks[s]` is the slot's true rank,
-so punica_kernels does work proportional to it, not to R.
+so punica_kernels does work proportional to it, not to R. int8 slots also hold each row's fp32
+scale: `a_rs[(layer, module)]` [S, R] and `b_rs[(layer, module)]` [S, out] (the adapters arrive
+quantized: LoRAWeights.quantized).
 """
 from __future__ import annotations
 
@@ -38,12 +40,18 @@ class LoRASlots:
         }
         S, R = num_slots, max_rank
         self.device = torch.device(device)
+        self.quantized = dtype == torch.int8
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.a_rs: dict[tuple[int, str], torch.Tensor] = {}
+        self.b_rs: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(cfg.num_layers):
             for m, (fan_in, fan_out) in dims.items():
                 self.a[(layer, m)] = torch.zeros(S, R, fan_in, dtype=dtype, device=device)
                 self.b[(layer, m)] = torch.zeros(S, fan_out, R, dtype=dtype, device=device)
+                if self.quantized:
+                    self.a_rs[(layer, m)] = torch.zeros(S, R, dtype=torch.float32, device=device)
+                    self.b_rs[(layer, m)] = torch.zeros(S, fan_out, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(S, dtype=torch.int32, device=device)
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.num_layers = cfg.num_layers
@@ -53,19 +61,32 @@ class LoRASlots:
         self.stacks: dict[tuple[int, str], punica_kernels.LoRAStack] = {}
         for layer in range(cfg.num_layers):
             for group, mods in GROUPS.items():
+                keys = [(layer, m) for m in mods]
+                row_scales = {"a_row_scales": [self.a_rs[k] for k in keys],
+                              "b_row_scales": [self.b_rs[k] for k in keys]} if self.quantized else {}
                 self.stacks[(layer, group)] = punica_kernels.lora_stack(
-                    [self.a[(layer, m)] for m in mods], [self.b[(layer, m)] for m in mods], self.scales, self.ranks,
-                    self.offsets.get(group))
+                    [self.a[k] for k in keys], [self.b[k] for k in keys], self.scales, self.ranks,
+                    self.offsets.get(group), **row_scales)
 
     def write(self, slot: int, w: LoRAWeights) -> None:
-        """Copy adapter `w` into `slot` (zeroing modules it does not target)."""
+        """Copy adapter `w` into `slot` (zeroing modules it does not target). `w` is quantized
+        exactly when the slots are (the manager loads adapters in the slots' dtype)."""
+        if w.quantized != self.quantized:
+            raise ValueError(f"adapter {w.version} is {'' if w.quantized else 'not '}int8 but the slots are "
+                             f"{'' if self.quantized else 'not '}int8")
         r = w.rank
         for key, a in self.a.items():
             a[slot].zero_()
             self.b[key][slot].zero_()
+            if self.quantized:
+                self.a_rs[key][slot].zero_()
+                self.b_rs[key][slot].zero_()
             if key in w.a:
                 a[slot, :r].copy_(w.a[key])
                 self.b[key][slot, :, :r].copy_(w.b[key])
+                if self.quantized:
+                    self.a_rs[key][slot, :r].copy_(w.a_scale[key])
+                    self.b_rs[key][slot].copy_(w.b_scale[key])
         self.ranks[slot] = r
         self.scales[slot] = w.scale
 

@@ -11,6 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from engine.config import ModelConfig
+from punica_kernels import quantize_rows
 from engine.lora.peft_format import (
     BaseModelShape,
     PeftAdapterConfig,
@@ -29,12 +30,21 @@ class AdapterLoadError(ValueError):
 
 @dataclass
 class LoRAWeights:
-    """An adapter in CPU memory: `a[(layer, module)]` [r, in] and `b[(layer, module)]` [out, r]."""
+    """An adapter in CPU memory: `a[(layer, module)]` [r, in] and `b[(layer, module)]` [out, r].
+
+    Loaded as int8 (`quantized`), a and b hold the rows' int8 values and `a_scale` [r] / `b_scale`
+    [out] their fp32 scales (punica_kernels.quantize_rows: A = a * a_scale[:, None])."""
 
     version: str
     config: PeftAdapterConfig
     a: dict[tuple[int, str], torch.Tensor]
     b: dict[tuple[int, str], torch.Tensor]
+    a_scale: dict[tuple[int, str], torch.Tensor] | None = None
+    b_scale: dict[tuple[int, str], torch.Tensor] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.a_scale is not None
 
     @property
     def rank(self) -> int:
@@ -48,7 +58,8 @@ class LoRAWeights:
     def nbytes(self) -> int:
         # Cached: the tensors never change after loading, and the manager sums this over its
         # whole CPU tier whenever a request releases an adapter (~420 tensors per adapter).
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.a, self.b, self.a_scale or {}, self.b_scale or {})
+                   for t in d.values())
 
 
 def base_shape_of(cfg: ModelConfig) -> BaseModelShape:
@@ -59,7 +70,8 @@ def base_shape_of(cfg: ModelConfig) -> BaseModelShape:
 
 def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_rank: int,
                       dtype: torch.dtype = torch.float32) -> LoRAWeights:
-    """Load and check `path`/{adapter_config.json, adapter_model.safetensors}.
+    """Load and check `path`/{adapter_config.json, adapter_model.safetensors}, stored as `dtype`
+    (a float type, or torch.int8: rows quantized with per-row scales).
 
     Raises AdapterLoadError (or its subclass-compatible UnsupportedAdapterError message) naming
     what is wrong; nothing is kept on failure.
@@ -91,6 +103,8 @@ def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_r
     expected = expected_tensor_shapes(base_shape_of(cfg), config)
     a: dict = {}
     b: dict = {}
+    quantize = dtype == torch.int8
+    scales: dict[str, dict] = {"A": {}, "B": {}}
     for name, shape in expected.items():
         t = tensors.get(name)
         if t is None:
@@ -105,5 +119,9 @@ def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_r
         if not torch.isfinite(t).all():
             raise AdapterLoadError(f"tensor {name} has NaN or Inf values")
         layer, module, which = parse_tensor_name(name)
+        if quantize:
+            t, scales[which][(layer, module)] = quantize_rows(t)
         (a if which == "A" else b)[(layer, module)] = t.to(dtype).contiguous()
+    if quantize:
+        return LoRAWeights(version=version, config=config, a=a, b=b, a_scale=scales["A"], b_scale=scales["B"])
     return LoRAWeights(version=version, config=config, a=a, b=b)

@@ -1,8 +1,10 @@
 /* The fused LoRA term of one layer on the CPU, for decode-shaped batches and chat-length prefill
  * runs (cpu_native.MAX_RUN tokens per adapter at most): for every token t with slot s = slots[t] >= 0 and every slice l,
  *     y[t, off[l] : off[l] + N[l]] += scales[s] * (x[t] @ A_l[s, :r].T) @ B_l[s, :, :r].T,  r = ranks[s].
- * x [T, K] and y [T, ldy] fp32; slots [T] and ranks [S] int32; A_l [S, R, K], B_l [S, N_l, R] all fp32, or all bf16 (weights_bf16:
- * half the bytes to read, widened to fp32 in registers); all contiguous. Accumulation in fp32.
+ * x [T, K] and y [T, ldy] fp32; slots [T] and ranks [S] int32; A_l [S, R, K], B_l [S, N_l, R] all of one weight type
+ * (wtype): fp32, bf16 (half the bytes to read, widened to fp32 in registers) or int8 (a quarter:
+ * rows quantized symmetrically, A_l[s, j, :] = q * A_rs[l][s, j] and B_l[s, n, :] = q * B_rs[l][s, n],
+ * row scales fp32 [S, R] and [S, N_l]); all contiguous. Accumulation in fp32.
  *
  * Why by hand: a decode step reads every distinct adapter's matrices once, a few KB to tens of
  * KB each, so the work is a stream of short dot products that torch can only express as padded
@@ -11,6 +13,7 @@
  * L1, and the (run, slice) pairs are shared between threads. OpenMP: the process's libgomp is
  * torch's (loaded first, same soname), so both share one thread pool.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +24,9 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* element i of w as fp32 */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 }; /* the weight types (wtype) */
+
+/* element i of w as fp32 (w fp32 or, with bf16 set, bf16) */
 ALWAYS_INLINE float weight_at(const void *w, int64_t i, int bf16) {
     if (bf16) {
         const uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
@@ -223,14 +228,169 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
 }
 #endif
 
-/* Returns 0, -1 if a rank is outside [0, R], or -2 without memory for the run list (nothing is
- * written then). */
+/* int8 weights, applied a chunk of one slot's tokens at a time: for each token (x row xrow, y row
+ * yrow), v = sc * (x . a[j] * a_rs[j]) for j < r, then y[n] += b_rs[n] * (v . b[n, :r]).
+ *
+ * With AVX2 (AVX-512 builds run the same code) the products run in integers: x (per token, in a
+ * pass before the work items) and v (per token and slice) are rounded to int16 with one scale
+ * each (error at most 2^-16 of their largest element), and vpmaddwd multiplies 16 of them by 16
+ * sign-extended weights into 8 int32 pair sums: a third of the instructions of widening each
+ * weight to fp32 for an FMA, where a many-adapter step is as much compute- as memory-bound. The
+ * row scales and the two int16 scales are applied to each row's sum. Without AVX2: fp32 on the
+ * dequantized weights. */
+#ifdef TESSERA_HAS_AVX2
+/* q[i] = round(src[i] / scale) (|q| <= 32767) for i < n, zeros from n up to pad; returns scale
+ * (0 when src is all zero: q is all zero then). */
+static float quantize_i16(const float *src, int64_t n, int64_t pad, int16_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mv = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+    float mx = tessera_hmax8(mv);
+    for (; i < n; i++) mx = fabsf(src[i]) > mx ? fabsf(src[i]) : mx;
+    const float scale = mx / 32767.0f, inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    i = 0;
+    for (; i + 16 <= n; i += 16) { /* packs interleaves 128-bit lanes; the permute restores the order */
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i), iv));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), iv));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+    for (; i < n; i++) q[i] = (int16_t)lrintf(src[i] * inv);
+    for (; i < pad; i++) q[i] = 0;
+    return scale;
+}
+
+/* 16 int8 weights from w (only the first `valid` read when fewer), sign-extended to int16 */
+ALWAYS_INLINE __m256i load_i8x16(const int8_t *w, int64_t valid) {
+    if (valid >= 16) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+    int8_t buf[16] = {0};
+    memcpy(buf, w, (size_t)valid);
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)buf));
+}
+
+/* r[k] = sum of the 8 int32 lanes of v[k] (as tessera_sum8) */
+ALWAYS_INLINE __m256i sum8_epi32(const __m256i v[8]) {
+    const __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* v[j] = sc * rs[j] * xs * (xq . a[j]) for j < r (8 rows at a time sharing each load of xq). The
+ * int32 sums are moved to fp32 every 4096 inputs: |pair sum| <= 2 * 127 * 32767, 256 of them fit. */
+ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
+                             float sc, float *v) {
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t j0 = 0; j0 < r; j0 += 8) {
+        const int64_t left = r - j0 < 8 ? r - j0 : 8;
+        const int8_t *row[8]; /* rows past r repeat the block's first (result dropped) */
+        for (int k = 0; k < 8; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K;
+        float tot[8] = {0};
+        for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
+            const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
+            __m256i acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
+            for (int64_t c = c0; c < c1; c += 16) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c));
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(xv, load_i8x16(row[k] + c, 16)));
+            }
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_cvtepi32_ps(sum8_epi32(acc)));
+            for (int k = 0; k < 8; k++) tot[k] += out[k];
+        }
+        for (int k = 0; k < 8; k++) {
+            int64_t tail = 0; /* K % 16 inputs */
+            for (int64_t c = K16; c < K; c++) tail += (int64_t)xq[c] * row[k][c];
+            if (k < left) v[j0 + k] = sc * rs[j0 + k] * xs * (tot[k] + (float)tail);
+        }
+    }
+}
+
+/* rows n..n+7 of expand_i8, nb blocks of 16 ranks; `partial` (a constant at each call site): the
+ * last block runs past the row's R and is read through a buffer */
+ALWAYS_INLINE void expand_block_i8(const __m256i *vv, int64_t nb, const int8_t *b, int64_t R, int64_t n,
+                                   const float *rs, __m256 vsv, float *y, int partial) {
+    __m256i acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t valid = partial && i == nb - 1 ? R - 16 * i : 16;
+        for (int k = 0; k < 8; k++)
+            acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(vv[i], load_i8x16(b + (n + k) * R + 16 * i, valid)));
+    }
+    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum8_epi32(acc)), _mm256_mul_ps(_mm256_loadu_ps(rs + n), vsv));
+    _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
+}
+
+/* y[n] += rs[n] * vs * (vq . b[n, :r]) for n < n_out, 8 rows at a time; vq is zero from r up to a
+ * multiple of 16 (the lanes past r multiply zeros). |sum| <= 64 * 127 * 32767: int32. */
+ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t R, int64_t r,
+                             int64_t n_out, float *y) {
+    const int64_t nb = (r + 15) / 16; /* blocks of 16 ranks, at most 4 */
+    __m256i vv[4];
+    for (int64_t i = 0; i < nb; i++) vv[i] = _mm256_loadu_si256((const __m256i *)(vq + 16 * i));
+    const __m256 vsv = _mm256_set1_ps(vs);
+    int64_t n = 0;
+    if (16 * nb <= R)
+        for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, R, n, rs, vsv, y, 0);
+    else /* R not a multiple of 16 and r in its last, short block */
+        for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, R, n, rs, vsv, y, 1);
+    for (; n < n_out; n++) {
+        int32_t acc = 0;
+        for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[j] * b[n * R + j];
+        y[n] += rs[n] * vs * (float)acc;
+    }
+}
+
+/* x rows of the tokens that have an adapter, as int16 (xq [T, K]) with one scale each (xs [T]) */
+static void quantize_rows_i16(int64_t t0, int64_t t1, int64_t K, const float *x, const int32_t *slots, int16_t *xq,
+                              float *xs) {
+    for (int64_t t = t0; t < t1; t++)
+        if (slots[t] >= 0) xs[t] = quantize_i16(x + t * K, K, K, xq + t * K);
+}
+
+ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
+                               int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
+                               int64_t R, int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
+    (void)x;
+    float v[64];
+    int16_t vq[64];
+    for (int64_t i = t0; i < t0 + n_tok; i++) {
+        shrink_i8(xq + i * K, xs[i], a, a_rs, K, r, sc, v);
+        const float vs = quantize_i16(v, r, (r + 15) / 16 * 16, vq);
+        if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, R, r, n_out, y + i * ldy);
+    }
+}
+#else
+ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
+                               int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
+                               int64_t R, int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
+    (void)xq, (void)xs;
+    float v[64];
+    for (int64_t i = t0; i < t0 + n_tok; i++) {
+        for (int64_t j = 0; j < r; j++) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < K; c++) acc += x[i * K + c] * (float)a[j * K + c];
+            v[j] = sc * a_rs[j] * acc;
+        }
+        for (int64_t n = 0; n < n_out; n++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < r; j++) acc += v[j] * (float)b[n * R + j];
+            y[i * ldy + n] += b_rs[n] * acc;
+        }
+    }
+}
+#endif
+
+/* Returns 0, -1 if a rank is outside [0, R] or wtype is unknown, or -2 without memory for the run
+ * list (nothing is written then). A_rs and B_rs (per-slice row scales) are read for int8 only. */
 int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const float *x, float *y,
                          const int32_t *slots, const int32_t *ranks, const float *scales, int64_t nslices,
                          const void *const *A, const void *const *B, const int64_t *N, const int64_t *off,
-                         int weights_bf16) {
-    const int64_t es = weights_bf16 ? 2 : 4; /* bytes per weight */
-    if (R > 64) return -1;
+                         const float *const *A_rs, const float *const *B_rs, int wtype) {
+    if (R > 64 || wtype < W_F32 || wtype > W_I8) return -1;
+    const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
     int64_t *runs = malloc(sizeof(int64_t) * 3 * (size_t)(T > 0 ? T : 1)); /* (start, end, slot) per run */
     if (runs == NULL) return -2;
     int64_t nruns = 0;
@@ -253,27 +413,51 @@ int tessera_add_lora_f32(int64_t T, int64_t K, int64_t R, int64_t ldy, const flo
         t = e;
     }
     const int64_t work = nruns * nslices;
-#pragma omp parallel for schedule(dynamic, 1) if (work > 1)
-    for (int64_t p = 0; p < work; p++) {
-        const int64_t *run = runs + 3 * (p / nslices);
-        const int64_t l = p % nslices, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
-        const int64_t r = ranks[s], n_out = N[l];
-        const float sc = scales[s];
-        if (r == 0) continue;
-        float v[CHUNK][64];
-        const void *a = (const char *)A[l] + s * R * K * es;
-        const void *b = (const char *)B[l] + s * n_out * R * es;
-        /* Token by token: each token's pass reads the slot's weights, which stay in L1/L2 for the
-         * run's next tokens (a run is at most CHUNK tokens). Two call sites so each is compiled
-         * for its weight type. */
-        if (weights_bf16) {
-            for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
-            for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 1);
-        } else {
-            for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 0);
-            for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 0);
+    int16_t *xq = NULL; /* int8 weights with AVX2: the x rows as int16 and their scales */
+    float *xs = NULL;
+#ifdef TESSERA_HAS_AVX2
+    if (wtype == W_I8) {
+        xq = malloc(sizeof(int16_t) * (size_t)(T * K > 0 ? T * K : 1));
+        xs = malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
+        if (xq == NULL || xs == NULL) {
+            free(xq), free(xs), free(runs);
+            return -2;
         }
     }
-    free(runs);
+#endif
+#pragma omp parallel if (work > 1)
+    {
+#ifdef TESSERA_HAS_AVX2
+        if (wtype == W_I8) { /* the rows first (the loop's barrier), shared by every slice's items */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t += CHUNK) quantize_rows_i16(t, t + CHUNK < T ? t + CHUNK : T, K, x, slots, xq, xs);
+        }
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < work; p++) {
+            const int64_t *run = runs + 3 * (p / nslices);
+            const int64_t l = p % nslices, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
+            const int64_t r = ranks[s], n_out = N[l];
+            const float sc = scales[s];
+            if (r == 0) continue;
+            float v[CHUNK][64];
+            const void *a = (const char *)A[l] + s * R * K * es;
+            const void *b = (const char *)B[l] + s * n_out * R * es;
+            /* Token by token: each token's pass reads the slot's weights, which stay in L1/L2 for the
+             * run's next tokens (a run is at most CHUNK tokens). One call site per weight type so
+             * each is compiled for it. */
+            if (wtype == W_I8) {
+                lora_run_i8(t0, n_tok, x, xq, xs, K, a, A_rs[l] + s * R, b, B_rs[l] + s * n_out, R, r, sc, n_out,
+                            y + off[l], ldy);
+            } else if (wtype == W_BF16) {
+                for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
+                for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 1);
+            } else {
+                for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 0);
+                for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 0);
+            }
+        }
+    }
+    free(xq), free(xs), free(runs);
     return 0;
 }

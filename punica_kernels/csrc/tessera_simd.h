@@ -3,7 +3,9 @@
  *
  * Each kernel has an AVX-512 path (16 fp32 lanes), an AVX2 + FMA path (8 lanes, 16 registers:
  * loops keep at most 8 accumulators) and a plain C path; `-march=native` picks one at build time.
- * TESSERA_AVX2 is defined where the AVX2 path is the one compiled. */
+ * TESSERA_AVX2 is defined where the AVX2 path is the one compiled (no AVX-512);
+ * TESSERA_HAS_AVX2 wherever AVX2 + FMA can be used (AVX-512 CPUs too), with the 8-lane helpers
+ * below, for code that has one 8-lane version for both. */
 #ifndef TESSERA_SIMD_H
 #define TESSERA_SIMD_H
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -11,6 +13,9 @@
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define TESSERA_AVX2 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define TESSERA_HAS_AVX2 1
 
 /* r[k] = sum of the 8 lanes of v[k], for k = 0..7 (a transpose-and-add tree: 7 adds of
  * interleaved pairs instead of 8 horizontal reductions). */

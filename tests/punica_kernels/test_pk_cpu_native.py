@@ -169,3 +169,91 @@ def test_bad_calls_on_a_prepared_stack():
     with pytest.raises(ValueError, match=r"ranks must lie in \[0, 8\]"):
         pk.add_lora(y, bt.x, stack, meta=meta)
     assert torch.equal(y, bt.y)
+
+
+def _int8_stack(bt, ranks):
+    """bt's weights as an int8 stack (quantize_rows), and bt rewritten to the dequantized values the
+    op sees. Rows past each slot's rank get weight 127 and a NaN scale (A), columns past it 127
+    (B), so a kernel that reads them shows it."""
+    qa, qb = [pk.quantize_rows(torch.nan_to_num(a, nan=0.0)) for a in bt.a], [
+        pk.quantize_rows(torch.nan_to_num(b, nan=0.0)) for b in bt.b]
+    for (q, rs), (qbl, _) in zip(qa, qb):
+        for s, r in enumerate(ranks):
+            q[s, r:], rs[s, r:], qbl[s, :, r:] = 127, float("nan"), 127
+    bt.a = [q.float() * rs.unsqueeze(-1) for q, rs in qa]
+    bt.b = [q.float() * rs.unsqueeze(-1) for q, rs in qb]
+    for b in bt.b:
+        for s, r in enumerate(ranks):
+            b[s, :, r:] = float("nan")
+    return pk.lora_stack([q for q, _ in qa], [q for q, _ in qb], bt.scales, bt.ranks, bt.offsets,
+                         a_row_scales=[rs for _, rs in qa], b_row_scales=[rs for _, rs in qb])
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
+@pytest.mark.parametrize("K,R", [(576, 16), (1536, 64), (200, 24), (33, 8)], ids=lambda v: str(v))
+def test_int8_stacks_with_row_scales(monkeypatch, torch_path, K, R):
+    """add_lora's int8 form (the engine's adapter storage where the kernel is built): int8 stacks
+    with fp32 row scales, fp32 x and y. The result is the reference's on the dequantized weights,
+    to 1e-4 of the adapter term's size (the kernel rounds x and the intermediate to 16 bits for
+    its integer products), through the kernel (any run length) and the torch path alike; nothing
+    past a slot's rank is read. Ranks below, at and across blocks of 16; R not a multiple of 16
+    (a row's last block read through a buffer); K with and without whole blocks of 16."""
+    slots = _runs([(1, 3), (-1, 2), (0, 70), (2, 1), (3, 9)])  # one run longer than MAX_RUN
+    ranks = [R, 1, max(1, R // 2), R - 1]
+    bt = make_batch(T=slots.numel(), K=K, S=4, R=R, widths=(K, 40), ranks=ranks, seed=41 + K)
+    bt.token_slots = slots
+    stack = _int8_stack(bt, ranks)
+    meta = pk.build_lora_metadata(slots, num_slots=4)
+    if torch_path:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    else:
+        assert cpu_native.add_lora_f32(pk._checks.check_add_lora(bt.y.clone(), bt.x, stack), meta)  # the kernel takes it
+    y = pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta)
+    want = _reference(bt)
+    term = (want - bt.y).abs().max()
+    assert y.dtype == torch.float32 and term > 0.1
+    assert (y - want).abs().max() < 1e-4 * term
+    assert torch.equal(y[slots == -1], bt.y[slots == -1])
+
+
+def test_int8_stacks_stay_close_to_the_float_weights():
+    """Rows quantized to int8 keep the adapter term within 2% of the float weights' (what an int8
+    engine's adapters do to the model), on the engine's q/k/v shapes."""
+    slots = _runs([(s, 4) for s in range(8)])
+    bt = make_batch(T=slots.numel(), K=576, S=8, R=16, widths=(576, 192, 192), mode="one", seed=3)
+    bt.token_slots = slots
+    want = _reference(bt) - bt.y
+    stack = _int8_stack(bt, [16] * 8)
+    got = pk.add_lora(bt.y.clone(), bt.x, stack, meta=pk.build_lora_metadata(slots, num_slots=8)) - bt.y
+    assert (got - want).norm() < 0.02 * want.norm()
+
+
+def test_quantize_rows():
+    w = torch.randn(3, 5, 40) * torch.tensor([1e-3, 1.0, 50.0]).view(3, 1, 1)
+    w[1, 2] = 0.0  # an all-zero row
+    q, rs = pk.quantize_rows(w)
+    assert q.dtype == torch.int8 and rs.dtype == torch.float32 and rs.shape == (3, 5)
+    assert q.abs().max() == 127 and rs[1, 2] == 0 and torch.equal(q[1, 2], torch.zeros(40, dtype=torch.int8))
+    err = (q.float() * rs.unsqueeze(-1) - w).abs()
+    assert (err <= rs.unsqueeze(-1) / 2 * (1 + 1e-5)).all()  # within half a step of each row's grid
+    with pytest.raises(TypeError, match="float"):
+        pk.quantize_rows(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="NaN"):
+        pk.quantize_rows(torch.tensor([[1.0, float("nan")]]))
+
+
+def test_bad_int8_stacks_are_refused():
+    bt = make_batch(T=4, K=32, S=2, R=4, widths=(32, 8), mode="one", seed=6)
+    (qa, ra), (qb, rb) = pk.quantize_rows(bt.a[0]), pk.quantize_rows(bt.b[0])
+    with pytest.raises(TypeError, match="a_row_scales"):
+        pk.lora_stack(qa, qb, bt.scales, bt.ranks)
+    with pytest.raises(ValueError, match=r"a_row_scales\[0\] has shape"):
+        pk.lora_stack(qa, qb, bt.scales, bt.ranks, a_row_scales=ra[:, :2].contiguous(), b_row_scales=rb)
+    with pytest.raises(TypeError, match="every lora_a and lora_b"):
+        pk.lora_stack(qa, bt.b[0], bt.scales, bt.ranks, a_row_scales=ra, b_row_scales=rb)
+    with pytest.raises(TypeError, match="int8 stacks only"):
+        pk.lora_stack(bt.a[0], bt.b[0], bt.scales, bt.ranks, a_row_scales=ra, b_row_scales=rb)
+    stack = pk.lora_stack(qa, qb, bt.scales, bt.ranks, a_row_scales=ra, b_row_scales=rb)
+    meta = pk.build_lora_metadata(bt.token_slots, num_slots=2)
+    with pytest.raises(TypeError, match="int8 with float32 x and y"):
+        pk.add_lora(torch.zeros(4, 8, dtype=torch.bfloat16), bt.x.bfloat16(), stack, meta=meta)

@@ -1,0 +1,30 @@
+"""Row-wise int8 quantization of LoRA weights, the storage of int8 `LoRAStack`s.
+
+    q, row_scales = quantize_rows(w)      # w [..., n] float -> q [..., n] int8, row_scales [...] fp32
+    w ~= q * row_scales[..., None]
+
+Symmetric, one scale per row (absmax / 127, so q lies in [-127, 127]): for A [R, K] a row is one
+rank's K inputs, for B [N, R] one output's R ranks, and the kernels apply each row's scale once
+to that row's dot product. An all-zero row (padding, an untargeted module) gets scale 0.
+"""
+from __future__ import annotations
+
+import torch
+
+QMAX = 127
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, fp32 row scales) of a float tensor with rows along its last dim; raises
+    TypeError for a non-float tensor and ValueError for NaN or Inf values."""
+    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+        raise TypeError(f"quantize_rows takes a float tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+    if w.dim() == 0:
+        raise ValueError("quantize_rows needs at least one dim (its rows)")
+    w = w.float()
+    if not torch.isfinite(w).all():
+        raise ValueError("cannot quantize NaN or Inf weights")
+    scale = w.abs().amax(dim=-1) / QMAX if w.shape[-1] else w.new_zeros(w.shape[:-1])
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
