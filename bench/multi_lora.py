@@ -79,7 +79,7 @@ def main() -> None:
     loads = []
     for i in range(5):
         t0 = time.perf_counter()
-        w = load_lora_weights(root / names[i], names[i], eng.model_config, max_rank=RANK, dtype=DTYPES[args.format])
+        w = load_lora_weights(root / names[i], names[i], eng.model_config, max_rank=RANK, dtype=eng.lora_manager.dtype)
         eng.lora_manager.slots.write(i, w)
         loads.append((time.perf_counter() - t0) * 1000)
     res["cold_load_ms"] = round(median(loads), 1)
@@ -90,7 +90,7 @@ def main() -> None:
     if eng.int8_max_rows is not None:
         res["int8_max_rows"] = list(eng.int8_max_rows)
         res["dense_ms"] = eng.format_timings
-    res.update({"format": args.format, "rank": RANK, "requests": N_REQ, "new_tokens": NEW_TOKENS, "machine": machine()})
+    res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."), "rank": RANK, "requests": N_REQ, "new_tokens": NEW_TOKENS, "machine": machine()})
     print(json.dumps(res))
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -233,23 +235,24 @@ class LoRAStack:
     #: backends' per-stack caches (punica_kernels.cpu_native: the C call's pointer arrays)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    # Cached: the stack's tensors are never reallocated, and a call reads these every time.
+    @cached_property
     def num_slots(self) -> int:
         return self.a_slices[0].shape[0]
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         return self.a_slices[0].shape[1]
 
-    @property
+    @cached_property
     def in_features(self) -> int:
         return self.a_slices[0].shape[2]
 
-    @property
+    @cached_property
     def device(self) -> torch.device:
         return self.a_slices[0].device
 
-    @property
+    @cached_property
     def min_out_width(self) -> int:
         return max(o + n for o, n in zip(self.offsets, self.widths))
 
@@ -316,8 +319,7 @@ def lora_stack(lora_a, lora_b, scales, ranks, offsets=None, *, a_row_scales=None
                      a_row_scales, b_row_scales)
 
 
-@dataclass(frozen=True)
-class AddLoRAArgs:
+class AddLoRAArgs(NamedTuple):
     """Validated fused call: x [T, K], A slices [S, R, K], B slices [S, N_i, R], y [T, width]."""
 
     x: torch.Tensor
@@ -352,6 +354,16 @@ def _compact_weights(x, y, a, b) -> bool:
             and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.int8))
 
 
+def _check_stack_ranks(stack: LoRAStack) -> None:
+    """A stack's rank values, re-checked only after a write into them: torch bumps a tensor's
+    version counter on every in-place change (through any view), and the engine's calls (120 a
+    decode step) see the same ranks until the next slot load."""
+    version = stack.ranks._version
+    if stack.cache.get("ranks_checked") != version:
+        _check_rank_values(stack.ranks, stack.max_rank)
+        stack.cache["ranks_checked"] = version
+
+
 def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=None) -> AddLoRAArgs:
     """Checks of shrink (x, A, scales, ranks) and expand (B, y, offsets) with no intermediate to
     allocate: the fused op never materialises v in token order. `lora_a` may be a `LoRAStack`
@@ -360,7 +372,7 @@ def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=N
         if lora_b is not None or scales is not None or ranks is not None or offsets is not None:
             raise TypeError("with a LoRAStack, pass no lora_b, scales, ranks or offsets (the stack holds them)")
         stack = lora_a
-        _check_rank_values(stack.ranks, stack.max_rank)
+        _check_stack_ranks(stack)
     else:
         if lora_b is None or scales is None or ranks is None:
             raise TypeError("add_lora needs lora_b, scales and ranks (or a LoRAStack as lora_a)")
@@ -372,11 +384,14 @@ def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=N
     if x.shape[1] != stack.in_features:
         raise ValueError(f"lora_a has shape {tuple(stack.a_slices[0].shape)}; expected "
                          f"[{stack.num_slots}, {stack.max_rank}, {x.shape[1]}] (x's width)")
-    for i, (a, b) in enumerate(zip(stack.a_slices, stack.b_slices)):
-        if (a.dtype != x.dtype or b.dtype != y.dtype) and not _compact_weights(x, y, a, b):
-            raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's (or, on CPU, both be bfloat16 "
-                            f"or int8 with float32 x and y); got {_dtype_name(a.dtype)}/{_dtype_name(x.dtype)} and "
-                            f"{_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
+    dtypes_ok = ("dtypes_ok", x.dtype, y.dtype, x.device.type)  # the answer depends on nothing else
+    if dtypes_ok not in stack.cache:
+        for i, (a, b) in enumerate(zip(stack.a_slices, stack.b_slices)):
+            if (a.dtype != x.dtype or b.dtype != y.dtype) and not _compact_weights(x, y, a, b):
+                raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's (or, on CPU, both be "
+                                f"bfloat16 or int8 with float32 x and y); got {_dtype_name(a.dtype)}/"
+                                f"{_dtype_name(x.dtype)} and {_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
+        stack.cache[dtypes_ok] = True
     if stack.min_out_width > y.shape[1]:
         o, n = next((o, n) for o, n in zip(stack.offsets, stack.widths) if o + n > y.shape[1])
         raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")

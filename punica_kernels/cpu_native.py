@@ -36,33 +36,49 @@ MAX_RANK = 64
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (TESSERA_CPU_LORA_KERNEL=0, or it could not be built)."""
     return cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL", {
-        "tessera_add_lora_f32": ("i64",) * 4 + ("ptr",) * 5 + ("i64",) + ("ptr",) * 6 + ("int",),
+        "tessera_add_lora_f32": ("ptr", "i64", "i64") + ("ptr",) * 4,
     }, returns={"tessera_add_lora_f32": "int"})
 
 
-#: The kernel's weight types (its `wtype` argument).
+#: The kernel's weight types (its `wtype`).
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-def _stack_args(stack) -> tuple | None:
-    """The kernel's per-stack arguments (weight type, slice pointers, widths, offsets, int8 row
-    scale pointers), built once per `LoRAStack` and kept in its cache (the stacks are never
-    reallocated, only written into); None when the stack is not one the kernel takes (mixed or
-    other dtypes, rank > MAX_RANK)."""
+class StackArgs(ctypes.Structure):
+    """csrc/add_lora_cpu.c's lora_stack_t: what every call on one stack shares."""
+
+    _fields_ = [("K", ctypes.c_int64), ("R", ctypes.c_int64), ("nslices", ctypes.c_int64), ("wtype", ctypes.c_int64),
+                ("scales", ctypes.c_void_p), ("A", ctypes.c_void_p), ("B", ctypes.c_void_p), ("N", ctypes.c_void_p),
+                ("off", ctypes.c_void_p), ("A_rs", ctypes.c_void_p), ("B_rs", ctypes.c_void_p)]
+
+
+def _stack_args(stack) -> tuple[int, int, tuple] | None:
+    """(weight type, address of the stack's StackArgs, what keeps it alive), built once per
+    `LoRAStack` and kept in its cache (the stacks are never reallocated, only written into); None
+    when the stack is not one the kernel takes (mixed or other dtypes, rank > MAX_RANK)."""
     if "cpu_native" not in stack.cache:
         a0 = stack.a_slices[0]
         weights = stack.a_slices + stack.b_slices
         ok = (a0.device.type == "cpu" and a0.shape[1] <= MAX_RANK and a0.dtype in WEIGHT_TYPES
-              and all(w.dtype == a0.dtype for w in weights))
+              and all(w.dtype == a0.dtype for w in weights) and stack.scales.dtype == torch.float32)
+        if not ok:
+            stack.cache["cpu_native"] = None
+            return None
         n = len(stack.a_slices)
         ptrs, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
 
         def pointers(tensors):
             return ptrs(*(t.data_ptr() for t in tensors)) if tensors is not None else None
 
-        stack.cache["cpu_native"] = (
-            WEIGHT_TYPES[a0.dtype], pointers(stack.a_slices), pointers(stack.b_slices), i64s(*stack.widths),
-            i64s(*stack.offsets), pointers(stack.a_row_scales), pointers(stack.b_row_scales)) if ok else None
+        arrays = (pointers(stack.a_slices), pointers(stack.b_slices), i64s(*stack.widths), i64s(*stack.offsets),
+                  pointers(stack.a_row_scales), pointers(stack.b_row_scales))
+
+        def address(arr):
+            return ctypes.addressof(arr) if arr is not None else None
+
+        st = StackArgs(stack.in_features, stack.max_rank, n, WEIGHT_TYPES[a0.dtype], stack.scales.data_ptr(),
+                       *(address(arr) for arr in arrays))
+        stack.cache["cpu_native"] = (WEIGHT_TYPES[a0.dtype], ctypes.addressof(st), (st, arrays))
     return stack.cache["cpu_native"]
 
 
@@ -79,19 +95,17 @@ def add_lora_f32(args, meta) -> bool:
     stack_args = _stack_args(args.stack)
     if stack_args is None:
         return False
-    wtype, a_ptrs, b_ptrs, widths, offsets, a_rs_ptrs, b_rs_ptrs = stack_args
+    wtype, stack_address, _ = stack_args
     if wtype == WEIGHT_TYPES[torch.float32] and meta.max_adapter_run() > MAX_RUN:
         return False
     lib = library()
     if lib is None:
         return False
     slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
-    stack = args.stack
-    ranks32 = stack.ranks if stack.ranks.dtype == torch.int32 else stack.ranks.to(torch.int32)
-    rc = lib.tessera_add_lora_f32(
-        x.shape[0], x.shape[1], stack.max_rank, y.stride(0), x.data_ptr(), y.data_ptr(), slots.data_ptr(),
-        ranks32.data_ptr(), stack.scales.data_ptr(), len(widths), a_ptrs, b_ptrs, widths, offsets, a_rs_ptrs,
-        b_rs_ptrs, wtype)
+    ranks = args.stack.ranks
+    ranks32 = ranks if ranks.dtype == torch.int32 else ranks.to(torch.int32)
+    rc = lib.tessera_add_lora_f32(stack_address, x.shape[0], y.stride(0), x.data_ptr(), y.data_ptr(),
+                                  slots.data_ptr(), ranks32.data_ptr())
     if rc == -2:
         raise MemoryError("CPU LoRA kernel: no memory for its run list")
     if rc != 0:  # the checks ran before: a rank outside [0, R] here means a bug, not bad input

@@ -22,9 +22,9 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dim() == 0:
         raise ValueError("quantize_rows needs at least one dim (its rows)")
     w = w.float()
-    if not torch.isfinite(w).all():
-        raise ValueError("cannot quantize NaN or Inf weights")
     scale = w.abs().amax(dim=-1) / QMAX if w.shape[-1] else w.new_zeros(w.shape[:-1])
+    if not torch.isfinite(scale).all():  # amax propagates NaN and Inf: one check per row, not per weight
+        raise ValueError("cannot quantize NaN or Inf weights")
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / safe.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()

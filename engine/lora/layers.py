@@ -75,18 +75,22 @@ class LoRASlots:
             raise ValueError(f"adapter {w.version} is {'' if w.quantized else 'not '}int8 but the slots are "
                              f"{'' if self.quantized else 'not '}int8")
         r = w.rank
+        # Only the first r rows of A and columns of B (and their scales) are ever read for a slot of
+        # rank r (punica_kernels' contract), so a targeted module's copy needs no zeroing around it;
+        # a module the adapter does not target is zeroed (its first r rows would be read).
         for key, a in self.a.items():
-            a[slot].zero_()
-            self.b[key][slot].zero_()
-            if self.quantized:
-                self.a_rs[key][slot].zero_()
-                self.b_rs[key][slot].zero_()
             if key in w.a:
                 a[slot, :r].copy_(w.a[key])
                 self.b[key][slot, :, :r].copy_(w.b[key])
                 if self.quantized:
                     self.a_rs[key][slot, :r].copy_(w.a_scale[key])
                     self.b_rs[key][slot].copy_(w.b_scale[key])
+            else:
+                a[slot].zero_()
+                self.b[key][slot].zero_()
+                if self.quantized:
+                    self.a_rs[key][slot].zero_()
+                    self.b_rs[key][slot].zero_()
         self.ranks[slot] = r
         self.scales[slot] = w.scale
 
