@@ -29,6 +29,8 @@ lora_a, y matches lora_b), contiguous, one device; v is always fp32. y is update
 Mixed forms, `add_lora` on CPU only, with fp32 x and y: bf16 stacks (adapters stored at half
 the bytes; the C kernel widens them in registers) and int8 stacks with fp32 row scales
 (`lora_stack(..., a_row_scales=, b_row_scales=)`, made by `quantize_rows`; a quarter of the bytes).
+In int8 stacks a slot's B rows are packed at the slot's rank (`int8_b_view`), so a rank-16
+adapter in a rank-64 stack reads a quarter of the bytes [N, R] rows would pull in.
 
 Dispatch: CUDA tensors run the Triton kernels (punica_kernels.kernels); CPU tensors run the torch
 path (punica_kernels.cpu). `meta` is optional: the CPU path reuses its token grouping across the
@@ -46,11 +48,12 @@ import torch
 from . import cpu, reference
 from ._checks import LoRAStack, lora_stack
 from .metadata import LoRAMetadata, build_lora_metadata
-from .quantize import quantize_rows
+from .quantize import int8_b_view, quantize_rows
 
 __all__ = [
     "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand", "add_lora",
-    "build_lora_metadata", "LoRAMetadata", "LoRAStack", "lora_stack", "quantize_rows", "reference",
+    "build_lora_metadata", "LoRAMetadata", "LoRAStack", "lora_stack", "quantize_rows", "int8_b_view",
+    "reference",
 ]
 
 

@@ -219,8 +219,9 @@ class LoRAStack:
     tensors are held, not copied: writing into them (a slot load) is seen by the next call.
 
     int8 stacks (`quantized`) hold each weight as q times its row's scale: A_l[s, j, :] =
-    a_slices[l][s, j, :] * a_row_scales[l][s, j] and B_l[s, n, :] = b_slices[l][s, n, :] *
-    b_row_scales[l][s, n] (`quantize_rows` makes both)."""
+    a_slices[l][s, j, :] * a_row_scales[l][s, j] and B_l[s, n, :r] = Q[n] * b_row_scales[l][s, n]
+    with Q = int8_b_view(b_slices[l], s, r), r = ranks[s]: slot s's B rows are packed at its rank
+    in the first N * r entries of its [N, R] block (`quantize_rows` makes q and the scales)."""
 
     a_slices: list[torch.Tensor]
     b_slices: list[torch.Tensor]

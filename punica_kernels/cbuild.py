@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Headers every kernel may include (`#include "tessera_simd.h"`); part of each library's cache key.
 INCLUDE_DIR = Path(__file__).parent / "csrc"
 
@@ -45,14 +45,16 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "tessera" / "kernels"
 
 
-def build(source: Path) -> Path:
-    """The compiled library of `source` (built now if not cached). Raises RuntimeError without a
+def build(source: Path, march: str = "native") -> Path:
+    """The compiled library of `source` (built now if not cached) for `-march=<march>` ("native":
+    this CPU; tests build "x86-64" to run the plain C paths). Raises RuntimeError without a
     compiler or when compilation fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_id().encode() + cc.encode()).hexdigest()[:16]
+    flags = (*FLAGS, f"-march={march}")
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_id().encode() + cc.encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
@@ -60,7 +62,7 @@ def build(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, f"-I{INCLUDE_DIR}", "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, f"-I{INCLUDE_DIR}", "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp, out)  # atomic: concurrent builders all end with one complete file
@@ -75,7 +77,7 @@ C_TYPES = {"i64": ctypes.c_int64, "int": ctypes.c_int, "f32": ctypes.c_float, "p
 
 
 def load(source: Path, switch: str, signatures: dict[str, tuple[str, ...]] | None = None,
-         returns: dict[str, str] | None = None) -> ctypes.CDLL | None:
+         returns: dict[str, str] | None = None, march: str = "native") -> ctypes.CDLL | None:
     """The loaded library of `source`, or None when the environment variable `switch` is "0" or
     the library cannot be built (logged once per caller; callers cache the answer). Load it after
     torch: its OpenMP runtime (same soname) then serves both, one thread pool.
@@ -85,7 +87,7 @@ def load(source: Path, switch: str, signatures: dict[str, tuple[str, ...]] | Non
     if os.environ.get(switch, "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(build(source)))
+        lib = ctypes.CDLL(str(build(source, march)))
     except (OSError, RuntimeError) as e:
         log.warning("%s unavailable, using the torch path: %s", source.name, e)
         return None

@@ -34,6 +34,7 @@ import torch
 
 from . import cpu_native
 from ._checks import check_add_lora, check_expand, check_segments, check_shrink, check_token_slots
+from .quantize import int8_b_view
 
 # Segments at least this long on average go through one matmul per segment on views;
 # shorter ones (decode-like) through the slot-major plan.
@@ -324,10 +325,17 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta, offset
     scales, ranks = args.stack.scales, args.stack.ranks
     pairs = list(zip(args.a_slices, args.b_slices))
     if args.stack.quantized:
-        # int8 stacks and no C kernel: dequantize whole stacks here (correct, but a copy per call;
-        # the engine stores int8 stacks only where the kernel is built).
-        pairs = [(A.to(x.dtype) * ars.unsqueeze(-1), B.to(y.dtype) * brs.unsqueeze(-1))
-                 for (A, B), ars, brs in zip(pairs, args.stack.a_row_scales, args.stack.b_row_scales)]
+        # int8 stacks and no C kernel: dequantize whole stacks here, B from each slot's rows packed
+        # at its rank (correct, but copies per call; the engine stores int8 stacks only where the
+        # kernel is built).
+        rank_list = ranks.tolist()
+        deq = []
+        for (A, B), ars, brs in zip(pairs, args.stack.a_row_scales, args.stack.b_row_scales):
+            Bf = torch.zeros(B.shape, dtype=y.dtype)
+            for s, r in enumerate(rank_list):
+                Bf[s, :, :r] = int8_b_view(B, s, r).to(y.dtype) * brs[s].unsqueeze(-1)
+            deq.append((A.to(x.dtype) * ars.unsqueeze(-1), Bf))
+        pairs = deq
     elif args.a_slices[0].dtype != x.dtype:
         # bf16 stacks with fp32 activations, and no C kernel to widen them in registers: widen
         # whole stacks here (correct, but a copy per call; the engine stores bf16 stacks only

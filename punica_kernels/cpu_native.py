@@ -32,12 +32,18 @@ MAX_RUN = 64
 MAX_RANK = 64
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (TESSERA_CPU_LORA_KERNEL=0, or it could not be built)."""
+def load_library(march: str = "native") -> ctypes.CDLL | None:
+    """The kernel built for `-march=<march>` and loaded, or None (TESSERA_CPU_LORA_KERNEL=0, or
+    it could not be built). Tests load an "x86-64" build to run its plain C paths here."""
     return cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL", {
         "tessera_add_lora_f32": ("ptr", "i64", "i64") + ("ptr",) * 4,
-    }, returns={"tessera_add_lora_f32": "int"})
+    }, returns={"tessera_add_lora_f32": "int"}, march=march)
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The kernel for this CPU, loaded once (None where it cannot be built or is switched off)."""
+    return load_library()
 
 
 #: The kernel's weight types (its `wtype`).

@@ -75,16 +75,18 @@ class LoRASlots:
             raise ValueError(f"adapter {w.version} is {'' if w.quantized else 'not '}int8 but the slots are "
                              f"{'' if self.quantized else 'not '}int8")
         r = w.rank
-        # Only the first r rows of A and columns of B (and their scales) are ever read for a slot of
-        # rank r (punica_kernels' contract), so a targeted module's copy needs no zeroing around it;
-        # a module the adapter does not target is zeroed (its first r rows would be read).
+        # Only the first r rows of A and columns of B (int8: B's first N * r entries) and their
+        # scales are ever read for a slot of rank r (punica_kernels' contract), so a targeted
+        # module's copy needs no zeroing around it; a module the adapter does not target is zeroed.
         for key, a in self.a.items():
             if key in w.a:
                 a[slot, :r].copy_(w.a[key])
-                self.b[key][slot, :, :r].copy_(w.b[key])
-                if self.quantized:
+                if self.quantized:  # B rows packed at the slot's rank (punica_kernels.int8_b_view)
+                    punica_kernels.int8_b_view(self.b[key], slot, r).copy_(w.b[key])
                     self.a_rs[key][slot, :r].copy_(w.a_scale[key])
                     self.b_rs[key][slot].copy_(w.b_scale[key])
+                else:
+                    self.b[key][slot, :, :r].copy_(w.b[key])
             else:
                 a[slot].zero_()
                 self.b[key][slot].zero_()

@@ -4,7 +4,8 @@
  * x [T, K] and y [T, ldy] fp32; slots [T] and ranks [S] int32; A_l [S, R, K], B_l [S, N_l, R] all of one weight type
  * (wtype): fp32, bf16 (half the bytes to read, widened to fp32 in registers) or int8 (a quarter:
  * rows quantized symmetrically, A_l[s, j, :] = q * A_rs[l][s, j] and B_l[s, n, :] = q * B_rs[l][s, n],
- * row scales fp32 [S, R] and [S, N_l]); all contiguous. Accumulation in fp32.
+ * row scales fp32 [S, R] and [S, N_l]; slot s's B rows packed at its rank, see lora_run_i8); all
+ * contiguous. Accumulation in fp32.
  *
  * Why by hand: a decode step reads every distinct adapter's matrices once, a few KB to tens of
  * KB each, so the work is a stream of short dot products that torch can only express as padded
@@ -228,8 +229,11 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
 }
 #endif
 
-/* int8 weights, applied a chunk of one slot's tokens at a time: for each token (x row xrow, y row
- * yrow), v = sc * (x . a[j] * a_rs[j]) for j < r, then y[n] += b_rs[n] * (v . b[n, :r]).
+/* int8 weights, applied a chunk of one slot's tokens at a time: for each token, v[j] = sc * a_rs[j]
+ * * (x . a[j]) for j < r, then y[n] += b_rs[n] * (v . b[n]), where the slot's B rows are packed at
+ * its rank r (row n at b + n * r, not n * R): a slot then reads N * r bytes of B whatever the
+ * stack's R, where [N, R] rows would pull in whole cache lines of padding (4x the bytes for rank
+ * 16 in a rank-64 stack).
  *
  * With AVX2 (AVX-512 builds run the same code) the products run in integers: x (per token, in a
  * pass before the work items) and v (per token and slice) are rounded to int16 with one scale
@@ -308,37 +312,37 @@ ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const
     }
 }
 
-/* rows n..n+7 of expand_i8, nb blocks of 16 ranks; `partial` (a constant at each call site): the
- * last block runs past the row's R and is read through a buffer */
-ALWAYS_INLINE void expand_block_i8(const __m256i *vv, int64_t nb, const int8_t *b, int64_t R, int64_t n,
+/* rows n..n+7 of expand_i8 (row n at b + n * r), nb blocks of 16 ranks; `partial` (a constant at
+ * each call site): each row's last block is read through a buffer, not past the row's r bytes */
+ALWAYS_INLINE void expand_block_i8(const __m256i *vv, int64_t nb, const int8_t *b, int64_t r, int64_t n,
                                    const float *rs, __m256 vsv, float *y, int partial) {
     __m256i acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
     for (int64_t i = 0; i < nb; i++) {
-        const int64_t valid = partial && i == nb - 1 ? R - 16 * i : 16;
+        const int64_t valid = partial && i == nb - 1 ? r - 16 * i : 16;
         for (int k = 0; k < 8; k++)
-            acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(vv[i], load_i8x16(b + (n + k) * R + 16 * i, valid)));
+            acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(vv[i], load_i8x16(b + (n + k) * r + 16 * i, valid)));
     }
     const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum8_epi32(acc)), _mm256_mul_ps(_mm256_loadu_ps(rs + n), vsv));
     _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
 }
 
-/* y[n] += rs[n] * vs * (vq . b[n, :r]) for n < n_out, 8 rows at a time; vq is zero from r up to a
- * multiple of 16 (the lanes past r multiply zeros). |sum| <= 64 * 127 * 32767: int32. */
-ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t R, int64_t r,
-                             int64_t n_out, float *y) {
+/* y[n] += rs[n] * vs * (vq . b[n * r : n * r + r]) for n < n_out, 8 rows at a time: the slot's B
+ * rows packed at its own rank (b holds `room` readable bytes). vq is zero from r up to a multiple
+ * of 16, so whole 16-byte loads may run into the next row: they do while that stays inside the
+ * slot's room, and the rows after go through a buffer. |sum| <= 64 * 127 * 32767: int32. */
+ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t r, int64_t n_out,
+                             int64_t room, float *y) {
     const int64_t nb = (r + 15) / 16; /* blocks of 16 ranks, at most 4 */
     __m256i vv[4];
     for (int64_t i = 0; i < nb; i++) vv[i] = _mm256_loadu_si256((const __m256i *)(vq + 16 * i));
     const __m256 vsv = _mm256_set1_ps(vs);
     int64_t n = 0;
-    if (16 * nb <= R)
-        for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, R, n, rs, vsv, y, 0);
-    else /* R not a multiple of 16 and r in its last, short block */
-        for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, R, n, rs, vsv, y, 1);
+    for (; n + 8 <= n_out && (n + 7) * r + 16 * nb <= room; n += 8) expand_block_i8(vv, nb, b, r, n, rs, vsv, y, 0);
+    for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, r, n, rs, vsv, y, 1);
     for (; n < n_out; n++) {
         int32_t acc = 0;
-        for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[j] * b[n * R + j];
+        for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[j] * b[n * r + j];
         y[n] += rs[n] * vs * (float)acc;
     }
 }
@@ -359,7 +363,7 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
     for (int64_t i = t0; i < t0 + n_tok; i++) {
         shrink_i8(xq + i * K, xs[i], a, a_rs, K, r, sc, v);
         const float vs = quantize_i16(v, r, (r + 15) / 16 * 16, vq);
-        if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, R, r, n_out, y + i * ldy);
+        if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, r, n_out, n_out * R, y + i * ldy);
     }
 }
 #else
@@ -376,7 +380,7 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
         }
         for (int64_t n = 0; n < n_out; n++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < r; j++) acc += v[j] * (float)b[n * R + j];
+            for (int64_t j = 0; j < r; j++) acc += v[j] * (float)b[n * r + j];
             y[i * ldy + n] += b_rs[n] * acc;
         }
     }

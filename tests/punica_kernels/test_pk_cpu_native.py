@@ -172,34 +172,42 @@ def test_bad_calls_on_a_prepared_stack():
 
 
 def _int8_stack(bt, ranks):
-    """bt's weights as an int8 stack (quantize_rows), and bt rewritten to the dequantized values the
-    op sees. Rows past each slot's rank get weight 127 and a NaN scale (A), columns past it 127
-    (B), so a kernel that reads them shows it."""
-    qa, qb = [pk.quantize_rows(torch.nan_to_num(a, nan=0.0)) for a in bt.a], [
-        pk.quantize_rows(torch.nan_to_num(b, nan=0.0)) for b in bt.b]
+    """bt's weights as an int8 stack (quantize_rows; each slot's B rows packed at its rank,
+    int8_b_view), and bt rewritten to the dequantized values the op sees. Rows of A past each
+    slot's rank get weight 127 and a NaN scale, and B's entries past N * rank 127, so a kernel
+    that reads them shows it."""
+    qa = [pk.quantize_rows(torch.nan_to_num(a, nan=0.0)) for a in bt.a]
+    qb = [pk.quantize_rows(torch.nan_to_num(b, nan=0.0)) for b in bt.b]  # rows: outputs, over R (zeros past r)
+    packed = []
     for (q, rs), (qbl, _) in zip(qa, qb):
         for s, r in enumerate(ranks):
-            q[s, r:], rs[s, r:], qbl[s, :, r:] = 127, float("nan"), 127
+            q[s, r:], rs[s, r:] = 127, float("nan")
+        pb = torch.full_like(qbl, 127)
+        for s, r in enumerate(ranks):
+            pk.int8_b_view(pb, s, r).copy_(qbl[s, :, :r])
+        packed.append(pb)
     bt.a = [q.float() * rs.unsqueeze(-1) for q, rs in qa]
     bt.b = [q.float() * rs.unsqueeze(-1) for q, rs in qb]
     for b in bt.b:
         for s, r in enumerate(ranks):
             b[s, :, r:] = float("nan")
-    return pk.lora_stack([q for q, _ in qa], [q for q, _ in qb], bt.scales, bt.ranks, bt.offsets,
+    return pk.lora_stack([q for q, _ in qa], packed, bt.scales, bt.ranks, bt.offsets,
                          a_row_scales=[rs for _, rs in qa], b_row_scales=[rs for _, rs in qb])
 
 
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
-@pytest.mark.parametrize("K,R", [(576, 16), (1536, 64), (200, 24), (33, 8)], ids=lambda v: str(v))
+@pytest.mark.parametrize("K,R", [(576, 16), (1536, 64), (200, 24), (33, 8), (576, 64)], ids=lambda v: str(v))
 def test_int8_stacks_with_row_scales(monkeypatch, torch_path, K, R):
     """add_lora's int8 form (the engine's adapter storage where the kernel is built): int8 stacks
     with fp32 row scales, fp32 x and y. The result is the reference's on the dequantized weights,
     to 1e-4 of the adapter term's size (the kernel rounds x and the intermediate to 16 bits for
     its integer products), through the kernel (any run length) and the torch path alike; nothing
-    past a slot's rank is read. Ranks below, at and across blocks of 16; R not a multiple of 16
-    (a row's last block read through a buffer); K with and without whole blocks of 16."""
+    past a slot's rank is read. Ranks below, at and across blocks of 16, and rank-16 slots in a
+    rank-64 stack (the engine's default R); ranks not a multiple of 16 (B rows packed at 8 or 23
+    bytes: whole 16-byte loads up to the slot's end, then through a buffer); K with and without
+    whole blocks of 16."""
     slots = _runs([(1, 3), (-1, 2), (0, 70), (2, 1), (3, 9)])  # one run longer than MAX_RUN
-    ranks = [R, 1, max(1, R // 2), R - 1]
+    ranks = [R, 1, max(1, R // 2), R - 1] if (K, R) != (576, 64) else [16, 16, 8, 16]
     bt = make_batch(T=slots.numel(), K=K, S=4, R=R, widths=(K, 40), ranks=ranks, seed=41 + K)
     bt.token_slots = slots
     stack = _int8_stack(bt, ranks)
@@ -257,3 +265,27 @@ def test_bad_int8_stacks_are_refused():
     meta = pk.build_lora_metadata(bt.token_slots, num_slots=2)
     with pytest.raises(TypeError, match="int8 with float32 x and y"):
         pk.add_lora(torch.zeros(4, 8, dtype=torch.bfloat16), bt.x.bfloat16(), stack, meta=meta)
+
+
+def test_the_plain_c_paths_match_the_reference(monkeypatch):
+    """The kernel built without SIMD (baseline x86-64: what a CPU without AVX2 + FMA runs, never
+    run on this machine's native build) gives the reference's result too, for fp32, bf16 and
+    int8 stacks."""
+    plain = cpu_native.load_library("x86-64")
+    assert plain is not None
+    monkeypatch.setattr(cpu_native, "library", lambda: plain)
+    slots = _runs([(1, 3), (-1, 2), (0, 11), (2, 1), (3, 9)])
+    ranks = [16, 1, 8, 15]
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        bt = make_batch(T=slots.numel(), K=200, S=4, R=16, widths=(200, 40), ranks=ranks, seed=7)
+        bt.token_slots = slots
+        meta = pk.build_lora_metadata(slots, num_slots=4)
+        if dtype == torch.int8:
+            stack = _int8_stack(bt, ranks)
+        else:
+            a, b = [t.to(dtype) for t in bt.a], [t.to(dtype) for t in bt.b]
+            bt.a, bt.b = [t.float() for t in a], [t.float() for t in b]
+            stack = pk.lora_stack(a, b, bt.scales, bt.ranks, bt.offsets)
+        assert cpu_native.add_lora_f32(pk._checks.check_add_lora(bt.y.clone(), bt.x, stack), meta)
+        y = pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta)
+        assert_close(y, _reference(bt), torch.float32)
