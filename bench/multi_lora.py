@@ -1,7 +1,7 @@
 """Multi-LoRA throughput: the same 32-request decode workload with 0, 1, 8 and 32 distinct
 rank-16 adapters (all seven targets), against transformers + PEFT's mixed-adapter batch.
 
-    python bench/multi_lora.py [--format auto] [--skip-peft] [--rounds 3]
+    python bench/multi_lora.py [--format auto] [--skip-peft] [--rounds 5]
 
 Prints one JSON object: `base_tok_s`, `lora1_tok_s`, `lora8_tok_s`, `lora32_tok_s` (aggregate
 completion tokens/s, 32 concurrent requests, 64 new tokens each, greedy, prefill included; the
@@ -40,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", default="auto", choices=sorted(DTYPES))
     ap.add_argument("--skip-peft", action="store_true")
-    ap.add_argument("--rounds", type=int, default=3, help="passes over the four workloads (median reported)")
+    ap.add_argument("--rounds", type=int, default=5, help="passes over the four workloads (median reported)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tessera-bench-lora-"))
     names = [f"a{i:02d}" for i in range(N_REQ)]
