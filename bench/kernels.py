@@ -2,7 +2,7 @@
 
     python bench/kernels.py            # CPU: the CPU path vs torch gather+bmm and a loop per adapter;
                                        # add_lora also without the C kernel, one decode step's LoRA work,
-                                       # (fp32 and bf16 stacks), and one decode step's int8 base weights
+                                       # (fp32, bf16 and int8 stacks), and one decode step's int8 base weights
                                        # (C kernel vs torch at 1-4 rows; AMX kernel vs bf16 dense at 8-64)
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
 
@@ -237,7 +237,8 @@ def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None
     """The LoRA work of one SmolLM2 decode step: 30 layers x the engine's four fused groups
     (q/k/v, o, gate/up, down), `tokens` tokens on as many adapters, rank 16, fp32, every layer
     with its own stacks (625 MB in all, read once per step). Against: the torch plan, and a
-    plain sum() over the same tensors (what reading them costs at best)."""
+    plain sum() over the same tensors (what reading them costs at best); then the same adapters
+    as bf16 and as int8 stacks (the engine's storage where the kernel is built)."""
     gen = torch.Generator().manual_seed(1)
     S, K = tokens, 576
     groups = [((576, 192, 192), K), ((576,), K), ((1536, 1536), K), ((576,), 1536)]
@@ -263,6 +264,25 @@ def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None
     fp32_stacks = stacks
     stacks = [[([a.bfloat16() for a in aa], [b.bfloat16() for b in bb]) for aa, bb in layer] for layer in fp32_stacks]
     bf16 = cpu_time(step, 8) if cpu_native.library() is not None else None
+    # The engine's default storage there: int8 rows with fp32 scales (every slot at the stack's
+    # rank, so each slot's B rows packed at its rank are the quantized [N, R] rows as they are).
+    int8 = None
+    if cpu_native.library() is not None:
+        int8_stacks = []
+        for layer in fp32_stacks:
+            row = []
+            for aa, bb in layer:
+                qa, qb = [pk.quantize_rows(a) for a in aa], [pk.quantize_rows(b) for b in bb]
+                row.append(pk.lora_stack([q for q, _ in qa], [q for q, _ in qb], scales, ranks,
+                                         a_row_scales=[r for _, r in qa], b_row_scales=[r for _, r in qb]))
+            int8_stacks.append(row)
+
+        def step_int8():
+            for layer in int8_stacks:
+                for st, x, y in zip(layer, xs, ys):
+                    pk.add_lora(y, x, st, meta=meta)
+
+        int8 = cpu_time(step_int8, 8)
     print(json.dumps({
         "device": "cpu", "threads": torch.get_num_threads(), "op": "decode_step_lora", "layers": layers,
         "tokens": tokens, "distinct_adapters": tokens, "rank": rank, "weight_mb": round(nbytes / 1e6),
@@ -270,6 +290,7 @@ def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None
         "torch_plan_ms": round(plan / 1000, 2), "sum_same_tensors_ms": round(floor / 1000, 2),
         "gb_s": round(nbytes / ours / 1e3, 1), "speedup_vs_torch_plan": round(plan / ours, 2),
         "bf16_stacks_ms": None if bf16 is None else round(bf16 / 1000, 2),
+        "int8_stacks_ms": None if int8 is None else round(int8 / 1000, 2),
     }), flush=True)
 
 
