@@ -1,14 +1,15 @@
 """Multi-LoRA throughput: the same 32-request decode workload with 0, 1, 8 and 32 distinct
 rank-16 adapters (all seven targets), against transformers + PEFT's mixed-adapter batch.
 
-    python bench/multi_lora.py [--format auto] [--skip-peft] [--rounds 5]
+    python bench/multi_lora.py [--format auto] [--lora-dtype default] [--skip-peft] [--rounds 5]
 
 Prints one JSON object: `base_tok_s`, `lora1_tok_s`, `lora8_tok_s`, `lora32_tok_s` (aggregate
 completion tokens/s, 32 concurrent requests, 64 new tokens each, greedy, prefill included; the
 median of `--rounds` interleaved passes), `lora32_over_base` (and per round),
 `peft32_tok_s` (PEFT, batch 32, adapter_names=one per row, same adapters and prompts), and
-`cold_load_ms` (one rank-16 adapter from local disk to a filled device slot: read, checks, slot
-copy; median of 5).
+`cold_load_ms` (one rank-16 adapter from local disk to a filled device slot: read, checks,
+conversion to the slots' dtype (int8: quantization), slot copy; median of 5). `lora_dtype` is
+the adapters' storage: the engine's default for the format, or `--lora-dtype`.
 """
 from __future__ import annotations
 
@@ -34,11 +35,14 @@ from tests.engine.lora_fixtures import write_random_adapter  # noqa: E402
 
 N_REQ, NEW_TOKENS, RANK = 32, 64, 16
 DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+LORA_DTYPES = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", default="auto", choices=sorted(DTYPES))
+    ap.add_argument("--lora-dtype", default="default", choices=sorted(LORA_DTYPES),
+                    help="adapter storage (default: the engine's choice for the format)")
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--rounds", type=int, default=5, help="passes over the four workloads (median reported)")
     args = ap.parse_args()
@@ -50,6 +54,7 @@ def main() -> None:
     checkpoint = load_gguf(default_model_path())
     tokenizer = TextTokenizer.from_gguf_metadata(checkpoint[2])
     eng = LLMEngine(config=EngineConfig(dtype=DTYPES[args.format], weight_format=args.format,
+                                        lora_dtype=LORA_DTYPES[args.lora_dtype],
                                         kv_cache_bytes=256 << 20, max_loras=N_REQ, max_lora_rank=RANK),
                     checkpoint=checkpoint, tokenizer=tokenizer, adapter_source=LocalDirectoryAdapterSource(root))
     for n in names:  # load every adapter into the CPU tier first: this measures steady state
@@ -90,7 +95,8 @@ def main() -> None:
     if eng.int8_max_rows is not None:
         res["int8_max_rows"] = list(eng.int8_max_rows)
         res["dense_ms"] = eng.format_timings
-    res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."), "rank": RANK, "requests": N_REQ, "new_tokens": NEW_TOKENS, "machine": machine()})
+    res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."),
+                "rank": RANK, "requests": N_REQ, "new_tokens": NEW_TOKENS, "machine": machine()})
     print(json.dumps(res))
 
 

@@ -11,7 +11,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from engine.config import ModelConfig
-from punica_kernels import quantize_rows
 from engine.lora.peft_format import (
     BaseModelShape,
     PeftAdapterConfig,
@@ -22,6 +21,7 @@ from engine.lora.peft_format import (
     parse_tensor_name,
 )
 from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from punica_kernels import quantize_rows
 
 
 class AdapterLoadError(ValueError):
