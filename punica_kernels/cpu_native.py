@@ -66,7 +66,7 @@ def _stack_args(stack) -> tuple[int, int, tuple] | None:
         a0 = stack.a_slices[0]
         weights = stack.a_slices + stack.b_slices
         ok = (a0.device.type == "cpu" and a0.shape[1] <= MAX_RANK and a0.dtype in WEIGHT_TYPES
-              and all(w.dtype == a0.dtype for w in weights) and stack.scales.dtype == torch.float32)
+              and all(w.dtype == a0.dtype for w in weights))
         if not ok:
             stack.cache["cpu_native"] = None
             return None

@@ -239,7 +239,7 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
  * pass before the work items) and v (per token and slice) are rounded to int16 with one scale
  * each (error at most 2^-16 of their largest element), and vpmaddwd multiplies 16 of them by 16
  * sign-extended weights into 8 int32 pair sums: a third of the instructions of widening each
- * weight to fp32 for an FMA, where a many-adapter step is as much compute- as memory-bound. The
+ * weight to fp32 for an FMA (the compute a many-adapter step's reads do not hide). The
  * row scales and the two int16 scales are applied to each row's sum. Without AVX2: fp32 on the
  * dequantized weights. */
 #ifdef TESSERA_HAS_AVX2
