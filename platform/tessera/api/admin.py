@@ -15,11 +15,12 @@ import anyio
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, SQLAlchemyError
 
 from adapter_registry import services as registry
 from adapter_registry.errors import RegistryError
 from tessera import services
+from tessera.api.bounds import Int32, Int64, RowId
 from tessera.auth import AdminDep, GatewayDep
 from tessera.errors import ApiError
 from tessera.models import UsageEvent
@@ -29,16 +30,16 @@ router = APIRouter(prefix="/admin/v1")
 
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    requests_per_minute: int | None = Field(None, ge=0)
-    tokens_per_minute: int | None = Field(None, ge=0)
-    max_concurrent_requests: int | None = Field(None, ge=0)
-    monthly_token_budget: int | None = Field(None, ge=0)
+    requests_per_minute: Int32 | None = None
+    tokens_per_minute: Int64 | None = None
+    max_concurrent_requests: Int32 | None = None
+    monthly_token_budget: Int64 | None = None
     allowed_priorities: list[str] | None = None
     default_priority: str | None = None
 
 
 class PlanIn(Limits):
-    monthly_included_tokens: int | None = Field(None, ge=0)  # billing: tokens a month at no charge
+    monthly_included_tokens: Int64 | None = None  # billing: tokens a month at no charge
 
 
 class TenantIn(BaseModel):
@@ -76,8 +77,9 @@ async def _db(gw, fn, *, changes: bool = True) -> Any:
         return result
     except RegistryError as e:
         raise ApiError(e.http_status, str(e)) from None
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+    except (ValueError, OverflowError, DataError) as e:
+        # DataError: a value the database refuses (out of its column's range); not an outage.
+        raise ApiError(400, str(e.orig) if isinstance(e, DataError) else str(e)) from None
     except SQLAlchemyError:
         raise ApiError(503, "the database is unavailable; try again") from None
 
@@ -116,7 +118,7 @@ async def issue_key(tenant: str, body: KeyIn, _: AdminDep, gw: GatewayDep):
 
 
 @router.delete("/tenants/{tenant}/keys/{key_id}")
-async def revoke_key(tenant: str, key_id: int, _: AdminDep, gw: GatewayDep):
+async def revoke_key(tenant: str, key_id: RowId, _: AdminDep, gw: GatewayDep):
     def run(session):
         t = registry.get_tenant(session=session, name=tenant)
         row = services.revoke_key(session=session, tenant=t, key_id=key_id)

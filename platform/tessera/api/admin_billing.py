@@ -35,6 +35,7 @@ from adapter_registry.context import RegistryContext
 from adapter_registry.errors import NotFound
 from adapter_registry.models import Tenant
 from tessera.api.admin import _db
+from tessera.api.bounds import MAX_PRICE_MICROS, RowId
 from tessera.auth import AdminDep, GatewayDep
 from tessera.billing import jobs
 from tessera.billing.exports import CONTENT_TYPES, download_name, fetch_export, list_exports
@@ -53,7 +54,7 @@ class PriceIn(BaseModel):
     base_model: str = Field(min_length=1, max_length=200)
     priority: Literal["realtime", "standard", "batch"]
     token_kind: Literal["input", "output"]
-    micros_per_mtok: int = Field(ge=0, description="micro-units of the currency per million tokens")
+    micros_per_mtok: int = Field(ge=0, le=MAX_PRICE_MICROS, description="micro-units of the currency per million tokens")
     effective_from: date
     tenant: str | None = None  # a contract price of this tenant; None: the book
 
@@ -227,7 +228,7 @@ async def get_exports(tenant: str, _: AdminDep, gw: GatewayDep, period: str | No
 
 
 @router.get("/billing/exports/{export_id}/download")
-async def download(export_id: int, _: AdminDep, gw: GatewayDep):
+async def download(export_id: RowId, _: AdminDep, gw: GatewayDep):
     def run(session):
         e = session.get(Export, export_id)
         if e is None:

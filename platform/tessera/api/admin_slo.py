@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict
 from adapter_registry import services as registry
 from tessera import services
 from tessera.api.admin import _db
+from tessera.api.bounds import Int32
 from tessera.auth import AdminDep, GatewayDep
 from tessera.observability import slo
 
@@ -55,9 +56,9 @@ router = APIRouter(prefix="/admin/v1")
 class ObjectivesIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     availability_target: float | None = None
-    ttft_threshold_ms: int | None = None
+    ttft_threshold_ms: Int32 | None = None
     ttft_target: float | None = None
-    tpot_threshold_ms: int | None = None
+    tpot_threshold_ms: Int32 | None = None
     tpot_target: float | None = None
 
 
