@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio
 from fastapi import FastAPI, Request, Response
@@ -123,12 +124,14 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
                                  adapter_labels=settings.metrics_adapter_labels,
                                  max_adapter_labels=settings.metrics_max_adapter_labels)
         epoch = make_epoch(settings.redis_url, key_prefix=settings.redis_key_prefix)
-        meter = Meter(ctx.engine, ctx.session_factory, observer=metrics.observe)
+        meter = Meter(ctx.engine, ctx.session_factory, observer=metrics.observe, outbox_dir=settings.usage_outbox_dir)
         app.state.gateway = Gateway(settings=settings, db=ctx.engine, session_factory=ctx.session_factory,
                                     store=ctx.store, engine=client, quota=RefusalCountingQuota(q, metrics),
                                     meter=meter, epoch=epoch)
         try:
             async with anyio.create_task_group() as tg:
+                # Usage the database could not take (this process's, and what a dead one left).
+                tg.start_soon(partial(meter.drain_outbox, retry_max_s=settings.usage_outbox_retry_max_s))
                 if settings.celery_eager:  # embedded: no Celery beat; the gateway runs billing on a timer
                     tg.start_soon(billing_loop, ctx)
                 yield

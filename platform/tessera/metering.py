@@ -8,20 +8,32 @@ which makes retries of the write safe.
 `observer` (when given) sees every recorded request once, after the write: the gateway's
 Prometheus metrics hook there (tessera.observability.metrics), so every request's latency and
 tokens are counted from the same record that bills it.
+
+Nothing billed is lost: when the insert fails (database down or restarting, connection killed,
+lock timeout), the event is appended to this process's durable outbox (outbox.py) and the
+response completes as usual; `drain_outbox`, a task of the gateway's lifespan, inserts the
+outbox's events (those a previous process left behind too) with backoff and removes each one
+only after its commit. A replay of an event that did reach the database is ignored (same request
+id), so an insert that failed after its commit is still billed once. The happy path does no
+outbox work: the outbox is touched only after a failed insert, and by the drainer.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import anyio
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from adapter_registry.db import utcnow
 from tessera.models import UsageEvent
+from tessera.observability.metrics import USAGE_EVENTS_DEFERRED, USAGE_OUTBOX_DEPTH
+from tessera.outbox import UsageOutbox, database_tag
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +58,10 @@ class Usage:
 
 
 class Meter:
-    """Writes usage events (see `record`)."""
+    """Writes usage events (see `record`); events the database cannot take wait in a durable
+    outbox under `outbox_dir` until `drain_outbox` moves them in (see the module docstring)."""
 
-    def __init__(self, engine: Engine, session_factory: sessionmaker, observer=None):
+    def __init__(self, engine: Engine, session_factory: sessionmaker, observer=None, *, outbox_dir: Path):
         self.engine = engine
         self.session_factory = session_factory
         self.observer = observer  # async callable(usage), e.g. GatewayMetrics.observe
@@ -56,6 +69,11 @@ class Meter:
         self.inline = engine.dialect.name == "sqlite"
         self._stmt = insert(UsageEvent).on_conflict_do_nothing(index_elements=[UsageEvent.request_id])
         self._sqlite: _SQLiteInsert | None = _SQLiteInsert(engine, self._stmt) if self.inline else None
+        self.outbox_dir = Path(outbox_dir)
+        self._tag = database_tag(engine.url)
+        self._outbox: UsageOutbox | None = None  # this process's own, made on the first deferred event
+        self._adopted: list[UsageOutbox] = []  # left by processes that died, being drained
+        self._boxes_lock = threading.Lock()
 
     def record_sync(self, usage: Usage) -> bool:
         """Insert the event and commit; False if one with this request id already exists."""
@@ -66,28 +84,141 @@ class Meter:
             return conn.execute(self._stmt, dict(vars(usage))).rowcount == 1
 
     def close(self) -> None:
+        """Release the database connection and the outbox files (an empty one is deleted; one
+        with events left is adopted by the next gateway on this database)."""
         if self._sqlite is not None:
             self._sqlite.close()
+        with self._boxes_lock:
+            for box in [self._outbox, *self._adopted]:
+                if box is not None:
+                    box.close()
+            self._outbox, self._adopted = None, []
 
     async def record(self, usage: Usage) -> bool:
         """`record_sync`, shielded so a cancelled request still gets its event. On SQLite (embedded,
         WAL, one process writing) the insert takes ~0.05 ms, far less than a hop to a worker thread
-        costs, so it runs inline; on Postgres it runs on a worker thread (network round trips)."""
+        costs, so it runs inline; on Postgres it runs on a worker thread (network round trips).
+        If the insert fails the event goes to the outbox (durable when this returns) and True is
+        not returned; the observer still sees the request, once."""
         with anyio.CancelScope(shield=True):
             try:
                 if self.inline:
                     inserted = self.record_sync(usage)
                 else:
                     inserted = await anyio.to_thread.run_sync(self.record_sync, usage)
-            except Exception:  # noqa: BLE001 - a lost event must be loud, not crash the response
-                log.exception("could not record usage for request %s", usage.request_id)
-                inserted = None  # not durable, but the request happened: still observed
+            except Exception as e:  # noqa: BLE001 - the database's failure must not fail the response
+                inserted = None  # the request happened: deferred to the outbox, and still observed
+                await anyio.to_thread.run_sync(self._defer, usage, e)
             if self.observer is not None and inserted is not False:
                 try:
                     await self.observer(usage)
                 except Exception:  # noqa: BLE001 - metrics must never fail a response
                     log.warning("could not observe request %s", usage.request_id, exc_info=True)
             return bool(inserted)
+
+    def _defer(self, usage: Usage, error: Exception) -> None:
+        values = dict(vars(usage))
+        values["created_at"] = utcnow()  # when it happened, not when the database takes it
+        try:
+            with self._boxes_lock:
+                if self._outbox is None:
+                    self._outbox = UsageOutbox.create(self.outbox_dir, self._tag)
+                box = self._outbox
+            box.append(values)
+        except Exception:  # noqa: BLE001 - nowhere left to keep it: say so as loudly as we can
+            log.exception("usage of request %s is LOST (tenant %s, %d+%d tokens): the database refused it (%s) "
+                          "and the outbox in %s could not store it", usage.request_id, usage.tenant_id,
+                          usage.prompt_tokens, usage.completion_tokens, _summary(error), self.outbox_dir)
+            return
+        USAGE_EVENTS_DEFERRED.inc()
+        USAGE_OUTBOX_DEPTH.set(self.outbox_depth)
+        log.warning("usage of request %s deferred to the outbox (%s)", usage.request_id, _summary(error))
+
+    @property
+    def outbox_depth(self) -> int:
+        """Events waiting in the outboxes this process holds (its own and adopted ones)."""
+        return sum(box.depth for box in [self._outbox, *self._adopted] if box is not None)
+
+    def adopt_orphans(self) -> int:
+        """Take over the outbox files that dead processes left for this database; events found."""
+        found = UsageOutbox.adopt_orphans(self.outbox_dir, self._tag)
+        with self._boxes_lock:
+            self._adopted.extend(found)
+        USAGE_OUTBOX_DEPTH.set(self.outbox_depth)
+        return sum(box.depth for box in found)
+
+    def drain_once(self, batch: int = 500) -> int:
+        """Move up to `batch` events from each outbox into the database, each outbox's batch in
+        one transaction, removing them from the outbox after its commit; the number moved.
+        Raises the database's error when it is unavailable (the events stay). An event the
+        database refuses (a constraint, bad data) is kept in the outbox as rejected, logged."""
+        moved = 0
+        with self._boxes_lock:
+            boxes = [b for b in [self._outbox, *self._adopted] if b is not None]
+        for box in boxes:
+            events = box.peek(batch)
+            if not events:
+                continue
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(self._stmt, [values for _, values in events])
+            except (IntegrityError, DataError):  # one of them is refused: find it, move the rest
+                self._drain_one_by_one(box, events)
+            else:
+                box.remove([i for i, _ in events])
+            moved += len(events)
+        with self._boxes_lock:
+            done = [b for b in self._adopted if b.depth == 0]
+            self._adopted = [b for b in self._adopted if b.depth != 0]
+        for box in done:
+            box.close()  # deleted unless it keeps rejected events
+        USAGE_OUTBOX_DEPTH.set(self.outbox_depth)
+        return moved
+
+    def _drain_one_by_one(self, box: UsageOutbox, events: list[tuple[int, dict]]) -> None:
+        for outbox_id, values in events:
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(self._stmt, values)
+            except (IntegrityError, DataError) as e:
+                box.reject(outbox_id, _summary(e))
+                log.error("usage of request %s refused by the database (%s); kept in %s as rejected",
+                          values.get("request_id"), _summary(e), box.path)
+            else:
+                box.remove([outbox_id])
+
+    async def drain_outbox(self, *, retry_min_s: float = 0.5, retry_max_s: float = 30.0) -> None:
+        """Run until cancelled (a task of the gateway's lifespan): adopt what dead processes left,
+        then move outbox events into the database whenever there are some, checking every
+        `retry_min_s`; while the database fails, wait from `retry_min_s` doubling up to
+        `retry_max_s` between attempts."""
+        try:
+            found = await anyio.to_thread.run_sync(self.adopt_orphans)
+            if found:
+                log.warning("usage outbox: %d events left by a previous process, to be recorded", found)
+        except Exception:  # noqa: BLE001 - a bad outbox directory must not stop the gateway
+            log.exception("usage outbox: could not look for outboxes left in %s", self.outbox_dir)
+        delay = retry_min_s
+        while True:
+            if self.outbox_depth == 0:
+                await anyio.sleep(retry_min_s)
+                continue
+            try:
+                moved = await anyio.to_thread.run_sync(self.drain_once)
+            except Exception as e:  # noqa: BLE001 - the database is still away: keep them, retry
+                log.warning("usage outbox: %d events wait for the database (%s); next try in %.1fs",
+                            self.outbox_depth, _summary(e), delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, retry_max_s)
+                continue
+            delay = retry_min_s
+            if moved:
+                log.info("usage outbox: %d events recorded, %d waiting", moved, self.outbox_depth)
+
+
+def _summary(error: Exception) -> str:
+    first = str(getattr(error, "orig", None) or error).strip().splitlines()
+    return f"{type(error).__name__}: {first[0] if first else ''}"[:300]
 
 
 class _SQLiteInsert:

@@ -47,6 +47,10 @@ class PlatformSettings(RegistrySettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context).")
     default_plan: str = Field("default", description="Plan of tenants created without one.")
 
+    # Usage outbox (tessera/outbox.py): where usage events wait while the database cannot take them.
+    usage_outbox_dir: Path = Field(Path("./var/usage-outbox"), description="Directory of the gateway processes' usage outbox files (one per process; local disk, kept across restarts).")
+    usage_outbox_retry_max_s: float = Field(30.0, gt=0, description="Longest wait between two attempts to move outbox events into the database while it fails.")
+
     # Observability (tessera.observability): /metrics, label bounds, where SLO status comes from.
     metrics_token: SecretStr | None = Field(None, description="Bearer token /metrics requires; unset leaves it open (scrape from a private network).")
     metrics_max_tenant_labels: int = Field(2000, ge=1, description="Distinct tenant label values per process; later tenants are counted as '_other'.")

@@ -10,6 +10,8 @@ that one record into these series (no per-token work, nothing on the streaming p
   tessera_request_duration_seconds{tenant, priority}      histogram, end to end
   tessera_prompt_tokens_total{tenant}, tessera_completion_tokens_total{tenant}
   tessera_quota_refusals_total{tenant, reason}            reason: requests | tokens | concurrency | budget
+  tessera_usage_events_deferred_total, tessera_usage_outbox_depth   usage events the database could
+                                                          not take at once / still waiting (metering.py)
   tessera_adapter_requests_total{tenant, adapter, status} only with metrics_adapter_labels
   tessera_adapter_request_ttft_seconds{tenant, adapter}   only with metrics_adapter_labels
   tessera_adapter_request_duration_seconds{tenant, adapter} only with metrics_adapter_labels
@@ -31,7 +33,7 @@ import os
 import threading
 
 import anyio
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import select
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,11 @@ PROMPT_TOKENS = Counter("tessera_prompt_tokens_total", "Prompt tokens billed.", 
 COMPLETION_TOKENS = Counter("tessera_completion_tokens_total", "Completion tokens billed.", ["tenant"])
 QUOTA_REFUSALS = Counter("tessera_quota_refusals_total", "Requests refused with 429 by a quota.",
                          ["tenant", "reason"])
+# The usage outbox (tessera/metering.py, tessera/outbox.py): label-free, set by the meter.
+USAGE_EVENTS_DEFERRED = Counter("tessera_usage_events_deferred_total",
+                                "Usage events the database could not take at once, kept in the outbox.")
+USAGE_OUTBOX_DEPTH = Gauge("tessera_usage_outbox_depth", "Usage events waiting in the outbox for the database.",
+                           multiprocess_mode="livesum")
 ADAPTER_REQUESTS = Counter("tessera_adapter_requests_total", "Requests per adapter (metrics_adapter_labels).",
                            ["tenant", "adapter", "status"])
 ADAPTER_TTFT = Histogram("tessera_adapter_request_ttft_seconds", "TTFT per adapter (metrics_adapter_labels).",
