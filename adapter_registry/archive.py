@@ -6,12 +6,22 @@ member by member with explicit checks instead of extractall: no absolute paths o
 symbolic/hard links or device files, at most `max_files` entries, at most
 `max_uncompressed_bytes` in total (counted while decompressing, not trusted from headers), no
 encrypted members. Pickle weights (adapter_model.bin, *.pt, ...) are refused wherever they are.
+
+Tar archives are decompressed by our own reader, which counts every byte tarfile reads (headers,
+padding and skipped members included) against `max_uncompressed_bytes`; tarfile's meta-headers
+(GNU long names/links, pax records), which it would read whole into memory before any member
+check, are refused above MAX_TAR_META_BYTES each and beyond a few per entry, before tarfile
+reads them. GNU sparse members are refused.
 """
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
 import stat
 import tarfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -22,6 +32,13 @@ from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 CHUNK_BYTES = 1024 * 1024
 _WANTED = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+# A GNU long name or pax header record larger than this is refused: real ones hold a path and a
+# few attributes (PATH_MAX is 4 KiB), and tarfile reads each whole into memory.
+MAX_TAR_META_BYTES = 64 * 1024
+_TAR_META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                   tarfile.SOLARIS_XHDTYPE)
+# Meta-headers allowed per archive entry (a long name + a long link + a pax record + a global one).
+_TAR_META_PER_ENTRY = 4
 
 
 @dataclass(frozen=True)
@@ -80,10 +97,11 @@ class _Budget:
             )
 
 
-def _copy_bounded(src: IO[bytes], dest: Path, budget: _Budget) -> None:
+def _copy_bounded(src: IO[bytes], dest: Path, budget: _Budget | None) -> None:
     with open(dest, "wb") as out:
         while chunk := src.read(CHUNK_BYTES):
-            budget.take(len(chunk))
+            if budget is not None:
+                budget.take(len(chunk))
             out.write(chunk)
 
 
@@ -128,13 +146,65 @@ def _stage_zip(path: Path, workdir: Path, limits: ArchiveLimits) -> StagedAdapte
     return StagedAdapter(workdir / ADAPTER_CONFIG, workdir / ADAPTER_WEIGHTS)
 
 
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A TarInfo that refuses oversized or too many meta-headers and sparse members before
+    tarfile processes them (tarfile.open(..., tarinfo=_BoundedTarInfo))."""
+
+    max_meta_headers = 0  # set per archive by _stage_tar (a subclass per call)
+
+    def _proc_member(self, tarfile_):
+        if self.type in _TAR_META_TYPES:
+            if self.size > MAX_TAR_META_BYTES:
+                raise UploadRejected(
+                    f"archive holds a tar header record of {self.size} bytes (long name or pax header); at most "
+                    f"{MAX_TAR_META_BYTES} are allowed"
+                )
+            seen = getattr(tarfile_, "_tessera_meta_headers", 0) + 1
+            tarfile_._tessera_meta_headers = seen
+            if seen > self.max_meta_headers:
+                raise UploadRejected(f"archive holds more than {self.max_meta_headers} tar header records; refused")
+        elif self.type == tarfile.GNUTYPE_SPARSE:
+            raise UploadRejected(f"archive entry {self.name!r} is a sparse file; refused")
+        return super()._proc_member(tarfile_)
+
+
+class _CountingReader:
+    """A read-only stream over the decompressed tar bytes that charges each read to `budget`."""
+
+    def __init__(self, raw: IO[bytes], budget: _Budget):
+        self.raw = raw
+        self.budget = budget
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n if n is not None and n >= 0 else CHUNK_BYTES)
+        self.budget.take(len(data))
+        return data
+
+
+def _open_decompressed(path: Path) -> IO[bytes]:
+    """`path` opened through the decompressor its magic bytes name (gzip, bz2, xz), or raw."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.open(path, "rb")
+    if magic.startswith(b"BZh"):
+        return bz2.open(path, "rb")
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.open(path, "rb")
+    return open(path, "rb")
+
+
 def _stage_tar(path: Path, workdir: Path, limits: ArchiveLimits) -> StagedAdapter:
     found: dict[str, list[PurePosixPath]] = {}
     budget = _Budget(limits.max_uncompressed_bytes)
+    tarinfo = type("_ArchiveTarInfo", (_BoundedTarInfo,),
+                   {"max_meta_headers": _TAR_META_PER_ENTRY * (limits.max_files + 1)})
     count = 0
     try:
-        # Stream mode: one pass over the gzip stream, members handled as they come.
-        with tarfile.open(path, mode="r|*") as tf:
+        # Stream mode: one pass over the decompressed stream, members handled as they come; every
+        # byte tarfile reads goes through the budget.
+        with _open_decompressed(path) as raw, tarfile.open(fileobj=_CountingReader(raw, budget), mode="r|",
+                                                          tarinfo=tarinfo) as tf:
             for m in tf:
                 count += 1
                 if count > limits.max_files:
@@ -144,21 +214,19 @@ def _stage_tar(path: Path, workdir: Path, limits: ArchiveLimits) -> StagedAdapte
                     raise UploadRejected(f"archive entry {m.name!r} is a link; links are refused")
                 if m.isdir():
                     continue
-                if not m.isfile():
+                if not m.isfile() or m.sparse is not None:
                     raise UploadRejected(f"archive entry {m.name!r} is not a regular file; refused")
                 _refuse_pickle(m.name)
                 if budget.used + m.size > budget.limit:
-                    budget.take(m.size)  # raises with the bomb message
+                    budget.take(m.size)  # raises with the bomb message before decompressing it
                 if p.name in _WANTED:
                     found.setdefault(p.name, []).append(p)
                     if len(found[p.name]) == 1:
                         src = tf.extractfile(m)
                         assert src is not None  # a regular file always has a stream
-                        _copy_bounded(src, workdir / p.name, budget)
-                    continue
-                budget.take(m.size)  # skipped members still cost decompression
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise UploadRejected(f"{path.name} is not a readable tar.gz archive: {e}") from None
+                        _copy_bounded(src, workdir / p.name, None)  # its bytes are charged as read
+    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+        raise UploadRejected(f"{path.name} is not a readable tar archive: {e}") from None
     _pick(found, ADAPTER_CONFIG), _pick(found, ADAPTER_WEIGHTS)
     return StagedAdapter(workdir / ADAPTER_CONFIG, workdir / ADAPTER_WEIGHTS)
 

@@ -10,10 +10,14 @@ directory holding adapter_config.json + adapter_model.safetensors of that versio
   version, and processes sharing the cache dir on a file lock, so it is downloaded once.
 Only 'ready', undeleted versions are served. A source bound to a tenant serves only that
 tenant's versions (the same bytes uploaded by two tenants are two versions with one digest).
+
+`report_fault(version_id, reason)` is the engine's way back: a version whose use produced
+non-finite numbers is quarantined (services.quarantine_version), so no request gets it again.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import shutil
 import tempfile
 import threading
@@ -28,6 +32,8 @@ from adapter_registry.errors import ObjectNotFound, RegistryError
 from adapter_registry.models import Adapter, AdapterVersion
 from adapter_registry.objectstore import ObjectStore
 from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterFetchError, check_version_id
+
+log = logging.getLogger(__name__)
 
 
 class RegistryAdapterSource:
@@ -71,6 +77,20 @@ class RegistryAdapterSource:
                     return final
                 finally:
                     fcntl.flock(lockfile, fcntl.LOCK_UN)
+
+    def report_fault(self, version_id: str, reason: str) -> None:
+        """Quarantine version `version_id` (a sha256 hex) with `reason`: every ready version with
+        that digest, whichever tenant's, stops being resolved and fetched, and adapters pointing
+        at it fall back to their newest other ready version. Logs; never raises (the engine calls
+        it from its step loop's error path)."""
+        try:
+            from adapter_registry.services import quarantine_version
+
+            with self.session_factory() as session:
+                n = quarantine_version(session=session, sha256=str(version_id), reason=str(reason))
+            log.warning("adapter version %s quarantined (%d version rows): %s", version_id, n, reason)
+        except Exception:
+            log.exception("could not quarantine adapter version %s (%s)", version_id, reason)
 
     def _lookup(self, version_id: str) -> AdapterVersion:
         q = (select(AdapterVersion).join(Adapter, AdapterVersion.adapter_id == Adapter.id)

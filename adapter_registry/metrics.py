@@ -4,6 +4,7 @@
                                                     worker) | refused (before storing) | error
   tessera_registry_rejections_total{stage, reason}  stage: upload (refused before anything is
                                                     stored) | validation (stored, then rejected)
+  tessera_registry_quarantined_total                ready versions the engine found faulty
 
 Reasons are a fixed set (`reason_of`), derived from the user-facing message, so the label stays
 bounded whatever a message says. Validation counts where it runs: in the gateway process in
@@ -21,17 +22,22 @@ from adapter_registry.errors import Conflict, QuotaExceeded, RegistryError, Regi
 UPLOADS = Counter("tessera_registry_uploads_total", "Adapter uploads by outcome.", ["outcome"])
 REJECTIONS = Counter("tessera_registry_rejections_total", "Adapter uploads refused or rejected, by reason.",
                      ["stage", "reason"])
+QUARANTINED = Counter("tessera_registry_quarantined_total", "Ready adapter versions quarantined after an engine fault.")
 
 # (substring of the message, reason), first match wins; validation.py and archive.py word them.
 _VALIDATION_REASONS = (
-    ("NaN or Inf", "non_finite"), ("dtype", "dtype"), ("shape", "shape"), ("missing", "missing_tensors"),
+    ("deadline", "sandbox_limit"), ("memory limit", "sandbox_limit"), ("CPU time limit", "sandbox_limit"),
+    ("was killed", "sandbox_limit"), ("crashed", "sandbox_crash"), ("failed unexpectedly", "sandbox_crash"),
+    ("NaN or Inf", "non_finite"), ("overflow", "overflow"), ("RE2", "regex"), ("regex", "regex"),
+    ("dtype", "dtype"), ("shape", "shape"), ("missing", "missing_tensors"),
     ("maximum rank", "rank"), ("base model", "base_model"), ("safetensors", "safetensors"),
     ("adapter_config.json", "config"), ("tensor", "tensors"),
 )
 _UPLOAD_REASONS = (
     ("pickle", "pickle"), ("zip bomb", "archive_limits"), ("entries", "archive_limits"),
     ("unsafe path", "unsafe_archive"), ("link", "unsafe_archive"), ("encrypted", "unsafe_archive"),
-    ("regular file", "unsafe_archive"), ("not a readable", "corrupt_archive"), ("corrupt", "corrupt_archive"),
+    ("regular file", "unsafe_archive"), ("sparse", "unsafe_archive"), ("header record", "archive_limits"),
+    ("not a readable", "corrupt_archive"), ("corrupt", "corrupt_archive"),
     ("invalid", "invalid_name"), ("holds no", "layout"), ("more than one", "layout"), ("nested", "layout"),
 )
 VALIDATION_REASONS = tuple(r for _, r in _VALIDATION_REASONS) + ("unsupported_config",)
@@ -51,6 +57,11 @@ def validated(version) -> None:
     """Count a version that validation just decided (ready, or rejected with its reason)."""
     if version.status == "rejected":
         REJECTIONS.labels("validation", reason_of(version.rejection_reason or "", stage="validation")).inc()
+
+
+def quarantined(n: int) -> None:
+    """Count `n` versions just quarantined."""
+    QUARANTINED.inc(n)
 
 
 def count_uploads(fn):

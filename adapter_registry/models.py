@@ -30,7 +30,8 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 from adapter_registry.db import Base, utcnow
 
 TENANT_STATUSES = ("active", "suspended")
-VERSION_STATUSES = ("validating", "ready", "rejected")
+# quarantined: was ready, then the engine found it faulty (non-finite outputs); never served again.
+VERSION_STATUSES = ("validating", "ready", "rejected", "quarantined")
 
 
 class Tenant(Base):
@@ -94,13 +95,14 @@ class Adapter(Base):
 
 class AdapterVersion(Base):
     """An immutable adapter version. Fields parsed from the files (rank, alpha, ...) are set by
-    validation; until then status is 'validating'. A rejected version keeps its reason."""
+    validation; until then status is 'validating' (since validation_started_at). A rejected or
+    quarantined version keeps its reason in rejection_reason."""
 
     __tablename__ = "adapter_versions"
     __table_args__ = (
         UniqueConstraint("adapter_id", "version"),
         UniqueConstraint("adapter_id", "sha256"),
-        CheckConstraint("status IN ('validating', 'ready', 'rejected')", name="status"),
+        CheckConstraint("status IN ('validating', 'ready', 'rejected', 'quarantined')", name="status"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -122,6 +124,9 @@ class AdapterVersion(Base):
     dtype: Mapped[str | None] = mapped_column(String(8))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     validated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # When the current 'validating' spell began (upload, re-upload, re-queue); a version validating
+    # for longer than the deadline was left by a dead process (services.recover_stuck_versions).
+    validation_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     adapter: Mapped[Adapter] = relationship(foreign_keys=[adapter_id])

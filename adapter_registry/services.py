@@ -8,15 +8,23 @@ Upload protocol (nothing is left half-made):
 1. stage the files locally and refuse unsafe/oversized uploads (no storage touched yet);
 2. put content-addressed blobs in the object store (skipped for bytes already stored);
 3. one transaction inserts blob rows, the adapter (if new) and a 'validating' version;
-4. validation runs (inline in embedded mode, else a Celery task) and marks it ready or rejected.
+4. validation runs (in a bounded child process: validation.validate_in_sandbox; waited on inline
+   in embedded mode, else by a Celery task) and marks it ready or rejected.
 A store failure in 2 leaves no rows; a database failure in 3 leaves objects without rows, which
 cleanup.collect_garbage removes after a grace period; a failure to start validation in 4 removes
 the version again. The caller gets RegistryUnavailable (503) in each case.
+
+A version left 'validating' by a process that died is found by `recover_stuck_versions` (run
+when a gateway or worker starts) and validated again; re-uploading its bytes does the same. A
+ready version the engine finds faulty is quarantined (`quarantine_version`): never served
+again, its reason kept.
 """
 from __future__ import annotations
 
+import logging
 import re
 import tempfile
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -38,10 +46,15 @@ from adapter_registry.errors import (
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.objectstore import ObjectStore
 from adapter_registry.settings import RegistrySettings
-from adapter_registry.validation import AdapterRejected, validate_adapter_files
+from adapter_registry.validation import AdapterRejected, validate_in_sandbox
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
+# How long past the validation deadline a 'validating' version is left alone before it counts as
+# stuck: room for downloading its files and, with Celery, for a short queue.
+STUCK_SLACK_S = 60.0
 
 
 def _check_name(name: str, what: str) -> str:
@@ -180,9 +193,10 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
     adapter `name`, and validate it.
 
     Returns the version: 'ready' or 'rejected' (with its reason) when validation runs inline
-    (settings.celery_eager), else 'validating' until the worker is done; poll with
-    `resolve_version(..., require_ready=False)`. Uploading bytes that already are a version of
-    this adapter returns that version (a rejected one is validated again, a deleted one restored).
+    (settings.celery_eager; the calling thread waits on the validation child process), else
+    'validating' until the worker is done; poll with `resolve_version(..., require_ready=False)`.
+    Uploading bytes that already are a version of this adapter returns that version (a rejected
+    or stuck one is validated again, a deleted one restored; a quarantined one stays quarantined).
     A version becomes current once ready unless a newer one already is.
 
     Raises UploadRejected (unsafe archive, pickle weights, missing files), QuotaExceeded (size or
@@ -235,6 +249,7 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
                 config_sha256=config_sha, weights_sha256=weights_sha,
                 object_key=blob_key(weights_sha), config_object_key=blob_key(config_sha),
                 size_bytes=weights_size, status="validating", base_model=base_model,
+                validation_started_at=utcnow(),
             )
             adapter.next_version += 1
             session.add(version)
@@ -252,20 +267,43 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
                              discard_on_failure=created)
 
 
+def _stuck_cutoff(settings: RegistrySettings) -> datetime:
+    """Versions 'validating' since before this were left by a process that died."""
+    return utcnow() - timedelta(seconds=settings.validation_timeout_s + STUCK_SLACK_S)
+
+
+def _is_stuck(version: AdapterVersion, settings: RegistrySettings) -> bool:
+    started = version.validation_started_at or version.created_at
+    if started is not None and started.tzinfo is None:  # SQLite hands back naive UTC
+        started = started.replace(tzinfo=timezone.utc)
+    return version.status == "validating" and (started is None or started < _stuck_cutoff(settings))
+
+
 def _reupload(*, session: Session, store: ObjectStore, settings: RegistrySettings, version: AdapterVersion,
               base_model: str | None) -> AdapterVersion:
-    if version.deleted_at is None and version.status != "rejected":
+    if version.status == "quarantined":  # the engine's verdict stands; the upload only restores it
+        if version.deleted_at is not None:
+            version.deleted_at = None
+            session.commit()
+        return version
+    if version.deleted_at is None and version.status != "rejected" and not _is_stuck(version, settings):
         return version
     version.deleted_at = None
     version.status = "validating"
     version.rejection_reason = None
     version.base_model = base_model
+    version.validation_started_at = utcnow()
     session.commit()
-    return _start_validation(session=session, store=store, settings=settings, version=version, discard_on_failure=False)
+    return _start_validation(session=session, store=store, settings=settings, version=version,
+                             discard_on_failure=False, keep_on_failure=True)
 
 
 def _start_validation(*, session: Session, store: ObjectStore, settings: RegistrySettings, version: AdapterVersion,
-                      discard_on_failure: bool) -> AdapterVersion:
+                      discard_on_failure: bool, keep_on_failure: bool = False) -> AdapterVersion:
+    """Validate `version` inline (embedded) or queue it. If that cannot start, a new version is
+    removed again (with its adapter when `discard_on_failure`), an existing one (re-upload,
+    recovery: `keep_on_failure`) stays 'validating' for recover_stuck_versions; either way the
+    caller gets RegistryUnavailable."""
     try:
         if settings.celery_eager:
             return validate_version(session=session, store=store, settings=settings, version_id=version.id)
@@ -278,11 +316,20 @@ def _start_validation(*, session: Session, store: ObjectStore, settings: Registr
                                  connection=conn, retry=False)
         return version
     except RegistryUnavailable:
-        _discard(session, version, drop_adapter=discard_on_failure)
+        _forget(session, version, keep=keep_on_failure, drop_adapter=discard_on_failure)
         raise
     except Exception as e:  # the broker refused the task (kombu raises many types)
-        _discard(session, version, drop_adapter=discard_on_failure)
-        raise RegistryUnavailable(f"validation queue unavailable ({type(e).__name__}: {e}); nothing was stored") from e
+        _forget(session, version, keep=keep_on_failure, drop_adapter=discard_on_failure)
+        log.warning("validation task for adapter version id %s not queued: %s", version.id, e)
+        outcome = "it will be validated later" if keep_on_failure else "nothing was stored"
+        raise RegistryUnavailable(f"validation queue unavailable ({type(e).__name__}); {outcome}") from e
+
+
+def _forget(session: Session, version: AdapterVersion, *, keep: bool, drop_adapter: bool) -> None:
+    if keep:
+        session.rollback()
+    else:
+        _discard(session, version, drop_adapter=drop_adapter)
 
 
 def _discard(session: Session, version: AdapterVersion, *, drop_adapter: bool) -> None:
@@ -304,13 +351,16 @@ def _discard(session: Session, version: AdapterVersion, *, drop_adapter: bool) -
 def validate_version(*, session: Session, store: ObjectStore, settings: RegistrySettings, version_id: int) -> AdapterVersion:
     """Validate a 'validating' version from its stored files and commit 'ready' (with the parsed
     rank, alpha, modules, base, dtype; current pointer moved when it is the newest ready) or
-    'rejected' (with the reason). Versions already decided are returned unchanged, so a retried
-    task is harmless. Raises RegistryUnavailable if the store or database fails (retry later)."""
+    'rejected' (with the reason: a rule, or the validation child's deadline, memory limit or
+    crash). Versions already decided are returned unchanged, so a retried task is harmless.
+    Raises RegistryUnavailable if the store or database fails, or no child process can be
+    started (retry later)."""
     version = session.get(AdapterVersion, version_id)
     if version is None:
         raise NotFound(f"adapter version id {version_id} not found")
     if version.status != "validating":
         return version
+    session.rollback()  # no transaction stays open while the files download and validate
     with tempfile.TemporaryDirectory(prefix="tessera-validate-") as work:
         config_path, weights_path = Path(work) / "config.json", Path(work) / "weights.safetensors"
         store.get_file(version.config_object_key, config_path)
@@ -318,8 +368,11 @@ def validate_version(*, session: Session, store: ObjectStore, settings: Registry
         if sha256_file(config_path)[0] != version.config_sha256 or sha256_file(weights_path)[0] != version.weights_sha256:
             raise RegistryUnavailable(f"stored files of {version.ref} do not match their sha256; object store corrupt")
         try:
-            result = validate_adapter_files(config_path=config_path, weights_path=weights_path,
-                                            settings=settings, base_model=version.base_model)
+            result = validate_in_sandbox(config_path=config_path, weights_path=weights_path,
+                                         settings=settings, base_model=version.base_model)
+        except OSError as e:  # no child process could be started: the host's fault, not the adapter's
+            session.rollback()
+            raise RegistryUnavailable(f"validation could not start ({type(e).__name__}); try again") from e
         except AdapterRejected as e:
             version.status = "rejected"
             version.rejection_reason = str(e)
@@ -372,9 +425,99 @@ def delete_adapter(*, session: Session, tenant: Tenant, ref: str) -> None:
         v.deleted_at = now
         if adapter.current_version_id == v.id:
             session.flush()
-            adapter.current_version_id = session.scalar(
-                select(AdapterVersion.id)
-                .where(AdapterVersion.adapter_id == adapter.id, AdapterVersion.status == "ready",
-                       AdapterVersion.deleted_at.is_(None))
-                .order_by(AdapterVersion.version.desc()).limit(1))
+            adapter.current_version_id = _newest_ready_id(session, adapter.id)
     session.commit()
+
+
+def _newest_ready_id(session: Session, adapter_id: int) -> int | None:
+    return session.scalar(
+        select(AdapterVersion.id)
+        .where(AdapterVersion.adapter_id == adapter_id, AdapterVersion.status == "ready",
+               AdapterVersion.deleted_at.is_(None))
+        .order_by(AdapterVersion.version.desc()).limit(1))
+
+
+# ---------------------------------------------------------------- stuck versions, quarantine
+
+
+def recover_stuck_versions(*, session: Session, store: ObjectStore, settings: RegistrySettings) -> int:
+    """Validate again every version left 'validating' for longer than the validation deadline
+    (plus STUCK_SLACK_S) by a process that died: inline in embedded mode (each ends ready or
+    rejected), else re-queued for a worker. Returns how many were recovered; a version whose
+    validation cannot start now (store, database or broker down) stays for the next call."""
+    ids = list(session.scalars(
+        select(AdapterVersion.id)
+        .where(AdapterVersion.status == "validating", AdapterVersion.deleted_at.is_(None),
+               func.coalesce(AdapterVersion.validation_started_at, AdapterVersion.created_at) < _stuck_cutoff(settings))
+        .order_by(AdapterVersion.id)))
+    session.rollback()
+    recovered = 0
+    for version_id in ids:
+        version = session.get(AdapterVersion, version_id)
+        if version is None or version.status != "validating":
+            continue  # decided meanwhile by another process
+        version.validation_started_at = utcnow()
+        session.commit()
+        try:
+            _start_validation(session=session, store=store, settings=settings, version=version,
+                              discard_on_failure=False, keep_on_failure=True)
+        except RegistryUnavailable as e:
+            log.warning("adapter version %s stays validating: %s", version.ref, e)
+            continue
+        recovered += 1
+        log.info("adapter version %s was left validating; validation restarted", version.ref)
+    return recovered
+
+
+def reject_validation(*, session: Session, version_id: int, reason: str) -> AdapterVersion:
+    """Reject version `version_id` with `reason` if it is still 'validating' (a validation that
+    ran out of time outside its child process); a decided version is returned unchanged."""
+    session.rollback()
+    version = session.get(AdapterVersion, version_id)
+    if version is None:
+        raise NotFound(f"adapter version id {version_id} not found")
+    if version.status == "validating":
+        version.status, version.rejection_reason, version.validated_at = "rejected", reason, utcnow()
+        try:
+            session.commit()
+        except SQLAlchemyError as e:
+            session.rollback()
+            raise _db_unavailable(e) from e
+        metrics.validated(version)
+    return version
+
+
+def recover_stuck_versions_at_start(ctx) -> int:
+    """recover_stuck_versions in its own session of `ctx` (a RegistryContext), for a gateway's or
+    worker's start: logs and returns 0 on any failure, never raises."""
+    try:
+        with ctx.session_factory() as session:
+            return recover_stuck_versions(session=session, store=ctx.store, settings=ctx.settings)
+    except Exception:
+        log.exception("recovering adapter versions left validating failed")
+        return 0
+
+
+def quarantine_version(*, session: Session, sha256: str, reason: str) -> int:
+    """Mark every ready version with digest `sha256` (any tenant's; the same bytes fail alike)
+    'quarantined' with `reason` in rejection_reason, so it is never resolved or fetched again,
+    and move each affected adapter's current pointer to its newest remaining ready version (or
+    none). Returns how many versions were quarantined (0: none ready, e.g. already quarantined).
+    Raises RegistryUnavailable if the database fails."""
+    try:
+        versions = list(session.scalars(select(AdapterVersion).where(
+            AdapterVersion.sha256 == sha256, AdapterVersion.status == "ready")))
+        for v in versions:
+            v.status = "quarantined"
+            v.rejection_reason = reason
+        session.flush()
+        for v in versions:
+            if v.adapter.current_version_id == v.id:
+                v.adapter.current_version_id = _newest_ready_id(session, v.adapter_id)
+        session.commit()
+    except SQLAlchemyError as e:
+        session.rollback()
+        raise _db_unavailable(e) from e
+    if versions:
+        metrics.quarantined(len(versions))
+    return len(versions)

@@ -52,6 +52,19 @@ class RegistrySettings(BaseSettings):
     archive_max_uncompressed_bytes: int = Field(1024 * MiB, ge=1, description="Total bytes an uploaded archive may expand to.")
     archive_max_files: int = Field(32, ge=2, description="Entries an uploaded archive may hold.")
 
+    validation_timeout_s: float = Field(
+        30.0, gt=0, description="Wall-clock deadline (and, rounded up plus 1 s, CPU limit) of one adapter's "
+        "validation in its child process; past it the version is rejected with that reason.")
+    validation_max_memory_bytes: int = Field(
+        1024 * MiB, ge=64 * MiB, description="Address-space cap (RLIMIT_AS) of the validation child process; "
+        "a file that needs more is rejected.")
+    validation_max_concurrent: int = Field(
+        2, ge=1, description="Validation child processes one process runs at once (each may use up to "
+        "validation_max_memory_bytes); further uploads wait for a slot.")
+    validation_activation_bound: float = Field(
+        64.0, gt=0, description="Largest activation entry the overflow check plans for: an adapter is refused "
+        "when some module's gain (|scale| x ||B||inf x ||A||inf) times this exceeds fp16's 65504.")
+
     celery_broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker for validation tasks.")
     celery_eager: bool = Field(True, description="Run validation inline (embedded mode) instead of on a worker.")
     celery_queue: str = Field("adapter-registry", description="Queue the validation task is sent to.")

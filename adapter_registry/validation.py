@@ -4,19 +4,37 @@
 the rule: config parses (JSON, a supported LoRA variant: engine.lora.peft_format), the base
 model is one the platform serves, rank <= the configured maximum, the safetensors header is
 sound, one allowed dtype, every tensor is a LoRA A/B of a targeted module with the shape the
-base model's dimensions require and none is missing, and no value is NaN or Inf. Archive
-safety, pickle refusal and size limits happen earlier, at upload (adapter_registry.archive).
+base model's dimensions require and none is missing, no value is NaN or Inf, and the adapter
+cannot overflow the engine's arithmetic (below). Archive safety, pickle refusal and size limits
+happen earlier, at upload (adapter_registry.archive).
+
+The registry runs it through `validate_in_sandbox`: in a child process (adapter_registry.sandbox)
+with a deadline and memory/CPU limits, so a hostile file costs at most those, never the caller's
+process; a deadline, crash or limit hit is a rejection with its reason.
+
+Overflow bound. Per module, the adapter adds `scale * B @ (A @ x)` to the base layer's output. With
+the infinity norm (largest row sum of absolute values), every output entry is at most
+`gain * max|x|` where `gain = |scale| * ||B||inf * ||A||inf`. The engine may compute in fp16
+(max 65504), so an adapter is refused when `gain * activation_bound > 65504` for some module,
+`activation_bound` being the largest activation entry we plan for (settings'
+validation_activation_bound, 64 by default: the inputs of LoRA'd layers are RMSNorm outputs,
+attention outputs and SwiGLU products, whose entries stay well under that in Llama-family
+models). The bound is worst-case (every input entry at its maximum, signs aligned), so trained
+adapters sit far below it: the demo adapters' largest gain is ~18 against a limit of ~1024, a
+freshly initialized PEFT adapter (B = 0) has gain 0. Also refused: any weight beyond fp16's range
+(the engine may store adapters in fp16) and a scale beyond it.
 """
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from adapter_registry.settings import RegistrySettings
+from adapter_registry.sandbox import SandboxFailure, run_sandboxed
 from engine.lora.peft_format import (
     KNOWN_BASE_MODELS,
     BaseModelShape,
@@ -25,7 +43,11 @@ from engine.lora.peft_format import (
     expected_tensor_shapes,
     parse_adapter_config,
     parse_tensor_name,
+    tensor_name,
 )
+
+if TYPE_CHECKING:  # the sandboxed child imports this module; pydantic-settings stays out of it
+    from adapter_registry.settings import RegistrySettings
 
 MAX_CONFIG_BYTES = 1024 * 1024
 # safetensors' own cap on the JSON header; a larger claimed header is a malformed file.
@@ -35,6 +57,9 @@ CHUNK_BYTES = 8 * 1024 * 1024
 # all its exponent bits are set, so one integer AND/compare per element finds both, vectorized,
 # on raw bytes read in chunks (no tensor is materialized; fp16 isfinite in torch is far slower).
 _EXPONENT = {"F16": (2, np.uint16, 0x7C00), "BF16": (2, np.uint16, 0x7F80), "F32": (4, np.uint32, 0x7F800000)}
+# Largest finite fp16 value: the narrowest float the engine may store adapters or compute in.
+FP16_MAX = 65504.0
+DEFAULT_ACTIVATION_BOUND = 64.0
 
 
 class AdapterRejected(Exception):
@@ -46,6 +71,24 @@ class ValidatedAdapter:
     config: PeftAdapterConfig
     base: BaseModelShape
     dtype: str  # safetensors dtype name, e.g. "F16"
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    """The settings validation reads (field names as in RegistrySettings), plain data so they
+    cross into the sandboxed child as JSON."""
+
+    served_base_models: list[str]
+    max_rank: int
+    allowed_dtypes: list[str]
+    validation_activation_bound: float = DEFAULT_ACTIVATION_BOUND
+
+    @classmethod
+    def of(cls, settings: "RegistrySettings | ValidationLimits") -> "ValidationLimits":
+        return cls(served_base_models=list(settings.served_base_models), max_rank=settings.max_rank,
+                   allowed_dtypes=list(settings.allowed_dtypes),
+                   validation_activation_bound=getattr(settings, "validation_activation_bound",
+                                                       DEFAULT_ACTIVATION_BOUND))
 
 
 def resolve_base_model(name: str | None, served: list[str]) -> BaseModelShape:
@@ -99,8 +142,25 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def _check_finite(path: Path, header: dict[str, dict]) -> None:
-    """Raise AdapterRejected if a tensor's byte range is inconsistent or holds a NaN/Inf."""
+@dataclass
+class _TensorStats:
+    max_abs: float  # largest |value|
+    norm_inf: float  # largest sum of |values| over a row (the matrix's infinity norm)
+
+
+def _as_float32(chunk: bytes, dtype: str) -> np.ndarray:
+    if dtype == "F16":
+        return np.frombuffer(chunk, dtype="<f2").astype(np.float32)
+    if dtype == "BF16":  # bf16 is the top half of an fp32
+        return (np.frombuffer(chunk, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(chunk, dtype="<f4")
+
+
+def _scan_values(path: Path, header: dict[str, dict]) -> dict[str, _TensorStats]:
+    """Per tensor, its largest |value| and row-sum norm, read in whole-row chunks (no tensor is
+    held whole). Raises AdapterRejected if a tensor's byte range is inconsistent or holds a
+    NaN/Inf."""
+    stats: dict[str, _TensorStats] = {}
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         data_start = 8 + n
@@ -108,31 +168,76 @@ def _check_finite(path: Path, header: dict[str, dict]) -> None:
         for name, entry in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
             size, view, mask = _EXPONENT[entry["dtype"]]
             offsets = entry.get("data_offsets")
-            count = int(np.prod(entry["shape"], dtype=np.int64))
+            shape = entry["shape"]
+            count = int(np.prod(shape, dtype=np.int64))
             if (not isinstance(offsets, list) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1] <= data_len
                     or offsets[1] - offsets[0] != count * size):
                 raise AdapterRejected(f"adapter_model.safetensors is corrupt: bad data offsets for tensor {name!r}")
+            cols = int(shape[-1]) if len(shape) >= 2 else max(count, 1)
+            row_bytes = cols * size
             f.seek(data_start + offsets[0])
             remaining = offsets[1] - offsets[0]
+            max_abs = norm_inf = 0.0
             while remaining:
-                chunk = f.read(min(remaining, CHUNK_BYTES - CHUNK_BYTES % size))
-                if not chunk:
+                chunk = f.read(min(remaining, max(1, CHUNK_BYTES // row_bytes) * row_bytes))
+                if not chunk or len(chunk) % row_bytes:
                     raise AdapterRejected(f"adapter_model.safetensors is truncated inside tensor {name!r}")
                 remaining -= len(chunk)
                 if ((np.frombuffer(chunk, dtype=view) & mask) == mask).any():
                     raise AdapterRejected(f"tensor {name!r} contains NaN or Inf values")
+                values = np.abs(_as_float32(chunk, entry["dtype"])).reshape(-1, cols)
+                max_abs = max(max_abs, float(values.max(initial=0.0)))
+                norm_inf = max(norm_inf, float(values.sum(axis=1, dtype=np.float64).max(initial=0.0)))
+            stats[name] = _TensorStats(max_abs, norm_inf)
+    return stats
+
+
+def _check_overflow(stats: dict[str, _TensorStats], base: BaseModelShape, config: PeftAdapterConfig,
+                    activation_bound: float) -> None:
+    """Refuse weights beyond fp16's range, and any module whose output could overflow fp16 for
+    activations up to `activation_bound` (see the module docstring)."""
+    name = max(stats, key=lambda n: stats[n].max_abs)
+    if stats[name].max_abs > FP16_MAX:
+        raise AdapterRejected(
+            f"tensor {name!r} holds a weight of magnitude {stats[name].max_abs:.3g}, beyond the fp16 range "
+            f"({FP16_MAX:g}) the engine may store adapters in; refused as an overflow risk"
+        )
+    scale = abs(config.scale)
+    limit = FP16_MAX / activation_bound
+    worst = None
+    for layer in range(base.num_layers):
+        for module in config.target_modules:
+            a, b = stats[tensor_name(layer, module, "A")], stats[tensor_name(layer, module, "B")]
+            gain = scale * b.norm_inf * a.norm_inf
+            if worst is None or gain > worst[0]:
+                worst = (gain, layer, module, a.norm_inf, b.norm_inf)
+    if worst is not None and worst[0] > limit:
+        gain, layer, module, norm_a, norm_b = worst
+        where = tensor_name(layer, module, "A").removesuffix(".lora_A.weight")
+        raise AdapterRejected(
+            f"LoRA module {where} could overflow: its gain |scale| x ||B||inf x ||A||inf = {scale:.3g} x "
+            f"{norm_b:.3g} x {norm_a:.3g} = {gain:.3g} exceeds the bound {limit:.4g} that keeps its output within "
+            f"fp16 range ({FP16_MAX:g}) for activations up to {activation_bound:g}"
+        )
+    if scale > FP16_MAX:
+        raise AdapterRejected(
+            f"the adapter's scale ({'lora_alpha/sqrt(r)' if config.use_rslora else 'lora_alpha/r'} = {scale:.3g}) "
+            f"is beyond the fp16 range ({FP16_MAX:g}); refused as an overflow risk"
+        )
 
 
 def _fmt(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def validate_adapter_files(*, config_path: Path, weights_path: Path, settings: RegistrySettings,
+def validate_adapter_files(*, config_path: Path, weights_path: Path,
+                           settings: "RegistrySettings | ValidationLimits",
                            base_model: str | None = None) -> ValidatedAdapter:
-    """Validate the two files of a PEFT adapter; return what was learnt, or raise AdapterRejected.
+    """Validate the two files of a PEFT adapter in this process; return what was learnt, or raise
+    AdapterRejected. The registry calls `validate_in_sandbox` instead (bounded, in a child).
 
     `base_model` overrides the config's base_model_name_or_path (an operator naming the base).
-    Reads the weights tensor by tensor (memory-mapped), never all at once.
+    Reads the weights in chunks of whole rows, never a whole tensor at once.
     """
     raw = _read_config(config_path)
     base = resolve_base_model(base_model or raw.get("base_model_name_or_path"), settings.served_base_models)
@@ -173,5 +278,46 @@ def validate_adapter_files(*, config_path: Path, weights_path: Path, settings: R
     if missing:
         raise AdapterRejected(f"{len(missing)} LoRA tensors are missing, e.g. {missing[0]!r}")
 
-    _check_finite(weights_path, header)
+    stats = _scan_values(weights_path, header)
+    _check_overflow(stats, base, config, ValidationLimits.of(settings).validation_activation_bound)
     return ValidatedAdapter(config=config, base=base, dtype=dtypes[0])
+
+
+def validate_request(request: dict[str, Any]) -> dict[str, Any]:
+    """The sandboxed child's entry point: `validate_adapter_files` on plain data.
+
+    request: {"config_path", "weights_path", "base_model", "limits": ValidationLimits fields}.
+    Returns {"ok": True, "config": PeftAdapterConfig fields, "base": name, "dtype"} or
+    {"ok": False, "reason": the rejection message}."""
+    try:
+        result = validate_adapter_files(config_path=Path(request["config_path"]),
+                                        weights_path=Path(request["weights_path"]),
+                                        settings=ValidationLimits(**request["limits"]),
+                                        base_model=request.get("base_model"))
+    except AdapterRejected as e:
+        return {"ok": False, "reason": str(e)}
+    config = asdict(result.config)
+    config["target_modules"] = list(config["target_modules"])
+    return {"ok": True, "config": config, "base": result.base.name, "dtype": result.dtype}
+
+
+def validate_in_sandbox(*, config_path: Path, weights_path: Path, settings: "RegistrySettings",
+                        base_model: str | None = None) -> ValidatedAdapter:
+    """`validate_adapter_files` in a child process bounded by settings.validation_timeout_s (wall
+    clock and CPU) and settings.validation_max_memory_bytes (address space), the caller's thread
+    only waiting on it. A deadline, crash or limit hit is AdapterRejected with its reason, like
+    any other rule; never an exception of another kind, never a hang."""
+    request = {"config_path": str(config_path), "weights_path": str(weights_path), "base_model": base_model,
+               "limits": asdict(ValidationLimits.of(settings))}
+    try:
+        out = run_sandboxed("adapter_registry.validation:validate_request", [request],
+                            timeout_s=settings.validation_timeout_s,
+                            max_memory_bytes=settings.validation_max_memory_bytes,
+                            max_concurrent=settings.validation_max_concurrent, what="validation")
+    except SandboxFailure as e:
+        raise AdapterRejected(str(e)) from None
+    if not out["ok"]:
+        raise AdapterRejected(out["reason"])
+    c = out["config"]
+    config = PeftAdapterConfig(**{**c, "target_modules": tuple(c["target_modules"])})
+    return ValidatedAdapter(config=config, base=KNOWN_BASE_MODELS[out["base"]], dtype=out["dtype"])

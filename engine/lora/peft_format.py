@@ -16,6 +16,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+try:  # google-re2: linear-time matching, so a tenant's pattern cannot backtrack catastrophically
+    import re2
+except ImportError:  # images without it refuse regex target_modules (never Python `re` on them)
+    re2 = None
+
 # Canonical module name -> (parent block, HF module name), in the engine's order.
 MODULES: dict[str, tuple[str, str]] = {
     "q": ("self_attn", "q_proj"),
@@ -41,6 +46,9 @@ _TENSOR_NAME = re.compile(
 # How many layers a regex target_modules is checked against when the base is not known: enough
 # to tell "every layer" from "some layers" for any base we serve.
 _DEFAULT_LAYERS_FOR_MATCHING = 128
+# Longest regex target_modules accepted. PEFT's own patterns are tens of characters; the cap keeps
+# compiling (RE2 programs grow with the pattern) cheap whatever a config holds.
+MAX_TARGET_PATTERN_CHARS = 1024
 
 
 class UnsupportedAdapterError(ValueError):
@@ -132,6 +140,39 @@ def _module_universe(num_layers: int) -> list[tuple[str, str | None]]:
     return names
 
 
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _compile_target_pattern(pattern: str):
+    """`pattern` compiled by RE2 (linear-time matching whatever the pattern: no backtracking).
+
+    Raises UnsupportedAdapterError when RE2 is not installed (Python's `re` is never run on a
+    tenant's pattern: a pattern such as (a+)+$ backtracks for exponential time), when the
+    pattern is longer than MAX_TARGET_PATTERN_CHARS, or when RE2 cannot compile it (it has no
+    backreferences or lookaround; PEFT's patterns need neither)."""
+    if len(pattern) > MAX_TARGET_PATTERN_CHARS:
+        raise UnsupportedAdapterError(
+            f"target_modules regex is {len(pattern)} characters long; at most {MAX_TARGET_PATTERN_CHARS} are accepted "
+            "(or list the module names instead)"
+        )
+    if re2 is None:
+        raise UnsupportedAdapterError(
+            "a regex target_modules needs the google-re2 package (linear-time matching), which is not installed "
+            "here; list the module names instead, e.g. [\"q_proj\", \"v_proj\"]"
+        )
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(pattern, options=options)
+    except re2.error as e:
+        detail = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise UnsupportedAdapterError(
+            f"target_modules regex {_shorten(pattern)!r} does not compile with RE2 (linear-time regex: no "
+            f"backreferences or lookaround): {detail}"
+        ) from None
+
+
 def _resolve_targets(target_modules: Any, num_layers: int) -> tuple[str, ...]:
     if target_modules is None:
         raise UnsupportedAdapterError("adapter_config.json has no target_modules")
@@ -140,12 +181,9 @@ def _resolve_targets(target_modules: Any, num_layers: int) -> tuple[str, ...]:
     universe = _module_universe(num_layers)
     if isinstance(target_modules, str):
         # PEFT treats a string as a regex that must match the whole module name.
-        try:
-            pattern = re.compile(target_modules)
-        except re.error as e:
-            raise UnsupportedAdapterError(f"target_modules regex {target_modules!r} does not compile: {e}") from None
+        pattern = _compile_target_pattern(target_modules)
         matched = [(key, canon) for key, canon in universe if pattern.fullmatch(key)]
-        label = f"target_modules regex {target_modules!r}"
+        label = f"target_modules regex {_shorten(target_modules)!r}"
     elif isinstance(target_modules, (list, tuple, set)) and all(isinstance(t, str) for t in target_modules):
         # PEFT's list form: a module matches an entry if its name equals it or ends with "." + it.
         matched = []
