@@ -3,6 +3,14 @@
 The engine's step loop runs on one background thread so the asyncio event loop never blocks on
 model compute. Requests and aborts cross into that thread through a command queue; deltas come
 back through `loop.call_soon_threadsafe` into one asyncio.Queue per request.
+
+Supervision: the same thread supervises the loop. A fault the engine cannot trace to a request
+or adapter (LLMEngine.step raises: a bug, out of memory) ends the loop; then every request in
+flight gets EngineDeadError at once (the gateway answers 503 and bills what was sent), the state
+becomes "restarting", `LLMEngine.reset()` drops every request (weights and KV tensors are kept)
+and the loop starts again, serving new requests without a process restart. A reset that raises
+is retried with exponential backoff; after `FAILED_AFTER_ATTEMPTS` failed resets in a row the
+state reads "failed" (retries go on at the longest backoff).
 """
 from __future__ import annotations
 
@@ -12,25 +20,38 @@ import queue
 import threading
 from typing import AsyncIterator
 
+from engine import metrics as engine_metrics
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
 
+#: Engine states: serving; reset in progress after the step loop died; resets keep failing;
+#: shut down.
+READY, RESTARTING, FAILED, STOPPED = "ready", "restarting", "failed", "stopped"
+RESET_BACKOFF_S = (0.1, 30.0)  # first and longest wait between failed resets
+FAILED_AFTER_ATTEMPTS = 5
+
 
 class EngineDeadError(RuntimeError):
-    """The engine's step loop has stopped; no request can be served."""
+    """The engine's step loop is not serving (it died, is restarting, or was shut down)."""
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its event loop, its delta queue, the future that accepts it)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, asyncio.Future]] = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._state = READY
+        #: Times the step loop died and was restarted.
+        self.restarts = 0
+        #: The exception type that last ended the step loop (None if it never died); only the type,
+        #: so health endpoints carry no paths or data from the message (the log has it whole).
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._supervise, name="tessera-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -38,29 +59,43 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def state(self) -> str:
+        """"ready" (serving), "restarting", "failed" (resets keep failing) or "stopped"."""
+        if self._state == READY and not self._thread.is_alive():
+            return STOPPED
+        return self._state
+
+    @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        """Whether the engine serves requests now (state "ready")."""
+        return self.state == READY
+
+    def health(self) -> dict:
+        """The engine's state for health and readiness endpoints (no tenant data)."""
+        return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error}
 
     # -- public API ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas; the last has `finished` set and exact token counts.
 
-        Raises InvalidRequestError before yielding anything if the request is refused. Leaving
-        the iteration early (break, task cancellation, client disconnect) aborts the request in
-        the engine, which frees its KV blocks.
+        Raises InvalidRequestError before yielding anything if the request is refused, and
+        EngineDeadError when the engine is not ready or its step loop dies while the request is
+        in flight. Leaving the iteration early (break, task cancellation, client disconnect)
+        aborts the request in the engine, which frees its KV blocks.
         """
-        if not self.is_alive:
-            raise EngineDeadError("engine is not running")
+        state = self.state
+        if state != READY:
+            raise EngineDeadError(f"the engine is {state}")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
-        self._streams[request.request_id] = (loop, q)
+        self._streams[request.request_id] = (loop, q, accepted)
         self._commands.put(("add", request, loop, accepted))
         self._wake.set()
         finished = False
         try:
-            await accepted  # raises InvalidRequestError from the engine thread
+            await accepted  # raises InvalidRequestError (or EngineDeadError) from the engine thread
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -83,13 +118,14 @@ class AsyncLLMEngine:
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self._state = STOPPED
 
     # -- engine thread ------------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)
         if entry is not None:
-            loop, q = entry
+            loop, q, _ = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _drain_commands(self) -> None:
@@ -114,22 +150,65 @@ class AsyncLLMEngine:
                 if out is not None:
                     self._deliver(cmd[1], out)
 
-    def _run(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-        except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiter
-            log.exception("engine step loop died")
-            self._dead = e
-            err = EngineDeadError(f"engine failed: {e}")
-            for rid in list(self._streams):
-                self._deliver(rid, err)
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            for out in self.engine.step():
+                self._deliver(out.request_id, out)
+
+    def _supervise(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._loop()
+                return
+            except BaseException as e:  # noqa: BLE001 - a dead loop must fail every waiter, then restart
+                log.exception("engine step loop died; resetting the engine")
+                self._state = RESTARTING
+                self.last_error = type(e).__name__
+                self._fail_in_flight(EngineDeadError(f"the engine failed and is restarting ({type(e).__name__})"))
+            if not self._reset():
+                return  # shut down while resetting
+            self.restarts += 1
+            engine_metrics.RESTARTS.inc()
+            self._state = READY
+            log.warning("engine step loop restarted (restart %d)", self.restarts)
+
+    def _fail_in_flight(self, err: EngineDeadError) -> None:
+        """Every request in flight, accepted or still queued as a command, gets `err` now."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _, _, loop, fut = cmd
+                loop.call_soon_threadsafe(_set_exception, fut, err)
+        for rid in list(self._streams):
+            entry = self._streams.get(rid)
+            if entry is not None:
+                loop, q, fut = entry
+                loop.call_soon_threadsafe(_set_exception, fut, err)
+                loop.call_soon_threadsafe(q.put_nowait, err)
+
+    def _reset(self) -> bool:
+        """Reset the engine, retrying with backoff; False if shut down meanwhile."""
+        delay, attempts = RESET_BACKOFF_S[0], 0
+        while not self._stopped.is_set():
+            try:
+                self.engine.reset()
+                return True
+            except Exception:  # noqa: BLE001 - retried; the state says it is failing
+                attempts += 1
+                log.exception("engine reset failed (attempt %d); retrying in %.1f s", attempts, delay)
+                if attempts >= FAILED_AFTER_ATTEMPTS:
+                    self._state = FAILED
+            self._stopped.wait(delay)
+            delay = min(delay * 2, RESET_BACKOFF_S[1])
+        return False
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -38,3 +38,7 @@ class BlockManager:
         """Return every block of `seq` to the pool."""
         self.free_blocks.extend(seq.block_table)
         seq.block_table = []
+
+    def reset(self) -> None:
+        """Every block free again (the engine's reset: no sequence holds blocks any more)."""
+        self.free_blocks = deque(range(self.num_blocks))

@@ -3,6 +3,19 @@
     sched = scheduler.schedule(); logits, seqs = runner.execute(sched);
     tokens = sample(logits, seqs); outputs = self._postprocess(seqs, tokens)
 
+Failure model of a step: what can be traced to one request or one adapter version fails only
+those requests (finish_reason "error", a message, KV blocks zeroed and freed), and a version at
+fault is quarantined (LoRAManager.mark_failed):
+- logits rows that are not finite (one vectorized check per step) fail their sequences;
+- an exception in per-sequence work (sampling, detokenizing, stop checks) fails that sequence;
+- an exception in the batched forward (or in giving adapters their slots) is traced by running
+  the step's work again in smaller groups, per adapter version, then per sequence: re-running
+  writes the same K/V to the same slots (each token's slot is fixed by its sequence's block
+  table and position, and attention writes a layer's K/V before it reads them), so it is
+  idempotent. Only the groups that still raise fail; if none of them succeeds the fault is not
+  attributable and the exception propagates (AsyncLLMEngine then resets the engine, `reset`).
+The happy path pays one try block and one row-sum over the logits.
+
 The async API (engine.async_engine) drives `step()` from a background thread.
 """
 from __future__ import annotations
@@ -25,12 +38,14 @@ from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import TextTokenizer
 from punica_kernels import cpu_native
 
 log = logging.getLogger(__name__)
+
+NON_FINITE_MESSAGE = "the model produced non-finite values for this request"
 
 
 def pick_weight_format(cfg: EngineConfig) -> str:
@@ -179,10 +194,29 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset(self) -> list[str]:
+        """Drop every request and return their ids: the scheduler's queues, every KV block (the
+        cache is zeroed: a dead step may have left non-finite values in it), the LoRA manager's
+        request references and slot assignments. The model weights, the KV tensors, the CPU
+        adapter tier and the quarantines stay. Called by AsyncLLMEngine after its step loop died,
+        on the loop's thread; the engine then serves new requests as if just started."""
+        dropped = list(self.requests)
+        for seq in self.requests.values():
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        self.requests.clear()
+        self.scheduler.reset()
+        if self.lora_manager is not None:
+            self.lora_manager.reset()
+        self.runner.clear_cache()
+        return dropped
+
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the deltas it produced (finished ones included)."""
+        """Run one scheduling step; returns the deltas it produced (finished ones included).
+
+        Raises only for a fault no request or adapter could be blamed for (module docstring)."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         outputs.extend(self._fail_broken_adapters())
@@ -192,52 +226,170 @@ class LLMEngine:
             engine_metrics.PREEMPTIONS.inc(len(sched.preempted))
         if sched.is_empty:
             return outputs
-        lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None
-        logits, seqs = self.runner.execute(sched, lora)
+        try:
+            logits, seqs = self._forward(sched)
+        except Exception as e:  # noqa: BLE001 - traced to its requests, or re-raised
+            logits, seqs = self._forward_isolating(sched, e, outputs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-        tokens = sample(logits, seqs) if seqs else []
-        outputs.extend(self._postprocess(seqs, tokens))
+        if seqs:
+            # A row's sum is finite exactly when every logit is (NaN and inf propagate; finite
+            # logits never come near fp32's range): ~45 us for 32 rows of a 49k vocabulary,
+            # where isfinite().all() takes ~1.7 ms. Flagged rows are checked exactly.
+            if not bool(torch.isfinite(logits.sum(dim=1)).all()):
+                logits, seqs = self._fail_non_finite(logits, seqs, outputs)
+            tokens = self._sample(logits, seqs, outputs)
+            outputs.extend(self._postprocess(seqs, tokens))
         self.stats["steps"] += 1
         self.stats["last_step_s"] = time.perf_counter() - t0
         self.stats["last_batch_tokens"] = sched.num_tokens
         engine_metrics.observe_step(self.stats["last_step_s"], sched)
         return outputs
 
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None
+        return self.runner.execute(sched, lora)
+
+    def _forward_isolating(self, sched: SchedulerOutput, error: Exception,
+                           outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Sequence]]:
+        """The batched forward of `sched` raised `error`: run its work again per adapter version
+        (the base model is one group), then each group that still raises per sequence. Sequences
+        that still raise on their own fail (their outputs go to `outputs`); a version all of whose
+        sequences failed while another group ran is quarantined. Returns the logits and sampled
+        sequences of the groups that ran; re-raises `error` if none did."""
+        order = sched.decodes + sched.prefills
+        groups: dict[str | None, list[ScheduledSequence]] = {}
+        for s in order:
+            groups.setdefault(s.seq.adapter, []).append(s)
+        pending = list(groups.values()) if len(groups) > 1 else [[s] for s in order]
+        ran: list[tuple[torch.Tensor, list[Sequence]]] = []
+        failed: list[tuple[ScheduledSequence, Exception]] = []
+        while pending:
+            group = pending.pop(0)
+            ids = {id(s) for s in group}
+            sub = SchedulerOutput(decodes=[s for s in sched.decodes if id(s) in ids],
+                                  prefills=[s for s in sched.prefills if id(s) in ids])
+            try:
+                ran.append(self._forward(sub))
+            except Exception as e:  # noqa: BLE001 - narrowed down below, or reported
+                if len(group) > 1:
+                    pending.extend([s] for s in group)
+                else:
+                    failed.append((group[0], e))
+        if not ran:
+            raise error
+        log.warning("a step's forward raised %s: %d of %d sequences failed on their own",
+                    f"{type(error).__name__}: {error}", len(failed), len(order), exc_info=error)
+        faulty = {v for v, members in groups.items() if v is not None
+                  and all(any(m is f for f, _ in failed) for m in members)}
+        for s, e in failed:
+            seq = s.seq
+            cause = f"the engine failed on a request using it ({type(e).__name__})" if seq.adapter in faulty else None
+            outputs.append(self._fail(seq, f"the engine failed on this request ({type(e).__name__})", "exception",
+                                      adapter_cause=cause))
+        sched.decodes[:] = [s for s in sched.decodes if not s.seq.is_finished]
+        sched.prefills[:] = [s for s in sched.prefills if not s.seq.is_finished]
+        seqs = [q for _, sq in ran for q in sq]
+        logits = torch.cat([lg for lg, _ in ran]) if seqs else torch.empty(0, self.model_config.vocab_size)
+        return logits, seqs
+
+    def _fail_non_finite(self, logits: torch.Tensor, seqs: list[Sequence],
+                         outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Fail the sequences whose logits rows are not finite (their adapter versions are
+        quarantined); returns the other rows and sequences, unchanged."""
+        ok = torch.isfinite(logits).all(dim=1)
+        keep = ok.tolist()
+        for seq, good in zip(seqs, keep):
+            if not good:
+                outputs.append(self._fail(seq, NON_FINITE_MESSAGE, "non_finite",
+                                          adapter_cause="the model produced non-finite values with it"))
+        return logits[ok], [q for q, good in zip(seqs, keep) if good]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[int | None]:
+        """sample(), or where it raises, each sequence on its own: the ones that still raise fail
+        (their token is None)."""
+        try:
+            return sample(logits, seqs)
+        except Exception:  # noqa: BLE001 - per sequence below
+            tokens: list[int | None] = []
+            for i, seq in enumerate(seqs):
+                try:
+                    tokens.append(sample(logits[i:i + 1], [seq])[0])
+                except Exception as e:  # noqa: BLE001 - fails only this request
+                    log.warning("sampling failed for request %s", seq.request_id, exc_info=True)
+                    outputs.append(self._fail(seq, f"sampling failed for this request ({type(e).__name__})",
+                                              "exception"))
+                    tokens.append(None)
+            return tokens
+
+    def _fail(self, seq: Sequence, reason: str, kind: str, *, adapter_cause: str | None = None) -> RequestOutput:
+        """Finish `seq` with finish_reason "error" and `reason` after a fault in a step (`kind`
+        labels the metric): its KV blocks are zeroed (they may hold non-finite values) and freed.
+        With `adapter_cause` and an adapter, the version is quarantined for that cause (the
+        requests naming it fail at the next step's start) and the output names it."""
+        engine_metrics.REQUEST_FAULTS.labels(kind).inc()
+        self.runner.clear_blocks(seq.block_table)
+        version = seq.adapter if adapter_cause is not None and self.lora_manager is not None else None
+        if version is not None:
+            reason = f"{reason}; adapter version {version} is quarantined"
+            self.lora_manager.mark_failed(version, f"adapter version {version} is quarantined: {adapter_cause}")
+        log.warning("request %s failed: %s", seq.request_id, reason)
+        out = self._finish(seq, "error", error=reason)
+        out.adapter_fault = version
+        return out
+
     def _fail_broken_adapters(self) -> list[RequestOutput]:
+        """Fail the requests naming a version that failed to load (waiting ones) or was
+        quarantined (waiting or running)."""
         if self.lora_manager is None:
             return []
         outs = []
-        for seq in list(self.scheduler.waiting):
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             if seq.adapter is not None:
+                if seq.status == SequenceStatus.RUNNING and not self.lora_manager.is_quarantined(seq.adapter):
+                    continue
                 err = self.lora_manager.load_error(seq.adapter)
                 if err is not None:
-                    outs.append(self._finish(seq, "error", error=err))
+                    self.runner.clear_blocks(seq.block_table)
+                    out = self._finish(seq, "error", error=err)
+                    if self.lora_manager.is_quarantined(seq.adapter):
+                        out.adapter_fault = seq.adapter
+                    outs.append(out)
         return outs
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int | None]) -> list[RequestOutput]:
         outputs = []
         for seq, tok in zip(seqs, tokens):
-            seq.append_token(tok)
-            p = seq.params
-            reason = None
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                reason = "stop"
-            elif tok in p.stop_token_ids:
-                reason = "stop"
-            else:
-                seq.output_text += seq.detokenizer.push(tok)
-                if p.stop and self._truncate_at_stop(seq):
-                    reason = "stop"
-            if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-                reason = "length"
-            if reason is not None:
-                outputs.append(self._finish(seq, reason))
-            else:
-                out = self._delta(seq)
-                if out.text or out.token_ids:
-                    outputs.append(out)
+            if tok is None or seq.is_finished:
+                continue  # failed in this step
+            try:
+                out = self._postprocess_one(seq, tok)
+            except Exception as e:  # noqa: BLE001 - fails only this request
+                log.warning("postprocessing failed for request %s", seq.request_id, exc_info=True)
+                out = self._fail(seq, f"the engine failed on this request's output ({type(e).__name__})", "exception")
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _postprocess_one(self, seq: Sequence, tok: int) -> RequestOutput | None:
+        """Append `tok` to `seq`: its delta, its final output if it finished, or None."""
+        seq.append_token(tok)
+        p = seq.params
+        reason = None
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+        else:
+            seq.output_text += seq.detokenizer.push(tok)
+            if p.stop and self._truncate_at_stop(seq):
+                reason = "stop"
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            return self._finish(seq, reason)
+        out = self._delta(seq)
+        return out if out.text or out.token_ids else None
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> bool:
@@ -263,16 +415,17 @@ class LLMEngine:
                              completion_tokens=len(seq.output_token_ids))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        was_finished = seq.is_finished  # a failure while finishing finishes it again, as an error
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if self.lora_manager is not None and seq.adapter is not None:
+        if self.lora_manager is not None and seq.adapter is not None and not was_finished:
             self.lora_manager.release(seq.adapter)
         out = self._delta(seq, final=True)
         out.finished = True
         out.finish_reason = reason
         out.error = error
-        del self.requests[seq.request_id]
+        self.requests.pop(seq.request_id, None)
         return out
 
     def _adapter_ready(self, adapter: str) -> bool:

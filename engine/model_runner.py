@@ -40,6 +40,10 @@ class ModelRunner:
             bt = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
             for i, s in enumerate(decodes):
                 bt[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table)
+                # Pad with the row's own first block, not block 0: the torch attention path
+                # reads padded slots (masked, but 0 * NaN is NaN), and they must never be
+                # another sequence's, which may hold a failing request's non-finite values.
+                bt[i, len(s.seq.block_table):] = s.seq.block_table[0]
             lmax = int(ctx.max())
             decode_slots = (bt[:, :, None] * bs + torch.arange(bs)).reshape(len(decodes), -1)[:, :lmax].contiguous()
             decode_mask = (torch.arange(lmax)[None, :] < ctx[:, None])[:, None, None, :]
@@ -82,6 +86,26 @@ class ModelRunner:
             decode_lens=ctx if decodes else None,
         )
         return torch.tensor(ids, dtype=torch.int64), torch.cat(pos), meta, logit_rows, sampled
+
+    @torch.inference_mode()
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero the K/V of `blocks` in every layer. Called for a sequence that failed in a step:
+        its cache may hold non-finite values, and a later owner of the blocks must not read them
+        even as masked padding."""
+        if not blocks:
+            return
+        bs = self.block_size
+        slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).reshape(-1)
+        for k, v in zip(self.kv.k, self.kv.v):
+            k.index_fill_(0, slots, 0.0)
+            v.index_fill_(0, slots, 0.0)
+
+    @torch.inference_mode()
+    def clear_cache(self) -> None:
+        """Zero the whole KV cache (the engine's reset)."""
+        for k, v in zip(self.kv.k, self.kv.v):
+            k.zero_()
+            v.zero_()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, lora=None) -> tuple[torch.Tensor, list[Sequence]]:

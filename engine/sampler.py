@@ -1,13 +1,21 @@
-"""Turns last-token logits into next tokens: greedy, temperature, top-k, top-p, per-request seed."""
+"""Turns last-token logits into next tokens: greedy, temperature, top-k, top-p, per-request seed.
+
+Numerically safe for every value SamplingParams accepts, given finite logits (the engine fails
+rows that are not finite before sampling): each row is shifted so its maximum is 0 before it is
+divided by the temperature, so every scaled logit is <= 0 whatever the temperature in (0, 2] (a
+subnormal one sends all but the maximum to -inf, never to inf - inf = NaN), and the maximum keeps
+probability exp(0) = 1 before normalization, so the distribution never sums to 0.
+"""
 from __future__ import annotations
 
 import torch
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [N, V] fp32, row i for seqs[i] -> one token id per row.
+    """logits: [N, V] fp32, finite, row i for seqs[i] -> one token id per row.
 
     Greedy rows take argmax. Other rows are sampled from their own torch.Generator (seeded from
     the request's seed), so a request's tokens do not depend on what else is in the batch.
@@ -16,20 +24,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     # over a 49k vocabulary (22 vs 66 us a row, 0.4 vs 1.0 ms for 32 rows).
     tokens = logits.max(dim=-1).indices.tolist()
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop = (cum - sorted_probs) >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+        if not seq.params.greedy:
+            tokens[i] = sample_row(logits[i], seq.params, seq.generator)
     return tokens
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from finite logits `row` [V] under non-greedy params `p` (see the module doc)."""
+    row = (row - row.max()) / p.temperature
+    if 0 < p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token: the
+        # first has nothing before it, and top_p > 0).
+        drop = (cum - sorted_probs) >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

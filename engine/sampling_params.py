@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
+#: The seeds SamplingParams accepts: the signed 64-bit range of the OpenAI API's `seed`.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses; `param` names the offending field (OpenAI style)."""
 
@@ -43,7 +47,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
     top_k: int = Field(-1, description="-1 disables; otherwise >= 1")
-    seed: int | None = Field(None, description="same seed, same output")
+    seed: int | None = Field(None, description="same seed, same output; a signed 64-bit integer")
     stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings, matched on text")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
@@ -53,6 +57,15 @@ class SamplingParams(BaseModel):
     def _top_k(cls, v: int) -> int:
         if v != -1 and v < 1:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        # The OpenAI API documents seed as a 64-bit integer; anything wider cannot seed a
+        # generator the same way on every engine, so it is refused rather than folded.
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer)")
         return v
 
     @field_validator("stop")
@@ -106,3 +119,6 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    #: With finish_reason "error": the adapter version the failure was traced to (it is
+    #: quarantined: later requests naming it fail at once); None when no adapter was at fault.
+    adapter_fault: str | None = None

@@ -93,6 +93,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset(self) -> None:
+        """Drop every queued and running sequence and the fair-share history; every KV block is
+        free again (the engine's reset after its step loop died)."""
+        self.waiting.clear()
+        self.running.clear()
+        self._served.clear()
+        self._served_at = time.monotonic()
+        self.block_manager.reset()
+
     # -- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

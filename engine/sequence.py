@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 import time
 
 import torch
@@ -11,6 +12,15 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import Priority, SamplingParams
 
 _seq_ids = itertools.count()
+
+
+def generator_seed(seed: int | None) -> int:
+    """The torch.Generator seed of a request: its signed 64-bit seed read as unsigned (two's
+    complement, one-to-one over SamplingParams' seed range, which manual_seed takes whole), or
+    64 random bits when the request gives none."""
+    if seed is None:
+        return random.getrandbits(64)
+    return seed & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class SequenceStatus(enum.Enum):
@@ -52,8 +62,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
-            seed = params.seed if params.seed is not None else torch.seed()
-            self.generator.manual_seed(seed)
+            self.generator.manual_seed(generator_seed(params.seed))
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,10 @@ the step. Lifecycle of one version:
                        least recently used slot whose adapter no running sequence uses);
   release(v)           at finish/abort: -1 reference; unreferenced versions may be evicted.
 A load failure is remembered for the version (versions are immutable) and fails only the
-requests naming it.
+requests naming it. A version the step traced a fault to (non-finite values, an exception in its
+part of the batch) is quarantined with `mark_failed`: for the life of this engine every request
+naming it fails at once with that reason, and the source is told (`report_fault`, if it has it)
+from the manager's thread pool, never from the step loop.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class LoRAManager:
         self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU: oldest first
         self._loading: dict[str, Future] = {}
         self._errors: dict[str, tuple[str, float]] = {}
+        self._quarantined: dict[str, str] = {}  # version -> reason; permanent (versions are immutable)
         self._refs: dict[str, int] = {}
         self._slot_of: dict[str, int] = {}
         self._slot_owner: list[str | None] = [None] * num_slots
@@ -60,6 +64,8 @@ class LoRAManager:
         """Pin `version` for a new request and start loading it if it is not in the CPU tier."""
         with self._lock:
             self._refs[version] = self._refs.get(version, 0) + 1
+            if version in self._quarantined:
+                return
             if version in self._cpu:
                 self._cpu.move_to_end(version)
                 self.stats["cpu_hits"] += 1
@@ -82,11 +88,53 @@ class LoRAManager:
             self._evict_cpu_locked()
 
     def is_ready(self, version: str) -> bool:
-        return version in self._cpu
+        return version in self._cpu and version not in self._quarantined
 
     def load_error(self, version: str) -> str | None:
+        """Why requests naming `version` fail now (quarantine or load failure), or None."""
+        reason = self._quarantined.get(version)
+        if reason is not None:
+            return reason
         err = self._errors.get(version)
         return err[0] if err is not None else None
+
+    def is_quarantined(self, version: str) -> bool:
+        return version in self._quarantined
+
+    def mark_failed(self, version: str, reason: str) -> None:
+        """Quarantine `version` (a step traced a fault to it): later requests naming it fail with
+        `reason`; its slot is freed; the source's `report_fault(version, reason)`, where the source
+        has one, runs on the manager's thread pool (it may write to a database)."""
+        with self._lock:
+            if version in self._quarantined:
+                return
+            self._quarantined[version] = reason
+        slot = self._slot_of.pop(version, None)
+        if slot is not None:
+            self._slot_owner[slot] = None
+            self.slots.clear(slot)
+        report = getattr(self.source, "report_fault", None)
+        if callable(report):
+            self._pool.submit(self._report_fault, report, version, reason)
+
+    @staticmethod
+    def _report_fault(report, version: str, reason: str) -> None:
+        try:
+            report(version, reason)
+        except Exception:  # noqa: BLE001 - the engine's own quarantine holds regardless
+            log.exception("adapter source could not record the fault of adapter %s", version)
+
+    def reset(self) -> None:
+        """Forget every request's reference and slot assignment (the engine's reset after its step
+        loop died). The CPU tier, load errors and quarantines stay: they describe immutable
+        versions, not requests."""
+        with self._lock:
+            self._refs.clear()
+            self._slot_of.clear()
+            for slot in range(len(self._slot_owner)):
+                self._slot_owner[slot] = None
+                self.slots.clear(slot)
+            self._evict_cpu_locked()
 
     def wait_loaded(self, version: str, timeout: float = 30.0) -> None:
         """Block until a pending load of `version` finishes (tests, warm-up)."""
@@ -170,6 +218,8 @@ class LoRAManager:
             with self._lock:
                 weights = self._cpu[version]
                 self._cpu.move_to_end(version)
+            # Unowned while written: a write that raises leaves a free slot, not a stale owner.
+            self._slot_owner[slot] = None
             self.slots.write(slot, weights)
             self._slot_of[version] = slot
             self._slot_owner[slot] = version

@@ -5,11 +5,13 @@
 
 `generate(request)` yields RequestOutput deltas exactly like AsyncLLMEngine.generate: it raises
 InvalidRequestError before the first delta for a request the engine refuses, EngineUnavailable
-when no engine can serve (dead, unreachable, or it stopped answering); leaving the iteration
-early aborts the request in the engine.
+when no engine can serve (dead, restarting, unreachable, or it stopped answering); leaving the
+iteration early aborts the request in the engine. `ready()` says whether a request sent now
+would find an engine (the gateway's GET /ready).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from engine.sampling_params import GenerationRequest, RequestOutput
@@ -20,12 +22,30 @@ class EngineUnavailable(RuntimeError):
     """No engine could serve the request (the gateway answers 503)."""
 
 
+@dataclass
+class EngineReadiness:
+    """Whether an engine can serve now. `state`: the engine's ("ready", "restarting", "failed",
+    "stopped"; over HTTP also "unreachable"); `reason`: why not, for the operator (no tenant
+    data); `engines`: per engine worker (HTTP mode), name -> its state."""
+
+    ready: bool
+    state: str
+    reason: str | None = None
+    restarts: int = 0
+    engines: dict[str, str] = field(default_factory=dict)
+
+
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: TextTokenizer
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def ready(self) -> EngineReadiness:
+        """Ready when an engine would take a request now: in process, its state is "ready"; over
+        HTTP, at least one engine worker answered its GET /ready recently. Never raises."""
+        ...
 
     async def start(self) -> None: ...
 

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
 from engine.sampling_params import GenerationRequest, RequestOutput
-from tessera.engine_client import EngineUnavailable
+from tessera.engine_client import EngineReadiness, EngineUnavailable
 
 
 class InProcessEngineClient:
-    """EngineClient over an AsyncLLMEngine. With owns_engine, `close` shuts the engine down."""
+    """EngineClient over an AsyncLLMEngine. With owns_engine, `close` shuts the engine down.
+
+    While the engine restarts after its step loop died, `generate` raises EngineUnavailable (a
+    503 from the gateway), as it does for the requests that were in flight when it died."""
 
     def __init__(self, aengine: AsyncLLMEngine, *, owns_engine: bool = False):
         self.aengine = aengine
@@ -23,7 +26,13 @@ class InProcessEngineClient:
             async for out in self.aengine.generate(request):
                 yield out
         except EngineDeadError as e:
-            raise EngineUnavailable(f"the engine is not running: {e}") from e
+            raise EngineUnavailable(f"the engine is not serving: {e}") from e
+
+    async def ready(self) -> EngineReadiness:
+        h = self.aengine.health()
+        ok = h["state"] == READY
+        reason = None if ok else f"the engine is {h['state']}" + (f" ({h['last_error']})" if h["last_error"] else "")
+        return EngineReadiness(ok, h["state"], reason, h["restarts"])
 
     async def start(self) -> None:
         if not self.aengine.is_alive:

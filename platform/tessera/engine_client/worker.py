@@ -1,12 +1,19 @@
 """The engine worker's internal API (one process per GPU, `tessera engine-worker`).
 
 Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
-- GET  /internal/info      -> {"model", "max_model_len", "alive"}
+- GET  /internal/info      -> {"model", "max_model_len", "alive", "state"}
 - GET  /metrics            -> Prometheus text: the engine's series (engine/metrics.py); no secret
                               needed (no tenant data in them), so Prometheus scrapes it directly.
+- GET  /health             -> 200 {"status": "ok", "engine": {state, restarts, last_error}} while
+                              the process answers (liveness); no secret, no tenant data.
+- GET  /ready              -> 200 {"status": "ready", ...} when the engine serves, else 503
+                              {"status": "not_ready", "reason", ...} (restarting, failed, stopped);
+                              no secret.
 - POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter}
   -> 200 application/x-ndjson, one RequestOutput per line, the last with "finished": true;
-     400 {"message", "param"} when the engine refuses the request; 503 when it is dead.
+     400 {"message", "param"} when the engine refuses the request; 503 when it is not serving
+     (restarting after its step loop died, or dead: the gateway's client tries the next worker).
+     A line {"engine_dead": "..."} ends a stream whose engine died mid-request.
 Closing the connection mid-stream aborts the request in the engine (frees its KV blocks).
 """
 from __future__ import annotations
@@ -18,19 +25,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, SamplingParams
 from tessera.streaming import DisconnectAwareStream
 
 
 def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
-    """The internal API over `aengine`; every route needs the shared `secret`."""
+    """The internal API over `aengine`; every route but /metrics, /health and /ready needs the
+    shared `secret`."""
     app = FastAPI(title="tessera engine worker", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {secret}".encode()
+    open_paths = {"/metrics", "/health", "/ready"}
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path == "/metrics":
+        if request.url.path in open_paths:
             return await call_next(request)
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
@@ -41,10 +50,22 @@ def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
     async def metrics():
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "engine": aengine.health()}
+
+    @app.get("/ready")
+    async def ready():
+        h = aengine.health()
+        if h["state"] == READY:
+            return {"status": "ready", "engine": h}
+        return JSONResponse({"status": "not_ready", "reason": f"the engine is {h['state']}", "engine": h},
+                            status_code=503)
+
     @app.get("/internal/info")
     async def info():
         return {"model": aengine.engine.model_config.name, "max_model_len": aengine.engine.max_model_len,
-                "alive": aengine.is_alive}
+                "alive": aengine.is_alive, "state": aengine.state}
 
     @app.post("/internal/generate")
     async def generate(request: Request):
