@@ -6,7 +6,11 @@
 
 The password is `settings.admin_password`, or the admin token when that is unset. A wrong
 password is answered only after `admin_login_delay_s` (a fixed delay, so guessing is slow and
-timing says nothing) and logged with the client's address.
+timing says nothing) and logged with the client's address. Wrong passwords and wrong admin
+tokens (the Bearer path, auth.py) count together per client address (`FailureLimiter`): after
+`admin_max_failures_per_minute` of them within a minute the address gets 429 with Retry-After,
+without its credential being checked, so parallel guessing gains nothing either. The counts
+live in each gateway process.
 
 Cookies (both Path=/admin, SameSite=Strict, Secure when the request came over https):
 - `tessera_admin`: HttpOnly; {"sid", "csrf"} signed and timestamped with itsdangerous, valid
@@ -24,7 +28,10 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import secrets
+import time
+from collections import OrderedDict, deque
 
 from fastapi import APIRouter, Request, Response
 from itsdangerous import BadSignature, URLSafeTimedSerializer
@@ -42,6 +49,66 @@ COOKIE_PATH = "/admin"
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 router = APIRouter(prefix="/admin")
+
+
+class FailureLimiter:
+    """Failed admin credentials per client address within the last `window_s` seconds. Called
+    from the event loop only: a check, the comparison and `failed` run without an await between
+    them, so concurrent guesses from one address cannot all pass the check before any counts."""
+
+    def __init__(self, max_failures: int, window_s: float = 60.0, max_clients: int = 10_000):
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self._failures: OrderedDict[str, deque] = OrderedDict()
+
+    def retry_after(self, client: str, now: float | None = None) -> int | None:
+        """Seconds until `client` may try again, or None when it may now."""
+        now = time.monotonic() if now is None else now
+        times = self._failures.get(client)
+        if times is None or len(times) < self.max_failures or times[0] <= now - self.window_s:
+            return None
+        return max(1, math.ceil(times[0] + self.window_s - now))
+
+    def failed(self, client: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        times = self._failures.pop(client, None) or deque(maxlen=self.max_failures)
+        times.append(now)
+        self._failures[client] = times  # most recent last
+        while len(self._failures) > self.max_clients:  # bounded memory: forget the stalest
+            self._failures.popitem(last=False)
+
+    def succeeded(self, client: str) -> None:
+        self._failures.pop(client, None)
+
+
+def failure_limiter(request: Request, settings: PlatformSettings) -> FailureLimiter:
+    """The app's limiter (one per gateway process), made on first use."""
+    state = request.app.state
+    limiter = getattr(state, "admin_failures", None)
+    if limiter is None:
+        limiter = state.admin_failures = FailureLimiter(settings.admin_max_failures_per_minute)
+    return limiter
+
+
+def client_address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def refuse_if_locked_out(request: Request, settings: PlatformSettings) -> None:
+    """429 with Retry-After when the client's address has too many recent failures."""
+    retry = failure_limiter(request, settings).retry_after(client_address(request))
+    if retry is not None:
+        raise ApiError(429, f"too many wrong admin credentials from your address; try again in {retry}s",
+                       type="rate_limit_error", code="admin_locked_out", headers={"retry-after": str(retry)})
+
+
+async def failed_attempt(request: Request, settings: PlatformSettings, what: str) -> None:
+    """Count and log a wrong admin credential, then wait the fixed delay (the caller answers 401)."""
+    client = client_address(request)
+    failure_limiter(request, settings).failed(client)
+    log.warning("admin %s failed: wrong %s from %s", "sign-in" if what == "password" else "API call", what, client)
+    await asyncio.sleep(settings.admin_login_delay_s)
 
 
 def admin_password(settings: PlatformSettings) -> str | None:
@@ -126,12 +193,12 @@ async def sign_in(body: SignIn, request: Request):
     if signer is None:
         raise ApiError(401, "admin sign-in is disabled: set TESSERA_ADMIN_TOKEN (or TESSERA_ADMIN_PASSWORD)",
                        code="admin_disabled")
+    refuse_if_locked_out(request, settings)
     expected = admin_password(settings) or ""
     if not hmac.compare_digest(body.password.encode(), expected.encode()):
-        client = request.client.host if request.client else "unknown"
-        log.warning("admin sign-in failed: wrong password from %s", client)
-        await asyncio.sleep(settings.admin_login_delay_s)
+        await failed_attempt(request, settings, "password")
         raise ApiError(401, "wrong password", code="wrong_password")
+    failure_limiter(request, settings).succeeded(client_address(request))
     csrf = secrets.token_urlsafe(32)
     value = signer.dumps({"sid": secrets.token_urlsafe(16), "csrf": csrf})
     response = Response(status_code=204)

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request, Response
 from sqlalchemy import event
 
 from adapter_registry.context import build_context
-from tessera import admin_pages
+from tessera import admin_pages, auth
 from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, usage
 from tessera.billing.embedded import billing_loop
 from tessera.engine_client import EngineClient
@@ -63,17 +63,25 @@ def build_engine_client(settings: PlatformSettings, ctx) -> EngineClient:
 class BodyLimit:
     """Refuse request bodies over `max_bytes` with a 413: from Content-Length before reading, and
     for a body without one (chunked) by reading it up to the limit first, then replaying it.
-    `large` lists (path regex, limit) pairs for routes that take bigger bodies (adapter uploads)."""
+    `large` lists (path regex, limit) pairs for routes that take bigger bodies (adapter uploads):
+    only a request that `admin_gate(scope)` (headers only) passes gets that limit; any other is
+    answered the gate's error (401/403/429) at once, before a byte of its body is read."""
 
-    def __init__(self, app, max_bytes: int, large: tuple = ()):
+    def __init__(self, app, max_bytes: int, large: tuple = (), admin_gate=None):
         self.app = app
         self.max_bytes = max_bytes
         self.large = large
+        self.admin_gate = admin_gate
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         max_bytes = next((n for pattern, n in self.large if pattern.match(scope.get("path", ""))), self.max_bytes)
+        if max_bytes != self.max_bytes and self.admin_gate is not None and scope.get("method") not in (
+                "GET", "HEAD", "DELETE", "OPTIONS"):
+            refused = await self.admin_gate(scope)
+            if refused is not None:
+                return await refused.response()(scope, receive, send)
         length = None
         for name, value in scope.get("headers", []):
             if name == b"content-length":
@@ -173,5 +181,5 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
         return {"status": "ok"}
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                       large=((admin_adapters.UPLOAD_PATH, settings.max_upload_bytes),))
+                       large=((admin_adapters.UPLOAD_PATH, settings.max_upload_bytes),), admin_gate=auth.admin_gate)
     return app

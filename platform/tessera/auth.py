@@ -18,6 +18,7 @@ from tessera import admin_session
 from tessera.errors import ApiError
 from tessera.gateway import Gateway, get_gateway
 from tessera.services import Caller, TenantSuspended, authenticate, hash_key
+from tessera.settings import PlatformSettings
 
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
@@ -62,19 +63,46 @@ async def get_caller(request: Request, gateway: GatewayDep) -> Caller:
 CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
-async def require_admin(request: Request, gateway: GatewayDep) -> None:
-    """401 unless the request carries the configured admin token (Bearer), or, without an
-    Authorization header, a signed-in admin web UI session (admin_session.py: state-changing
-    requests also need its CSRF header, else 403). A tenant's API key is never an admin."""
-    if _bearer(request) is None and admin_session.has_session_cookie(request):
-        admin_session.require_session(request, gateway.settings)
+async def check_admin(request: Request, settings: PlatformSettings) -> None:
+    """Return when the request carries an admin credential, else raise ApiError: the configured
+    admin token (Bearer), or, without an Authorization header, a signed-in admin web UI session
+    (admin_session.py: state-changing requests also need its CSRF header, else 403). A wrong
+    token is throttled like a wrong sign-in password: counted per client address, logged, and
+    answered 401 after `admin_login_delay_s`; an address with too many recent failures gets 429
+    without its token being checked. Reads headers only, never the body (app.BodyLimit calls it
+    before letting an upload past the general body limit)."""
+    given = _bearer(request)
+    if given is None and admin_session.has_session_cookie(request):
+        admin_session.require_session(request, settings)
         return
-    token = gateway.settings.admin_token
+    token = settings.admin_token
     if token is None:
         raise ApiError(401, "the admin API is disabled: set TESSERA_ADMIN_TOKEN", code="admin_disabled")
-    given = _bearer(request) or ""
+    if given is None:
+        raise ApiError(401, "missing admin token: send the header 'Authorization: Bearer <admin token>'",
+                       code="invalid_admin_token")
+    admin_session.refuse_if_locked_out(request, settings)
     if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+        await admin_session.failed_attempt(request, settings, "admin token")
         raise ApiError(401, "invalid admin token", code="invalid_admin_token")
+    admin_session.failure_limiter(request, settings).succeeded(admin_session.client_address(request))
+
+
+async def require_admin(request: Request, gateway: GatewayDep) -> None:
+    """The admin API's dependency: `check_admin` with the gateway's settings. A tenant's API key
+    is never an admin."""
+    await check_admin(request, gateway.settings)
+
+
+async def admin_gate(scope) -> ApiError | None:
+    """For app.BodyLimit, from the request's headers alone: None when it carries a valid admin
+    credential, else the error `check_admin` answers (401, 403 or 429; throttled alike)."""
+    request = Request(scope)
+    try:
+        await check_admin(request, request.app.state.gateway.settings)
+    except ApiError as e:
+        return e
+    return None
 
 
 AdminDep = Annotated[None, Depends(require_admin)]

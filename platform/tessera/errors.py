@@ -7,6 +7,8 @@ an OpenAI client raises its matching exception class and the server keeps servin
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +20,27 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+# What must not reach a tenant in an error message: URLs (worker addresses, s3://bucket),
+# absolute paths, quoted or multi-segment object keys, host:port pairs.
+_INTERNAL = re.compile(r"""
+    [a-z][a-z0-9+.-]*://[^\s'"]+
+  | (?<![\w.~-])/[^\s'",;)]+
+  | '[^'\s]*[/\\][^'\s]*'
+  | \b[\w.-]+(?:/[\w.@=-]+){2,}
+  | \b[\w.-]+:\d{2,5}\b
+""", re.X | re.I)
+
+#: Pydantic error types answered 400 (a value out of the range the API accepts) rather than 422.
+OUT_OF_RANGE = "value_out_of_range"
+
+
+def scrub(message: str) -> str:
+    """`message` with internal locations (URLs, paths, object keys, host:port) replaced by
+    "<internal>": for reasons that come from deep inside (the engine, the object store) and are
+    shown to a tenant, who may read the reason but not where things live."""
+    return _INTERNAL.sub("<internal>", message)
 
 
 class ApiError(Exception):
@@ -49,6 +72,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
+    if first.get("type") in (OUT_OF_RANGE, "int_parsing_size"):
+        return ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
     if first.get("type") == "extra_forbidden":
         msg = "unknown field (not supported by this API)"
     elif first.get("type") == "missing":
@@ -76,6 +101,9 @@ def install_handlers(app: FastAPI) -> None:
         return ApiError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception):
-        log.exception("unhandled error")
-        return ApiError(500, "internal error; the request was not completed", type="server_error").response()
+    async def _unexpected(request: Request, exc: Exception):
+        # The details stay in the log, under a reference the caller can quote.
+        ref = uuid.uuid4().hex[:16]
+        log.exception("unhandled error (ref %s) on %s %s", ref, request.method, request.url.path)
+        return ApiError(500, f"internal error; the request was not completed (ref {ref})",
+                        type="server_error").response()

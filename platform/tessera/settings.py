@@ -29,7 +29,11 @@ class PlatformSettings(RegistrySettings):
     admin_password: SecretStr | None = Field(
         None, description="Sign-in password of the admin web UI (/admin); unset: the admin token is the password.")
     admin_session_ttl_s: int = Field(8 * 3600, ge=60, description="How long an admin web UI session lasts, in seconds.")
-    admin_login_delay_s: float = Field(1.0, ge=0, description="Fixed delay before answering a wrong admin password.")
+    admin_login_delay_s: float = Field(
+        1.0, ge=0, description="Fixed delay before answering a wrong admin password or admin token.")
+    admin_max_failures_per_minute: int = Field(
+        10, ge=1, description="Wrong admin passwords/tokens from one client address within a minute before that "
+                              "address is answered 429 (Retry-After) without checking, until the oldest slides out.")
     redis_url: str | None = Field(None, description="Redis for quota counters; unset keeps them in this process (embedded).")
     redis_key_prefix: str = Field("tessera:quota:", description="Prefix of every quota key in Redis.")
 

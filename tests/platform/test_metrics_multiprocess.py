@@ -50,6 +50,9 @@ def test_gateway_workers_share_one_view_of_the_metrics(tmp_path):
         "TESSERA_ADAPTER_CACHE_DIR": str(tmp_path / "cache"), "TESSERA_ENGINE_MODE": "http",
         "TESSERA_ENGINE_URLS": f'["http://127.0.0.1:{wport}"]', "TESSERA_ENGINE_SECRET": "s3cret-for-workers",
         "TESSERA_ADMIN_TOKEN": "admin-for-multiprocess",
+        # Several gateway workers share quota counters and the config epoch through Redis.
+        "TESSERA_REDIS_URL": "redis://127.0.0.1:6379/0",
+        "TESSERA_REDIS_KEY_PREFIX": f"tessera-test:{uuid.uuid4().hex[:8]}:",
         "TESSERA_PORT": str(gport), "PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
     procs = []
     try:

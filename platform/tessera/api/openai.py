@@ -15,6 +15,7 @@ billed its prompt tokens only.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,11 +31,11 @@ from adapter_registry import services as registry
 from adapter_registry.errors import NotFound, RegistryError
 from adapter_registry.models import Tenant
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput, SamplingParams
-from engine.tokenizer import ChatTemplateError
+from engine.tokenizer import ChatTemplateError, PromptTooLong
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
 from tessera.auth import CallerDep, GatewayDep
 from tessera.engine_client import EngineUnavailable
-from tessera.errors import ApiError
+from tessera.errors import ApiError, scrub
 from tessera.gateway import Gateway
 from tessera.metering import Usage
 from tessera.models import UsageEvent
@@ -42,7 +43,14 @@ from tessera.quota import Decision, QuotaUnavailable, month_of
 from tessera.services import Caller
 from tessera.streaming import ClientDisconnected, DisconnectAwareStream, Final, cancel_on_disconnect
 
+log = logging.getLogger(__name__)
+
 router = APIRouter(prefix="/v1")
+
+#: Prompts up to this many characters are tokenized on the event loop (tens of microseconds,
+#: less than a hop to a worker thread); longer ones on a worker thread, so one tenant's large
+#: prompt never stalls the other requests this process serves.
+INLINE_TOKENIZE_CHARS = 2048
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
@@ -55,7 +63,15 @@ def _model_not_found(name: str) -> ApiError:
                     param="model", code="model_not_found")
 
 
-async def _resolve_adapter(gw: Gateway, caller: Caller, model: str) -> str | None:
+def _unavailable(request_id: str | None, what: str, detail: object, *, code: str = "service_unavailable") -> ApiError:
+    """A tenant-facing 503 that says what failed in general terms and the request id; the
+    details (worker URLs, paths, bucket names) go to the server log only."""
+    log.warning("request %s: %s: %s", request_id or "-", what, detail)
+    ref = f" (request id {request_id})" if request_id else ""
+    return ApiError(503, f"{what}; try again{ref}", type="server_error", code=code)
+
+
+async def _resolve_adapter(gw: Gateway, caller: Caller, model: str, request_id: str | None = None) -> str | None:
     """The adapter version id (sha256) `model` names for this caller; None for the base model."""
     if model == gw.engine.model_name:
         return None
@@ -70,9 +86,11 @@ async def _resolve_adapter(gw: Gateway, caller: Caller, model: str) -> str | Non
     except NotFound:
         raise _model_not_found(model) from None
     except RegistryError as e:
+        if e.http_status >= 500:
+            raise _unavailable(request_id, "the adapter registry is unavailable", e) from None
         raise ApiError(e.http_status, str(e), param="model") from None
-    except SQLAlchemyError:
-        raise ApiError(503, "the adapter registry is unavailable; try again") from None
+    except SQLAlchemyError as e:
+        raise _unavailable(request_id, "the adapter registry is unavailable", type(e).__name__) from None
 
 
 def _model_obj(id: str, owned_by: str, created: float | None = None) -> dict:
@@ -133,18 +151,41 @@ def _priority(caller: Caller, requested: str | None) -> str:
     return name
 
 
-def _prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def _text_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) for m in body.messages)
+    if isinstance(body.prompt, str):
+        return len(body.prompt)
+    return sum(len(x) for x in body.prompt if isinstance(x, str))
+
+
+async def _prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    """The prompt's token ids: on the event loop when short, else on a worker thread."""
+    if _text_chars(body) <= INLINE_TOKENIZE_CHARS:
+        return _tokenize(gw, body)
+    return await anyio.to_thread.run_sync(_tokenize, gw, body)
+
+
+def _tokenize(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    """Render (chat) and encode the prompt. A prompt whose UTF-8 size alone shows it cannot fit
+    the context is refused before encoding (400 context_length_exceeded). Messages' contents
+    are text: special tokens written in them never become control tokens."""
     tok = gw.engine.tokenizer
+    chat = isinstance(body, ChatCompletionRequest)
+    param = "messages" if chat else "prompt"
+    ctx = gw.engine.max_model_len
+    most = ctx - 1  # the prompt must leave room for one generated token
     try:
-        if isinstance(body, ChatCompletionRequest):
-            text = tok.apply_chat_template([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                                            for m in body.messages])
-            ids = tok.encode(text)
+        if chat:
+            ids = tok.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                                   for m in body.messages], max_tokens=most)
         elif isinstance(body.prompt, str):
+            tok.check_fits(body.prompt, most)
             ids = tok.encode(body.prompt) if body.prompt else []
         elif body.prompt and all(isinstance(x, str) for x in body.prompt):
             if len(body.prompt) != 1:
                 raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            tok.check_fits(body.prompt[0], most)
             ids = tok.encode(body.prompt[0]) if body.prompt[0] else []
         else:
             ids = list(body.prompt)
@@ -153,8 +194,11 @@ def _prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) ->
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     except ChatTemplateError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
+    except PromptTooLong as e:
+        raise ApiError(400, f"the prompt has at least {e.min_tokens} tokens; this model's context is {ctx} tokens",
+                       param=param, code="context_length_exceeded") from None
     if not ids:
-        raise ApiError(400, "the prompt is empty", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        raise ApiError(400, "the prompt is empty", param=param)
     return ids
 
 
@@ -240,10 +284,37 @@ async def _seed_budget(gw: Gateway, caller: Caller) -> None:
 
     try:
         total = await anyio.to_thread.run_sync(used)
-    except SQLAlchemyError:
+    except SQLAlchemyError as e:
+        log.warning("budget seed of tenant %s: usage database error: %s", caller.tenant_id, type(e).__name__)
         raise ApiError(503, "the usage database is unavailable; try again") from None
     await gw.quota.seed_budget(tenant=str(caller.tenant_id), month=month, used=total)
     gw.seeded_budgets.add((caller.tenant_id, month))
+
+
+async def _refuse_early(gw: Gateway, caller: Caller, body) -> None:
+    """Refuse a tenant that is already over a limit before any work is spent on its request
+    (adapter lookup, tokenization): a read-only look at the counters for the least this request
+    can reserve (one prompt token + max_tokens, or + 1 when max_tokens is left to the server).
+    `_admit` still reserves atomically for the requests that pass."""
+    peek = getattr(gw.quota, "peek", None)
+    if peek is None:
+        return
+    explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    # Past the context the request is a 400 anyway; never let an absurd max_tokens decide a 429.
+    tokens = 1 + min(explicit or 1, gw.engine.max_model_len - 1)
+    try:
+        d = await peek(tenant=str(caller.tenant_id), limits=caller.policy.limits, tokens=tokens)
+    except QuotaUnavailable as e:
+        raise ApiError(503, f"{e}; try again", type="server_error", code="quota_unavailable") from None
+    if d is None:
+        return
+    metrics = getattr(gw.quota, "metrics", None)  # RefusalCountingQuota counts reserve's refusals only
+    if metrics is not None:
+        try:
+            await metrics.refused(str(caller.tenant_id), d.reason)
+        except Exception:  # noqa: BLE001 - a metric must never fail a request
+            log.warning("metrics: could not count a quota refusal", exc_info=True)
+    raise _refusal(d, tokens)
 
 
 async def _admit(gw: Gateway, caller: Caller, job: _Job) -> Decision:
@@ -277,8 +348,12 @@ async def _finish(gw: Gateway, caller: Caller, job: _Job, decision: Decision, *,
         return usage
 
 
-def _engine_error(out: RequestOutput) -> ApiError:
-    return ApiError(503, f"the engine could not complete the request: {out.error or 'engine error'}",
+def _engine_error(job: _Job, out: RequestOutput) -> ApiError:
+    """The engine failed this request (its adapter could not be loaded, a step fault traced to
+    it): the reason without internal paths or addresses, and the request id; logged whole."""
+    log.warning("request %s: the engine failed it: %s", job.request_id, out.error)
+    reason = scrub(out.error or "engine error")
+    return ApiError(503, f"the engine could not complete the request: {reason} (request id {job.request_id})",
                     type="server_error", code="engine_error")
 
 
@@ -305,12 +380,13 @@ def _sse(data: dict | str) -> bytes:
 
 
 async def _serve(gw: Gateway, caller: Caller, body, kind: str, http: Request):
+    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     priority = _priority(caller, body.priority)
-    adapter = await _resolve_adapter(gw, caller, body.model)
-    ids = _prompt_ids(gw, body)
+    await _refuse_early(gw, caller, body)
+    adapter = await _resolve_adapter(gw, caller, body.model, request_id)
+    ids = await _prompt_ids(gw, body)
     params = _params(gw, body, len(ids))
-    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    job = _Job(kind=kind, request_id=prefix + uuid.uuid4().hex, model=body.model, adapter=adapter, priority=priority,
+    job = _Job(kind=kind, request_id=request_id, model=body.model, adapter=adapter, priority=priority,
                prompt_ids=ids, params=params, stream=body.stream,
                include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage))
     decision = await _admit(gw, caller, job)
@@ -330,7 +406,7 @@ async def _serve(gw: Gateway, caller: Caller, body, kind: str, http: Request):
         raise ApiError(400, e.message, param=e.param) from None
     except EngineUnavailable as e:
         await _finish(gw, caller, job, decision, status="error", finish_reason=None, completion_tokens=0, ttft=None)
-        raise ApiError(503, f"no engine is available: {e}", type="server_error", code="engine_unavailable") from None
+        raise _unavailable(job.request_id, "no engine is available", e, code="engine_unavailable") from None
     except BaseException:
         await stream.aclose()
         await _finish(gw, caller, job, decision, status="aborted", finish_reason=None, completion_tokens=0, ttft=None)
@@ -359,7 +435,7 @@ async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> J
     except EngineUnavailable as e:
         await _finish(gw, caller, job, decision, status="error", finish_reason=None,
                       completion_tokens=completion, ttft=ttft)
-        raise ApiError(503, f"the engine failed mid-request: {e}", type="server_error", code="engine_unavailable") from None
+        raise _unavailable(job.request_id, "the engine failed mid-request", e, code="engine_unavailable") from None
     except BaseException:  # cancelled: the client went away before the answer was ready
         await stream.aclose()
         # Billed for what it was sent, as a stream that disconnects is: here nothing.
@@ -369,7 +445,7 @@ async def _collect(gw, caller, job, decision, stream, first, ttft, headers) -> J
     if out.finish_reason == "error":
         await _finish(gw, caller, job, decision, status="error", finish_reason="error",
                       completion_tokens=completion, ttft=ttft)
-        raise _engine_error(out)
+        raise _engine_error(job, out)
     await _finish(gw, caller, job, decision, status="completed", finish_reason=out.finish_reason,
                   completion_tokens=completion, ttft=ttft)
     text = "".join(parts)
@@ -405,7 +481,7 @@ async def _events(gw, caller, job, decision, stream, first, ttft):
         if out.finish_reason == "error":
             await _finish(gw, caller, job, decision, status="error", finish_reason="error",
                           completion_tokens=completion, ttft=ttft)
-            yield Final(pending + _sse(_engine_error(out).body()))
+            yield Final(pending + _sse(_engine_error(job, out).body()))
             return
         finish = _FINISH.get(out.finish_reason, "stop")
         if job.kind == "chat":
@@ -426,8 +502,8 @@ async def _events(gw, caller, job, decision, stream, first, ttft):
             done = True
             await _finish(gw, caller, job, decision, status="error", finish_reason=None,
                           completion_tokens=completion, ttft=ttft)
-            yield Final(_sse(ApiError(503, f"the engine failed mid-request: {e}", type="server_error",
-                                      code="engine_unavailable").body()))
+            yield Final(_sse(_unavailable(job.request_id, "the engine failed mid-request", e,
+                                          code="engine_unavailable").body()))
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()  # aborts the engine request if it is still running

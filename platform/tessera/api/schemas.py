@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from tessera.errors import OUT_OF_RANGE
+
+#: OpenAI's `seed` is an int64.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class TextPart(BaseModel):
@@ -51,6 +57,13 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     #: Extension: priority class (realtime, standard, batch); default: the tenant's plan default.
     priority: str | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_int64(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise PydanticCustomError(OUT_OF_RANGE, "must be an integer from -2**63 to 2**63-1 (int64)")
+        return v
 
 
 class ChatCompletionRequest(_Common):

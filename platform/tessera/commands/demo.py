@@ -1,9 +1,13 @@
 """`tessera demo`: the whole platform on one machine with the embedded defaults (SQLite under
 ./var, local object store, eager validation, in-memory quotas, the engine in this process on
 CPU). It creates the demo tenant with a fresh key, uploads the demo adapters, starts the server
-and prints a curl and an openai-client example that work when pasted.
+and prints what works when pasted: a curl and an openai-client example, an admin API call and an
+adapter upload (curl), and where the admin web UI signs in.
 
-`--self-test` runs both examples against the server itself and exits (0 when they worked).
+`--self-test` does the same against the server itself and exits (0 when all of it worked): the
+streamed chat as curl sends it, the openai client, the admin API call, signing in to the web UI
+with the admin password (then a page and an admin API call on the session cookie), an upload of
+a demo adapter under a new name through the admin API, and a chat with that adapter.
 """
 from __future__ import annotations
 
@@ -116,26 +120,104 @@ EOF
 """
 
 
-def _self_test(url: str, key: str, model: str) -> bool:
+def admin_examples(url: str, admin: str, adapters: list[str]) -> str:
+    """The admin side: an admin API call, an adapter upload (curl) and the web UI's address."""
+    folder = ADAPTERS_DIR / (adapters[0] if adapters else "pirate")
+    return f"""
+admin API (the admin token is the Bearer; demo adapters: {', '.join(adapters) or 'none'}):
+  curl {url}/admin/v1/tenants/{DEMO_TENANT}/adapters -H "Authorization: Bearer {admin}"
+
+upload an adapter for tenant {DEMO_TENANT!r} (adapter_config.json + adapter_model.safetensors, or one .zip of them):
+  curl {url}/admin/v1/tenants/{DEMO_TENANT}/adapters/my-adapter/versions -H "Authorization: Bearer {admin}" \\
+    -F "files=@{folder}/adapter_config.json" -F "files=@{folder}/adapter_model.safetensors"
+
+Admin web UI: {url}/admin (password: the admin token above, unless TESSERA_ADMIN_PASSWORD is set).
+"""
+
+
+def _self_test(url: str, key: str, model: str, *, admin: str, password: str | None, adapters: list[str]) -> bool:
+    """Run what the demo prints, as a user would; print one line per step; True when all worked."""
     import httpx
     from openai import OpenAI
 
-    body = {"model": model, "messages": [{"role": "user", "content": "Which color is a plum?"}],
-            "max_tokens": 16, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {key}"}) as r:
-        lines = [line for line in r.iter_lines() if line]
-    ok_curl = r.status_code == 200 and lines[-1] == "data: [DONE]"
-    client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-    text = "".join((c.choices[0].delta.content or "") for c in client.chat.completions.create(
-        model=model, max_tokens=16, stream=True, messages=[{"role": "user", "content": "Which color is a plum?"}]))
-    print(f"self-test: curl-style stream {'ok' if ok_curl else 'FAILED'}; openai client answered {text!r}", flush=True)
-    return ok_curl and bool(text)
+    results: list[bool] = []
+
+    def step(name: str, fn) -> None:
+        try:
+            ok, note = fn()
+        except Exception as e:  # noqa: BLE001 - any failure is a failed step
+            ok, note = False, f"{type(e).__name__}: {e}"
+        results.append(ok)
+        print(f"self-test: {name} {'ok' if ok else 'FAILED'}{'; ' + note if note else ''}", flush=True)
+
+    question = [{"role": "user", "content": "Which color is a plum?"}]
+    client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def curl_stream():
+        body = {"model": model, "messages": question, "max_tokens": 16, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {key}"}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        return r.status_code == 200 and lines[-1] == "data: [DONE]", ""
+
+    def chat(with_model: str):
+        def run():
+            text = "".join((c.choices[0].delta.content or "") for c in client.chat.completions.create(
+                model=with_model, max_tokens=16, stream=True, messages=question))
+            return bool(text), f"{with_model} answered {text!r}"
+        return run
+
+    admin_headers = {"authorization": f"Bearer {admin}"}
+
+    def admin_call():
+        r = httpx.get(f"{url}/admin/v1/tenants/{DEMO_TENANT}/adapters", headers=admin_headers, timeout=30)
+        listed = {a["name"] for a in r.json().get("data", [])} if r.status_code == 200 else set()
+        return r.status_code == 200 and set(adapters) <= listed, f"HTTP {r.status_code}"
+
+    def sign_in():
+        with httpx.Client(base_url=url, timeout=30) as c:
+            r = c.post("/admin/session", json={"password": password or ""})
+            if r.status_code != 204:
+                return False, f"sign-in answered HTTP {r.status_code}"
+            # Signed in, /admin leads to the tenants page (without a session: to the sign-in page).
+            page, api = c.get("/admin", follow_redirects=True), c.get("/admin/v1/tenants")
+            return (page.status_code == 200 and page.url.path == "/admin/tenants" and api.status_code == 200,
+                    f"/admin showed {page.url.path} (HTTP {page.status_code}), admin API on the session "
+                    f"HTTP {api.status_code}")
+
+    uploaded = {}
+
+    def upload():
+        import io
+        import zipfile
+
+        source = ADAPTERS_DIR / (adapters[0] if adapters else "pirate")
+        name = f"self-test-{secrets.token_hex(3)}"
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            for f in ("adapter_config.json", "adapter_model.safetensors"):
+                z.write(source / f, f)
+        r = httpx.post(f"{url}/admin/v1/tenants/{DEMO_TENANT}/adapters/{name}/versions", headers=admin_headers,
+                       files={"files": (f"{name}.zip", buf.getvalue(), "application/zip")}, timeout=300)
+        status = r.json().get("status") if r.status_code == 201 else None
+        if status == "ready":
+            uploaded["name"] = name
+        return status == "ready", f"{name} (a zip of {source.name}): HTTP {r.status_code}, {status or r.text[:200]}"
+
+    step("curl-style stream", curl_stream)
+    step("openai client", chat(model))
+    step("admin API call", admin_call)
+    step("admin web UI sign-in", sign_in)
+    step("adapter upload", upload)
+    step("chat with the uploaded adapter",
+         chat(uploaded["name"]) if uploaded else (lambda: (False, "nothing was uploaded")))
+    return all(results)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tessera.admin_session import admin_password
     from tessera.app import create_app
     from tessera.commands.serve import check_port_free, load_settings
 
@@ -158,13 +240,11 @@ def run(args: argparse.Namespace) -> int:
                 return
             time.sleep(0.1)
         print(examples(url, key, model), flush=True)
-        print(f"Admin API: {url}/admin/v1 with header 'Authorization: Bearer {admin}'. "
-              f"Demo adapters: {', '.join(adapters) or 'none'}.", flush=True)
-        print(f"Admin web UI: {url}/admin (password: the admin token above, unless TESSERA_ADMIN_PASSWORD is set).",
-              flush=True)
+        print(admin_examples(url, admin, adapters), flush=True)
         if args.self_test:
             try:
-                result["ok"] = _self_test(url, key, model)
+                result["ok"] = _self_test(url, key, model, admin=admin, password=admin_password(settings),
+                                          adapters=adapters)
             except Exception as e:  # noqa: BLE001 - any failure is a failed self-test
                 print(f"self-test failed: {type(e).__name__}: {e}", flush=True)
                 result["ok"] = False

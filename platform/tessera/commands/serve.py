@@ -12,8 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="listen address (default: TESSERA_HOST)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: TESSERA_PORT)")
     p.add_argument("--workers", type=int, default=1,
-                   help="gateway worker processes (>1: metrics in prometheus-client multiprocess mode; "
-                        "share quota counters through TESSERA_REDIS_URL)")
+                   help="gateway worker processes (>1 needs TESSERA_REDIS_URL, where they share quota counters "
+                        "and the config epoch; metrics in prometheus-client multiprocess mode)")
     p.set_defaults(func=_serve)
 
     w = sub.add_parser("engine-worker", help="run one engine process with the internal streaming API")
@@ -36,14 +36,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def load_settings(**overrides):
+    """PlatformSettings from TESSERA_* / .env with `overrides` (None values ignored) on top. The
+    overrides are constructor arguments, so they are validated and typed like the environment's
+    (an admin token becomes a SecretStr) and win over it. CLIError with one line when invalid."""
     from pydantic import ValidationError
 
     from tessera.cli import CLIError
     from tessera.settings import PlatformSettings
 
     try:
-        s = PlatformSettings()
-        return s.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        return PlatformSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
         raise CLIError(f"invalid setting {'.'.join(map(str, err['loc'])) or ''}: {err['msg']}") from None
@@ -54,7 +56,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tessera.app import create_app
 
+    from tessera.cli import CLIError
+
     settings = load_settings(host=args.host, port=args.port)
+    if args.workers < 1:
+        raise CLIError(f"--workers must be at least 1 (got {args.workers})")
+    if args.workers > 1 and not settings.redis_url:
+        # Each process would keep its own quota counters, caller cache and config epoch: limits
+        # multiplied by N, and a revoked key still accepted by the workers that did not see it.
+        raise CLIError(f"--workers {args.workers} needs TESSERA_REDIS_URL: without Redis each worker keeps its own "
+                       "quota counters and config epoch (limits would multiply, revocations reach one worker)")
     check_port_free(settings.host, settings.port)
     if args.workers > 1:
         _multiprocess_metrics_dir()

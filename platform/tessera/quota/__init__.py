@@ -68,6 +68,11 @@ class QuotaBackend(Protocol):
                       now: float | None = None) -> Decision:
         """Admit and count the request in every limit, or refuse it counting nothing."""
 
+    async def peek(self, *, tenant: str, limits: Limits, tokens: int, now: float | None = None) -> Decision | None:
+        """Read-only: the refusal `reserve` would answer now for a request of at least `tokens`,
+        or None. Cheap, so a tenant already over a limit is refused before its request is
+        tokenized; `reserve` still decides (atomically) for the requests it lets through."""
+
     async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
         """Replace the reserved tokens by `used_tokens` and free the concurrency slot (idempotent
         per reservation is not required: call it exactly once)."""

@@ -20,6 +20,30 @@ class _Counters:
     budget: dict[str, int] = field(default_factory=dict)  # month -> tokens reserved or used
 
 
+def _window(c: _Counters, minute: int) -> tuple[int, int, int, int]:
+    """(previous minute's requests, tokens, this minute's requests, tokens) as seen at `minute`."""
+    if c.minute == minute:
+        return c.prev_requests, c.prev_tokens, c.requests, c.tokens
+    if c.minute == minute - 1:
+        return c.requests, c.tokens, 0, 0
+    return 0, 0, 0, 0
+
+
+def _reason(limits: Limits, tokens: int, now: float, *, spent: int, inflight: int, requests: int, used: int,
+            prev_requests: int, prev_used: int) -> str | None:
+    """Which limit one more request of `tokens` would break (checked in this order), or None."""
+    if limits.monthly_token_budget is not None and spent + tokens > limits.monthly_token_budget:
+        return "budget"
+    if limits.max_concurrent_requests is not None and inflight + 1 > limits.max_concurrent_requests:
+        return "concurrency"
+    if (limits.requests_per_minute is not None
+            and sliding_estimate(prev_requests, requests, now) + 1 > limits.requests_per_minute):
+        return "requests"
+    if limits.tokens_per_minute is not None and sliding_estimate(prev_used, used, now) + tokens > limits.tokens_per_minute:
+        return "tokens"
+    return None
+
+
 class MemoryQuota:
     """QuotaBackend over dicts in this process; lost on restart (budgets restart at zero)."""
 
@@ -34,23 +58,11 @@ class MemoryQuota:
         with self._lock:
             c = self._tenants.setdefault(tenant, _Counters())
             if c.minute != minute:
-                if c.minute == minute - 1:
-                    c.prev_requests, c.prev_tokens = c.requests, c.tokens
-                else:
-                    c.prev_requests = c.prev_tokens = 0
-                c.minute, c.requests, c.tokens = minute, 0, 0
+                c.prev_requests, c.prev_tokens, c.requests, c.tokens = _window(c, minute)
+                c.minute = minute
             spent = c.budget.get(month, 0)
-            reason = None
-            if limits.monthly_token_budget is not None and spent + tokens > limits.monthly_token_budget:
-                reason = "budget"
-            elif limits.max_concurrent_requests is not None and len(c.inflight) + 1 > limits.max_concurrent_requests:
-                reason = "concurrency"
-            elif (limits.requests_per_minute is not None
-                  and sliding_estimate(c.prev_requests, c.requests, now) + 1 > limits.requests_per_minute):
-                reason = "requests"
-            elif (limits.tokens_per_minute is not None
-                  and sliding_estimate(c.prev_tokens, c.tokens, now) + tokens > limits.tokens_per_minute):
-                reason = "tokens"
+            reason = _reason(limits, tokens, now, spent=spent, inflight=len(c.inflight), requests=c.requests,
+                             used=c.tokens, prev_requests=c.prev_requests, prev_used=c.prev_tokens)
             reservation = None
             if reason is None:
                 c.requests += 1
@@ -61,6 +73,21 @@ class MemoryQuota:
             return decide(reason=reason, reservation=reservation, limits=limits, now=now,
                           requests=c.requests, tokens_used=c.tokens, prev_requests=c.prev_requests,
                           prev_tokens=c.prev_tokens, tokens=tokens)
+
+    async def peek(self, *, tenant: str, limits: Limits, tokens: int, now: float | None = None) -> Decision | None:
+        now = time.time() if now is None else now
+        minute, month = minute_of(now), month_of(now)
+        with self._lock:
+            c = self._tenants.get(tenant)
+            if c is None:
+                return None
+            prev_requests, prev_tokens, requests, used = _window(c, minute)
+            reason = _reason(limits, tokens, now, spent=c.budget.get(month, 0), inflight=len(c.inflight),
+                             requests=requests, used=used, prev_requests=prev_requests, prev_used=prev_tokens)
+            if reason is None:
+                return None
+            return decide(reason=reason, reservation=None, limits=limits, now=now, requests=requests,
+                          tokens_used=used, prev_requests=prev_requests, prev_tokens=prev_tokens, tokens=tokens)
 
     async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
         delta = used_tokens - reservation.tokens

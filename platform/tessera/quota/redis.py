@@ -45,6 +45,26 @@ redis.call('INCRBY', KEYS[4], tokens); redis.call('EXPIRE', KEYS[4], 3456000)
 return {1, 'ok', reqs + 1, used + tokens, preqs, pused}
 """
 
+# The checks of _RESERVE without its writes: live leases counted, expired ones left for the next
+# reserve to remove.
+_PEEK = """
+local now = tonumber(ARGV[1])
+local tokens = tonumber(ARGV[2])
+local rpm, tpm, conc, budget = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local w = tonumber(ARGV[7])
+local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
+local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+local preqs = tonumber(redis.call('GET', KEYS[5]) or '0')
+local pused = tonumber(redis.call('GET', KEYS[6]) or '0')
+local inflight = redis.call('ZCOUNT', KEYS[3], '(' .. ARGV[1], '+inf')
+local spent = tonumber(redis.call('GET', KEYS[4]) or '0')
+if budget >= 0 and spent + tokens > budget then return {0, 'budget', reqs, used, preqs, pused} end
+if conc >= 0 and inflight + 1 > conc then return {0, 'concurrency', reqs, used, preqs, pused} end
+if rpm >= 0 and preqs * w + reqs + 1 > rpm then return {0, 'requests', reqs, used, preqs, pused} end
+if tpm >= 0 and pused * w + used + tokens > tpm then return {0, 'tokens', reqs, used, preqs, pused} end
+return {1, 'ok', reqs, used, preqs, pused}
+"""
+
 _SETTLE = """
 local delta = tonumber(ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[2])
@@ -70,6 +90,7 @@ class RedisQuota:
         self.lease_s = lease_s
         self._reserve = self.client.register_script(_RESERVE)
         self._settle = self.client.register_script(_SETTLE)
+        self._peek = self.client.register_script(_PEEK)
 
     def _keys(self, tenant: str, minute: int, month: str) -> list[str]:
         t, p = "{" + tenant + "}", self.prefix
@@ -93,6 +114,23 @@ class RedisQuota:
         return decide(reason=reason, reservation=reservation, limits=limits, now=now,
                       requests=int(reqs), tokens_used=int(used), prev_requests=int(preqs), prev_tokens=int(pused),
                       tokens=tokens)
+
+    async def peek(self, *, tenant: str, limits: Limits, tokens: int, now: float | None = None) -> Decision | None:
+        now = time.time() if now is None else now
+        minute, month = minute_of(now), month_of(now)
+        try:
+            ok, reason, reqs, used, preqs, pused = await self._peek(
+                keys=self._keys(tenant, minute, month),
+                args=[repr(now), tokens, _lim(limits.requests_per_minute), _lim(limits.tokens_per_minute),
+                      _lim(limits.max_concurrent_requests), _lim(limits.monthly_token_budget),
+                      repr(1.0 - (now % 60.0) / 60.0)])
+        except RedisError as e:
+            raise QuotaUnavailable(f"quota counters unavailable ({type(e).__name__})") from e
+        if ok == 1:
+            return None
+        return decide(reason=reason.decode() if isinstance(reason, bytes) else reason, reservation=None,
+                      limits=limits, now=now, requests=int(reqs), tokens_used=int(used), prev_requests=int(preqs),
+                      prev_tokens=int(pused), tokens=tokens)
 
     async def settle(self, reservation: Reservation, *, used_tokens: int) -> None:
         try:
