@@ -15,9 +15,11 @@ An unsafe or incomplete upload (pickle weights, missing file, bad archive) is re
 and nothing stored. The body may be up to settings.max_upload_bytes (app.py lets this route
 past the general body limit), and the registry's size and count limits apply.
 
-Each version: version, ref, status ('validating' | 'ready' | 'rejected'), rejection_reason,
-current, sha256, size_bytes, base_model, rank, alpha, target_modules, dtype, created_at,
-validated_at.
+Each version: version, ref, status ('validating' | 'ready' | 'rejected' | 'quarantined': the
+engine found it faulty), rejection_reason (why rejected or quarantined), current, sha256,
+size_bytes, base_model, rank, alpha, target_modules, dtype, created_at, validated_at.
+Validation runs in a bounded child process that the upload's worker thread waits on (embedded
+mode), so the event loop keeps serving; a deadline or limit hit is a rejection with its reason.
 """
 from __future__ import annotations
 
