@@ -131,8 +131,11 @@ class Meter:
                           usage.prompt_tokens, usage.completion_tokens, _summary(error), self.outbox_dir)
             return
         USAGE_EVENTS_DEFERRED.inc()
-        USAGE_OUTBOX_DEPTH.set(self.outbox_depth)
-        log.warning("usage of request %s deferred to the outbox (%s)", usage.request_id, _summary(error))
+        depth = self.outbox_depth
+        USAGE_OUTBOX_DEPTH.set(depth)
+        # One warning when an outage starts (the drainer reports while it lasts), not one per request.
+        log.log(logging.WARNING if depth == 1 else logging.DEBUG, "usage of request %s deferred to the outbox %s (%s)",
+                usage.request_id, box.path, _summary(error))
 
     @property
     def outbox_depth(self) -> int:

@@ -4,7 +4,6 @@ could not be written wait in the durable outbox and reach the database once, wit
 carried; the outbox survives a meter restart and a process killed right after recording."""
 from __future__ import annotations
 
-import os
 import signal
 import sqlite3
 import subprocess
