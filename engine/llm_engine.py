@@ -446,5 +446,6 @@ class LLMEngine:
                 a.token_ids += out.token_ids
                 if out.finished:
                     a.finished, a.finish_reason, a.error = True, out.finish_reason, out.error
+                    a.adapter_fault = out.adapter_fault
                     a.prompt_tokens, a.completion_tokens = out.prompt_tokens, out.completion_tokens
         return agg

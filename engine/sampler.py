@@ -31,6 +31,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from finite logits `row` [V] under non-greedy params `p` (see the module doc)."""
+    if p.temperature < torch.finfo(row.dtype).tiny:
+        # Below the smallest normal fp32 the temperature would round to 0 in row's dtype (0 / 0
+        # is NaN at the maximum); float64 holds every accepted value, subnormals included.
+        row = row.double()
     row = (row - row.max()) / p.temperature
     if 0 < p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]
@@ -39,9 +43,10 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
     if p.top_p < 1.0:
         sorted_probs, idx = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token: the
-        # first has nothing before it, and top_p > 0).
+        # Keep the smallest prefix whose mass reaches top_p, always at least the first token (a
+        # top_p below fp32's range compares as 0 against the fp32 masses).
         drop = (cum - sorted_probs) >= p.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())

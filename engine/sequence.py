@@ -12,15 +12,25 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import Priority, SamplingParams
 
 _seq_ids = itertools.count()
+_MASK64 = (1 << 64) - 1
 
 
 def generator_seed(seed: int | None) -> int:
-    """The torch.Generator seed of a request: its signed 64-bit seed read as unsigned (two's
-    complement, one-to-one over SamplingParams' seed range, which manual_seed takes whole), or
-    64 random bits when the request gives none."""
+    """The torch.Generator seed of a request with `seed` (SamplingParams' signed 64-bit range).
+
+    The CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds that differ only
+    in their high bits or sign (0, 2**32, -2**63) would give the same tokens: seeds in [0, 2**32)
+    are used as they are, others are mixed into 32 bits by splitmix64's finalizer, so every bit
+    counts. No seed: 32 random bits."""
     if seed is None:
-        return random.getrandbits(64)
-    return seed & 0xFFFF_FFFF_FFFF_FFFF
+        return random.getrandbits(32)
+    if 0 <= seed < 1 << 32:
+        return seed
+    z = seed & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFF_FFFF
 
 
 class SequenceStatus(enum.Enum):
