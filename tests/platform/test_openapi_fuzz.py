@@ -33,7 +33,10 @@ def fuzzed(tmp_path_factory, aengine):
     root = tmp_path_factory.mktemp("fuzz")
     settings = PlatformSettings(
         _env_file=None, database_url=f"sqlite:///{root}/tessera.db", object_store_root=root / "objects",
-        adapter_cache_dir=root / "adapter-cache", admin_token=ADMIN_TOKEN, admin_login_delay_s=0.0,
+        adapter_cache_dir=root / "adapter-cache", usage_outbox_dir=root / "outbox", admin_token=ADMIN_TOKEN,
+        # The generated sign-ins (wrong passwords) come from the address the admin calls use: no
+        # delay, no lockout, or the admin operations would be fuzzed against 429s only.
+        admin_login_delay_s=0.0, admin_max_failures_per_minute=10**6,
         max_body_bytes=64 * 1024, max_upload_bytes=1 << 20)
     upgrade(settings)
     app = create_app(settings, engine_client=InProcessEngineClient(aengine))
@@ -50,6 +53,17 @@ def fuzzed(tmp_path_factory, aengine):
 # (the document does not depend on them), so each operation is its own test.
 schema = schemathesis.openapi.from_dict(
     create_app(PlatformSettings(_env_file=None, admin_token=ADMIN_TOKEN)).openapi())
+BASE_MODEL = "SmolLM2-135M-Instruct"
+
+
+@schema.hook
+def map_body(context, body):
+    """Completions name the served base model half of the time, so the generated sampling
+    parameters, stops, seeds and prompts reach the engine instead of stopping at a 404."""
+    path = context.operation.path if context.operation is not None else ""
+    if path.endswith("completions") and isinstance(body, dict) and hash(repr(body)) % 2 == 0:
+        body["model"] = BASE_MODEL
+    return body
 
 
 @schema.parametrize()
@@ -72,8 +86,14 @@ def test_no_operation_answers_5xx_or_hangs(case, fuzzed):
 
 def test_the_gateway_still_serves_after_the_fuzzing(fuzzed, aengine):
     url, key, admin = fuzzed
+    # The generated completions did reach the engine (not all stopped at validation or a 404).
+    r = admin.get("/admin/v1/tenants/fuzz/usage")
+    assert r.status_code == 200, r.text
+    served = r.json()["by_status"]
+    assert served.get("completed", {}).get("requests", 0) > 0, served
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert aengine.engine.model_config.name == BASE_MODEL
     r = httpx.post(f"{url}/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=120,
-                   json={"model": aengine.engine.model_config.name, "prompt": "Hello", "max_tokens": 2})
+                   json={"model": BASE_MODEL, "prompt": "Hello", "max_tokens": 2})
     # The fuzzing may have spent this minute's tokens or revoked the key; neither is a 5xx.
     assert r.status_code in (200, 401, 429), r.text
