@@ -32,7 +32,7 @@ from sqlalchemy.orm import sessionmaker
 
 from adapter_registry.db import utcnow
 from tessera.models import UsageEvent
-from tessera.observability.metrics import USAGE_EVENTS_DEFERRED, USAGE_OUTBOX_DEPTH
+from tessera.observability.metrics import usage_outbox_metrics
 from tessera.outbox import UsageOutbox, database_tag
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class Meter:
         self._outbox: UsageOutbox | None = None  # this process's own, made on the first deferred event
         self._adopted: list[UsageOutbox] = []  # left by processes that died, being drained
         self._boxes_lock = threading.Lock()
+        self._deferred_total, self._depth_gauge = usage_outbox_metrics()
 
     def record_sync(self, usage: Usage) -> bool:
         """Insert the event and commit; False if one with this request id already exists."""
@@ -130,9 +131,9 @@ class Meter:
                           "and the outbox in %s could not store it", usage.request_id, usage.tenant_id,
                           usage.prompt_tokens, usage.completion_tokens, _summary(error), self.outbox_dir)
             return
-        USAGE_EVENTS_DEFERRED.inc()
+        self._deferred_total.inc()
         depth = self.outbox_depth
-        USAGE_OUTBOX_DEPTH.set(depth)
+        self._depth_gauge.set(depth)
         # One warning when an outage starts (the drainer reports while it lasts), not one per request.
         log.log(logging.WARNING if depth == 1 else logging.DEBUG, "usage of request %s deferred to the outbox %s (%s)",
                 usage.request_id, box.path, _summary(error))
@@ -147,7 +148,7 @@ class Meter:
         found = UsageOutbox.adopt_orphans(self.outbox_dir, self._tag)
         with self._boxes_lock:
             self._adopted.extend(found)
-        USAGE_OUTBOX_DEPTH.set(self.outbox_depth)
+        self._depth_gauge.set(self.outbox_depth)
         return sum(box.depth for box in found)
 
     def drain_once(self, batch: int = 500) -> int:
@@ -175,7 +176,7 @@ class Meter:
             self._adopted = [b for b in self._adopted if b.depth != 0]
         for box in done:
             box.close()  # deleted unless it keeps rejected events
-        USAGE_OUTBOX_DEPTH.set(self.outbox_depth)
+        self._depth_gauge.set(self.outbox_depth)
         return moved
 
     def _drain_one_by_one(self, box: UsageOutbox, events: list[tuple[int, dict]]) -> None:

@@ -28,6 +28,7 @@ aggregates every worker's values, so any worker's /metrics answers for all of th
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -60,11 +61,6 @@ PROMPT_TOKENS = Counter("tessera_prompt_tokens_total", "Prompt tokens billed.", 
 COMPLETION_TOKENS = Counter("tessera_completion_tokens_total", "Completion tokens billed.", ["tenant"])
 QUOTA_REFUSALS = Counter("tessera_quota_refusals_total", "Requests refused with 429 by a quota.",
                          ["tenant", "reason"])
-# The usage outbox (tessera/metering.py, tessera/outbox.py): label-free, set by the meter.
-USAGE_EVENTS_DEFERRED = Counter("tessera_usage_events_deferred_total",
-                                "Usage events the database could not take at once, kept in the outbox.")
-USAGE_OUTBOX_DEPTH = Gauge("tessera_usage_outbox_depth", "Usage events waiting in the outbox for the database.",
-                           multiprocess_mode="livesum")
 ADAPTER_REQUESTS = Counter("tessera_adapter_requests_total", "Requests per adapter (metrics_adapter_labels).",
                            ["tenant", "adapter", "status"])
 ADAPTER_TTFT = Histogram("tessera_adapter_request_ttft_seconds", "TTFT per adapter (metrics_adapter_labels).",
@@ -72,6 +68,18 @@ ADAPTER_TTFT = Histogram("tessera_adapter_request_ttft_seconds", "TTFT per adapt
 ADAPTER_DURATION = Histogram("tessera_adapter_request_duration_seconds",
                              "End-to-end latency per adapter (metrics_adapter_labels).",
                              ["tenant", "adapter"], buckets=DURATION_BUCKETS_S)
+
+
+@functools.lru_cache(maxsize=1)
+def usage_outbox_metrics() -> tuple[Counter, Gauge]:
+    """The usage outbox's series (tessera/metering.py): (events deferred, outbox depth). A
+    label-free metric opens its multiprocess file when it is created, so these are made on first
+    use (a gateway's meter), not at import: `tessera serve --workers` imports this module before
+    it makes the multiprocess directory."""
+    return (Counter("tessera_usage_events_deferred_total",
+                    "Usage events the database could not take at once, kept in the outbox."),
+            Gauge("tessera_usage_outbox_depth", "Usage events waiting in the outbox for the database.",
+                  multiprocess_mode="livesum"))
 
 
 def multiprocess_dir() -> str | None:
