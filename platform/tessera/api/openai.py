@@ -411,14 +411,28 @@ async def _serve(gw: Gateway, caller: Caller, body, kind: str, http: Request):
         await stream.aclose()
         await _finish(gw, caller, job, decision, status="aborted", finish_reason=None, completion_tokens=0, ttft=None)
         raise
+    if first.finished and first.finish_reason == "error":
+        # Failed before any token (its adapter could not be loaded): an error status, streaming
+        # or not, rather than a 200 whose only event is the error.
+        await _finish(gw, caller, job, decision, status="error", finish_reason="error",
+                      completion_tokens=len(first.token_ids), ttft=None)
+        raise _engine_error(job, first)
     ttft = time.perf_counter() - job.started
     if job.stream:
         return DisconnectAwareStream(_events(gw, caller, job, decision, stream, first, ttft),
                                      media_type="text/event-stream",
                                      headers=headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def collect() -> Response:
+        # An error answer is returned, not raised: raised inside cancel_on_disconnect's task
+        # group it would reach the app wrapped in an exception group, as a 500.
+        try:
+            return await _collect(gw, caller, job, decision, stream, first, ttft, headers)
+        except ApiError as e:
+            return e.response()
+
     try:
-        return await cancel_on_disconnect(http.receive,
-                                          lambda: _collect(gw, caller, job, decision, stream, first, ttft, headers))
+        return await cancel_on_disconnect(http.receive, collect)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
 

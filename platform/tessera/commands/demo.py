@@ -254,5 +254,9 @@ def run(args: argparse.Namespace) -> int:
 
     print("tessera demo: loading the engine (SmolLM2-135M on CPU)...", flush=True)
     threading.Thread(target=announce, daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn shuts down on Ctrl+C, then re-raises it: stopping is how a demo ends.
+        print("tessera demo: stopped.", flush=True)
     return 0 if result["ok"] else 1

@@ -1,0 +1,174 @@
+"""The README's main job as a newcomer does it: `make run` (= `tessera demo`) in a fresh folder,
+then what it prints, pasted into a shell. Nothing is reconstructed: the API key, the admin token,
+the URL and the commands are read from the demo's own output.
+
+One demo process for the whole file (it loads the engine and uploads the demo adapters).
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+import zipfile
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .conftest import free_port
+
+TESSERA = Path(sys.executable).parent / "tessera"
+ADAPTERS = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters"
+
+
+class Demo:
+    """`tessera demo` as `make run` starts it, and what it printed."""
+
+    def __init__(self, cwd: Path):
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {"TESSERA_PORT": str(port)}
+        self.stderr = open(cwd / "demo.stderr", "w+")
+        self.proc = subprocess.Popen([str(TESSERA), "demo"], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("Press Ctrl+C"):
+                self.ready.set()
+        self.ready.set()  # it exited
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        if not self.ready.wait(timeout) or self.proc.poll() is not None:
+            self.stop()
+            pytest.fail("tessera demo did not start:\n" + self.output + self.stderr_text())
+        return self.output
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def stderr_text(self) -> str:
+        self.stderr.flush()
+        return Path(self.stderr.name).read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # Ctrl+C, as the demo says
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def printed_commands(output: str) -> list[str]:
+    """Every shell command the demo printed, as pasted: `curl ...` lines with their `\\`
+    continuations, and the python heredoc through its closing EOF."""
+    lines, commands, i = output.splitlines(), [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.lstrip().startswith("curl "):
+            block = [line]
+            while block[-1].endswith("\\"):
+                i += 1
+                block.append(lines[i])
+            commands.append("\n".join(block))
+        elif line.endswith("<<'EOF'"):
+            end = lines.index("EOF", i)
+            commands.append("\n".join(lines[i:end + 1]))
+            i = end
+        i += 1
+    return commands
+
+
+def sh(command: str, cwd: Path, timeout: float = 180) -> str:
+    r = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{command}\nexit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("newcomer")
+    d = Demo(cwd)
+    d.wait_ready()
+    yield d, cwd
+    d.stop()
+
+
+def test_the_printed_commands_work_as_pasted_and_ctrl_c_stops_the_demo(demo):
+    d, cwd = demo
+    out = d.output
+    url = re.search(r"Tessera is running at (\S+)", out).group(1)
+    commands = printed_commands(out)
+    chat_curl = next(c for c in commands if "/v1/chat/completions" in c)
+    openai_example = next(c for c in commands if "<<'EOF'" in c)
+    admin_call = next(c for c in commands if "/admin/v1/" in c and "/versions" not in c)
+    upload_curl = next(c for c in commands if "/versions" in c)
+    key = re.search(r'Authorization: Bearer (\S+)"', chat_curl).group(1)
+    admin_token = re.search(r'Authorization: Bearer (\S+)"', admin_call).group(1)
+    model = re.search(r'"model": "([^"]+)"', chat_curl).group(1)
+    assert re.search(r"Admin web UI: (\S+)/admin ", out).group(1) == url
+
+    # The streamed curl: SSE chunks with text, then [DONE].
+    sse = [line for line in sh(chat_curl, cwd).splitlines() if line]
+    assert sse[-1] == "data: [DONE]", sse[-3:]
+    assert any('"content":"' in line and '"content":""' not in line for line in sse)
+
+    # The openai example prints the streamed answer.
+    assert sh(openai_example, cwd).strip()
+
+    # The admin API call lists the demo tenant's adapters.
+    import json
+
+    listed = json.loads(sh(admin_call, cwd))
+    assert {"json-answer", "pirate", "upper"} <= {a["name"] for a in listed["data"]}
+
+    # The printed upload, as pasted: a new adapter version, validated and ready.
+    uploaded = json.loads(sh(upload_curl, cwd))
+    assert uploaded["status"] == "ready", uploaded
+
+    # Sign in to the web UI with the printed admin token; pages and the admin API on the cookie.
+    with httpx.Client(base_url=url, timeout=60) as ui:
+        r = ui.post("/admin/session", json={"password": admin_token})
+        assert r.status_code == 204, r.text
+        page = ui.get("/admin", follow_redirects=True)
+        assert page.status_code == 200 and page.url.path == "/admin/tenants"
+        tenants = ui.get("/admin/v1/tenants")
+        assert tenants.status_code == 200 and "demo" in {t["name"] for t in tenants.json()["data"]}
+
+        # Upload a demo adapter folder, zipped, under a new name, as the web UI does (session
+        # cookie + CSRF header), through the admin API's multipart route.
+        name = "newcomer-" + uuid.uuid4().hex[:6]
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            for f in ("adapter_config.json", "adapter_model.safetensors"):
+                z.write(ADAPTERS / "upper" / f, f)
+        r = ui.post(f"/admin/v1/tenants/demo/adapters/{name}/versions",
+                    files={"files": (f"{name}.zip", buf.getvalue(), "application/zip")},
+                    headers={"x-csrf-token": ui.cookies["tessera_csrf"]}, timeout=300)
+        assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+
+    # The tenant chats with the new adapter through the openai client, with the printed key.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+    assert name in {m.id for m in client.models.list()}
+    text = client.chat.completions.create(model=name, max_tokens=16, temperature=0,
+                                          messages=[{"role": "user", "content": "Which color is a plum?"}]
+                                          ).choices[0].message.content
+    assert text.strip()
+    assert model in {m.id for m in client.models.list()}
+
+    # Ctrl+C: the demo stops cleanly.
+    assert d.stop() == 0
+    assert "Traceback" not in d.stderr_text(), d.stderr_text()
