@@ -84,8 +84,8 @@ def run_sandboxed(target: str, args: list, *, timeout_s: float, max_memory_bytes
 
 def _result(returncode: int, out: bytes, err: bytes, *, what: str, max_memory_bytes: int, timeout_s: float) -> Any:
     tail = err[-_STDERR_TAIL:].decode(errors="replace")
-    try:
-        reply = json.loads(out) if returncode == 0 else None
+    try:  # the reply is the last line (a library may have printed before it)
+        reply = json.loads(out.rstrip(b"\n").rsplit(b"\n", 1)[-1]) if returncode == 0 else None
     except ValueError:
         reply = None
     if isinstance(reply, dict) and "result" in reply:
@@ -129,7 +129,7 @@ def _child_main() -> None:
 
         traceback.print_exc()
         reply = json.dumps({"error": type(e).__name__})
-    sys.stdout.write(reply)
+    sys.stdout.write("\n" + reply + "\n")
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown: the reply is out, nothing else matters
 
