@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request, Response
 from sqlalchemy import event
 
 from adapter_registry.context import build_context
+from adapter_registry.services import recover_stuck_versions_at_start
 from tessera import admin_pages, auth
 from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, usage
 from tessera.billing.embedded import billing_loop
@@ -142,6 +143,9 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
                 tg.start_soon(partial(meter.drain_outbox, retry_max_s=settings.usage_outbox_retry_max_s))
                 if settings.celery_eager:  # embedded: no Celery beat; the gateway runs billing on a timer
                     tg.start_soon(billing_loop, ctx)
+                # Adapter versions a dead process left 'validating': validated again (or re-queued).
+                tg.start_soon(partial(anyio.to_thread.run_sync, recover_stuck_versions_at_start, ctx,
+                                      abandon_on_cancel=True))
                 yield
                 tg.cancel_scope.cancel()
         finally:
