@@ -54,8 +54,6 @@ def load_settings(**overrides):
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tessera.app import create_app
-
     from tessera.cli import CLIError
 
     settings = load_settings(host=args.host, port=args.port)
@@ -68,11 +66,15 @@ def _serve(args: argparse.Namespace) -> int:
                        "quota counters and config epoch (limits would multiply, revocations reach one worker)")
     check_port_free(settings.host, settings.port)
     if args.workers > 1:
+        # Before anything imports the app: modules that create metrics at import time need the
+        # multiprocess folder to exist by then.
         _multiprocess_metrics_dir()
         # Each worker builds its app from the same TESSERA_* environment (the factory reads it).
         uvicorn.run("tessera.app:create_app", factory=True, workers=args.workers, host=settings.host,
                     port=settings.port, log_level="info")
         return 0
+    from tessera.app import create_app
+
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
     return 0
 
