@@ -75,7 +75,7 @@ export async function render(main, ctx) {
     });
     actions.append(del);
     const status = h("div", {}, badge(v.status), v.current ? h("span", { class: "badge current" }, "current") : null);
-    if (v.status === "rejected" && v.rejection_reason) status.append(h("p", { class: "reason" }, v.rejection_reason));
+    if ((v.status === "rejected" || v.status === "quarantined") && v.rejection_reason) status.append(h("p", { class: "reason" }, v.rejection_reason));
     return h("tr", {},
       h("td", { "data-label": "Version" }, h("code", {}, v.ref)),
       h("td", { "data-label": "Status" }, status),
@@ -147,7 +147,7 @@ function uploadCard(tenant, ctx, refresh) {
       clear(status, h("div", { class: "notice success" }, badge("ready"),
         ` ${v.ref} is ready (rank ${v.rank}, ${v.target_modules.join(", ")})${v.current ? " and is now the current version" : ""}. Call it with "model": "${v.ref.split("@")[0]}".`));
     } else {
-      clear(status, h("div", { class: "notice error" }, badge("rejected"), ` ${v.ref} was rejected: `, h("span", { class: "reason" }, v.rejection_reason || "no reason given")));
+      clear(status, h("div", { class: "notice error" }, badge(v.status), ` ${v.ref} was ${v.status}: `, h("span", { class: "reason" }, v.rejection_reason || "no reason given")));
     }
   }
 
