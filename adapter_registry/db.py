@@ -52,7 +52,12 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # libpq options: a database that does not answer a connect within seconds is an outage (the
+    # caller answers 503 or defers the write) rather than a request waiting on the OS's TCP
+    # timeout; keepalives find a peer that vanished under an idle or running connection.
+    libpq = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+             "keepalives_count": 3} if url.startswith("postgresql") else {}
+    return create_engine(url, pool_pre_ping=True, pool_timeout=10, connect_args=libpq)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker:
