@@ -180,9 +180,34 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
         return Response(body, media_type=content_type)
     admin_pages.mount(app)  # the web UI at /admin (sign-in, pages, assets)
 
+    async def engine_readiness(request: Request) -> dict:
+        """The engine client's readiness (EngineClient.ready) as JSON; "starting" before the
+        lifespan built the gateway, "unknown" for a client that cannot tell."""
+        gateway = getattr(request.app.state, "gateway", None)
+        if gateway is None:
+            return {"ready": False, "state": "starting", "reason": "the gateway is starting"}
+        ready = getattr(gateway.engine, "ready", None)
+        if ready is None:
+            return {"ready": True, "state": "unknown", "reason": None}
+        r = await ready()
+        return {"ready": r.ready, "state": r.state, "reason": r.reason, "restarts": r.restarts,
+                **({"engines": r.engines} if r.engines else {})}
+
     @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    async def health(request: Request):
+        """Liveness: 200 whenever the process answers; `engine` says the engine's real state."""
+        return {"status": "ok", "engine": await engine_readiness(request)}
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready(request: Request):
+        """Readiness: 200 when a request sent now would find an engine (in process: its state is
+        "ready"; HTTP: an engine worker answered ready recently), else 503 with the reason."""
+        engine = await engine_readiness(request)
+        if engine["ready"]:
+            return {"status": "ready", "engine": engine}
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"status": "not_ready", "reason": engine["reason"], "engine": engine}, status_code=503)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        large=((admin_adapters.UPLOAD_PATH, settings.max_upload_bytes),), admin_gate=auth.admin_gate)

@@ -1,6 +1,7 @@
 """A fault inside a step that can be traced to one request or one adapter version fails only
 those requests (finish_reason "error", a message, KV blocks freed); the others in the same steps
 produce exactly what they produce alone, and a version at fault is quarantined."""
+import json
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import engine.llm_engine as llm_engine_module
 from engine.llm_engine import NON_FINITE_MESSAGE
 from engine.lora.source import LocalDirectoryAdapterSource
-from engine.sampling_params import GenerationRequest, SamplingParams
+from engine.sampling_params import GenerationRequest, RequestOutput, SamplingParams
 
 from .helpers import greedy
 from .lora_fixtures import write_random_adapter
@@ -84,6 +85,8 @@ def test_non_finite_logits_fail_only_their_requests_and_quarantine_the_adapter(e
         assert out.finished and out.finish_reason == "error"
         assert NON_FINITE_MESSAGE in out.error and "overflow is quarantined" in out.error
         assert out.adapter_fault == "overflow"
+        # The engine worker's NDJSON line reads back as the same output (HttpEngineClient).
+        assert RequestOutput(**json.loads(json.dumps(vars(out)))) == out
     _idle(eng)
     # No non-finite value is left in the cache for the blocks' next owners.
     assert all(bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()) for k, v in zip(eng.kv.k, eng.kv.v))

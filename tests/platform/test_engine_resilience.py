@@ -20,7 +20,16 @@ from adapter_registry.content import blob_key, sha256_file, version_digest
 from adapter_registry.context import build_context
 from adapter_registry.engine_source import RegistryAdapterSource
 from adapter_registry.models import Adapter, AdapterVersion, Blob
+import engine.async_engine as async_engine_module
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from tessera.app import create_app
+from tessera.engine_client.inprocess import InProcessEngineClient
+from tessera.engine_client.worker import create_worker_app
 from tests.engine.lora_fixtures import write_random_adapter
+
+from .conftest import ServerThread
 
 BASE = "SmolLM2-135M-Instruct"
 # A continuation the model is sure of, token after token: its text does not depend on what else
@@ -187,3 +196,74 @@ def test_health_and_ready_need_no_credentials_and_carry_no_tenant_data(platform,
     assert r.status_code == 200
     assert set(r.json()) <= {"status", "engine"} and set(r.json()["engine"]) <= {
         "ready", "state", "reason", "restarts", "engines"}
+
+
+def _wait_ready_status(url: str, status: int, timeout: float = 60.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{url}/ready", timeout=30)
+        if r.status_code == status:
+            return r
+        assert time.monotonic() < deadline, f"/ready stayed {r.status_code}: {r.text}"
+        time.sleep(0.02)
+
+
+def test_a_dead_step_loop_is_restarted_and_ready_reports_it(platform, platform_settings, monkeypatch):
+    """An engine of its own (the shared one must stay healthy), behind a gateway and an engine
+    worker: its step loop dies and its resets fail until released; meanwhile both answer /ready
+    503 with the reason and /health 200 with the engine's state, and requests get 503; then it
+    serves again in the same process."""
+    monkeypatch.setattr(async_engine_module, "RESET_BACKOFF_S", (0.01, 0.05))
+    eng = LLMEngine(config=EngineConfig(weight_format="fp32", kv_cache_bytes=8 << 20))
+    real_step, real_reset = eng.step, eng.reset
+    fault = {"step": True, "reset": True}
+
+    def step():
+        if fault["step"]:
+            fault["step"] = False
+            raise RuntimeError("injected: an engine bug")
+        return real_step()
+
+    def reset():
+        if fault["reset"]:
+            raise MemoryError("injected: reset cannot allocate")
+        return real_reset()
+
+    monkeypatch.setattr(eng, "step", step)
+    monkeypatch.setattr(eng, "reset", reset)
+    aengine = AsyncLLMEngine(eng)
+    tenant = platform.tenant()
+    body = {"model": BASE, "prompt": COUNTING, "max_tokens": 8, "temperature": 0, "stream": True}
+    try:
+        with ServerThread(create_app(platform_settings, engine_client=InProcessEngineClient(aengine))) as server, \
+                ServerThread(create_worker_app(aengine, secret="worker-secret")) as worker:
+            headers = {"authorization": f"Bearer {tenant.key}"}
+            assert httpx.get(f"{worker.url}/ready", timeout=30).status_code == 200
+            dead = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=120)
+            assert dead.status_code == 503 or "error" in dead.text, dead.text  # in flight when the loop died
+            r = _wait_ready_status(server.url, 503)
+            assert r.json()["engine"]["state"] in ("restarting", "failed") and r.json()["reason"], r.text
+            health = httpx.get(f"{server.url}/health", timeout=30)
+            assert health.status_code == 200 and health.json()["engine"]["state"] in ("restarting", "failed")
+            refused = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, headers=headers,
+                                 timeout=120)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+            # The worker: no secret needed for its probes; its generate route answers 503 so the
+            # gateway's HTTP client tries the next worker.
+            w = _wait_ready_status(worker.url, 503)
+            assert w.json()["engine"]["state"] in ("restarting", "failed")
+            assert httpx.get(f"{worker.url}/health", timeout=30).json()["engine"]["state"] in ("restarting", "failed")
+            internal = httpx.post(f"{worker.url}/internal/generate", timeout=30,
+                                  headers={"authorization": "Bearer worker-secret"},
+                                  json={"request_id": "w1", "prompt_token_ids": [1, 2, 3], "params": {"max_tokens": 2}})
+            assert internal.status_code == 503
+
+            fault["reset"] = False
+            ready = _wait_ready_status(server.url, 200).json()
+            assert ready["engine"]["state"] == "ready" and ready["engine"]["restarts"] == 1
+            served = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, headers=headers,
+                                timeout=120)
+            assert served.status_code == 200 and served.json()["choices"][0]["text"], served.text
+            assert _wait_ready_status(worker.url, 200).json()["engine"]["restarts"] == 1
+    finally:
+        aengine.shutdown()
