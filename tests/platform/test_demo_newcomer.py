@@ -7,6 +7,7 @@ One demo process for the whole file (it loads the engine and uploads the demo ad
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -130,8 +131,6 @@ def test_the_printed_commands_work_as_pasted_and_ctrl_c_stops_the_demo(demo):
     assert sh(openai_example, cwd).strip()
 
     # The admin API call lists the demo tenant's adapters.
-    import json
-
     listed = json.loads(sh(admin_call, cwd))
     assert {"json-answer", "pirate", "upper"} <= {a["name"] for a in listed["data"]}
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 from tokenizers import Tokenizer
 
 from adapter_registry.content import blob_key
