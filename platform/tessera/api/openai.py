@@ -1,9 +1,15 @@
 """The tenant-facing OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
-One request: authenticate (auth.py) -> resolve `model` within the caller's tenant (base model,
-adapter name or name@version; another tenant's adapter is the same 404 as an unknown name) ->
-pick the priority class -> tokenize and check the context -> reserve quota (prompt + max_tokens)
--> stream from the engine -> record one usage event -> settle the quota to the real count.
+One request, cheap checks first: authenticate (auth.py) -> pick the priority class -> refuse a
+tenant already over a limit (a read-only look at its counters) -> resolve `model` within the
+caller's tenant (base model, adapter name or name@version; another tenant's adapter is the same
+404 as an unknown name) -> refuse a prompt whose UTF-8 size alone exceeds the context -> render
+and tokenize (off the event loop when long; message contents as plain text, never control
+tokens) and check the context -> reserve quota (prompt + max_tokens) -> stream from the engine
+-> record one usage event -> settle the quota to the real count.
+
+A server-side failure answers the tenant 503 with what failed in general terms and the request
+id; worker URLs, object keys, paths and bucket names go to the log only.
 
 Billing of a client that disconnects mid-stream: the engine request is aborted (its KV blocks
 freed) and the usage event (status "aborted") counts the completion tokens the gateway had
