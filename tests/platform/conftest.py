@@ -116,7 +116,10 @@ def platform_settings(tmp_path_factory) -> PlatformSettings:
     root = tmp_path_factory.mktemp("gateway")
     settings = PlatformSettings(
         _env_file=None, database_url=f"sqlite:///{root}/tessera.db", object_store_root=root / "objects",
-        adapter_cache_dir=root / "adapter-cache", admin_token=ADMIN_TOKEN, max_body_bytes=64 * 1024)
+        adapter_cache_dir=root / "adapter-cache", usage_outbox_dir=root / "usage-outbox", admin_token=ADMIN_TOKEN,
+        # Wrong admin credentials are answered after this delay; tests that send them on purpose
+        # need not wait the production second each time.
+        admin_login_delay_s=0.05, max_body_bytes=64 * 1024)
     upgrade(settings)
     return settings
 
