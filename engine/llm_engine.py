@@ -306,21 +306,24 @@ class LLMEngine:
         return logits[ok], [q for q, good in zip(seqs, keep) if good]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[int | None]:
-        """sample(), or where it raises, each sequence on its own: the ones that still raise fail
-        (their token is None)."""
+        """One token per sequence; a sequence whose sampling raises fails (its token is None).
+        Should sample() raise as a whole, each sequence is sampled on its own."""
+        errors: dict[int, Exception] = {}
         try:
-            return sample(logits, seqs)
+            tokens = sample(logits, seqs, errors)
         except Exception:  # noqa: BLE001 - per sequence below
-            tokens: list[int | None] = []
+            tokens = []
             for i, seq in enumerate(seqs):
                 try:
                     tokens.append(sample(logits[i:i + 1], [seq])[0])
                 except Exception as e:  # noqa: BLE001 - fails only this request
-                    log.warning("sampling failed for request %s", seq.request_id, exc_info=True)
-                    outputs.append(self._fail(seq, f"sampling failed for this request ({type(e).__name__})",
-                                              "exception"))
+                    errors[i] = e
                     tokens.append(None)
-            return tokens
+        for i, e in errors.items():
+            seq = seqs[i]
+            log.warning("sampling failed for request %s", seq.request_id, exc_info=e)
+            outputs.append(self._fail(seq, f"sampling failed for this request ({type(e).__name__})", "exception"))
+        return tokens
 
     def _fail(self, seq: Sequence, reason: str, kind: str, *, adapter_cause: str | None = None) -> RequestOutput:
         """Finish `seq` with finish_reason "error" and `reason` after a fault in a step (`kind`

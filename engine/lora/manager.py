@@ -83,6 +83,8 @@ class LoRAManager:
             n = self._refs.get(version, 0) - 1
             if n <= 0:
                 self._refs.pop(version, None)
+                if version in self._quarantined:
+                    self._cpu.pop(version, None)  # never used again
             else:
                 self._refs[version] = n
             self._evict_cpu_locked()

@@ -64,6 +64,18 @@ def test_rows_of_one_batch_are_sampled_independently():
     assert batched == alone
 
 
+def test_a_row_that_cannot_be_sampled_fails_alone_when_asked():
+    logits = torch.randn(3, 100)
+    logits[1, 7] = float("nan")
+    seqs = [_seq(SamplingParams(temperature=0.8, seed=i)) for i in range(3)]
+    errors = {}
+    tokens = sample(logits, seqs, errors)
+    assert tokens[1] is None and list(errors) == [1]
+    assert tokens[0] == sample(logits[0:1], [_seq(SamplingParams(temperature=0.8, seed=0))])[0]
+    with pytest.raises(RuntimeError):
+        sample(logits, [_seq(SamplingParams(temperature=0.8, seed=1)) for _ in range(3)])
+
+
 @pytest.mark.parametrize("seed", [SEED_MIN - 1, SEED_MAX + 1, 2**64, -(2**64)])
 def test_seed_outside_int64_is_refused_naming_the_parameter(seed):
     with pytest.raises(InvalidRequestError) as e:

@@ -169,10 +169,12 @@ def test_sampling_and_output_exceptions_fail_only_their_request(eng, monkeypatch
     ref = _alone(eng, _req("ref-s", temperature=0.9))
     real_sample = llm_engine_module.sample
 
-    def sample(logits, seqs):
+    def sample(logits, seqs, errors=None):
+        # Raises for the whole batch (as a vectorized part would): the engine samples each
+        # sequence on its own, and only the one that still raises fails.
         if any(s.request_id == "bad-sample" for s in seqs):
             raise RuntimeError("injected sampling failure")
-        return real_sample(logits, seqs)
+        return real_sample(logits, seqs, errors)
 
     monkeypatch.setattr(llm_engine_module, "sample", sample)
     eng.add_request(_req("s", temperature=0.9))

@@ -45,7 +45,7 @@ def test_step_loop_death_fails_in_flight_requests_and_restarts(supervised, engin
     reference = asyncio.run(_collect(supervised, greedy("ref", PROMPT, 12)))
     before = _restarts_metric()
     real_step = engine.step
-    armed = {"fire": False}
+    armed = {"fire": False, "fired": False}
 
     def step():
         if armed["fire"]:
@@ -63,8 +63,8 @@ def test_step_loop_death_fails_in_flight_requests_and_restarts(supervised, engin
                 async for out in supervised.generate(greedy(rid, prompt, 400, ignore_eos=True)):
                     got.setdefault(rid, 0)
                     got[rid] += len(out.token_ids)
-                    if rid == "long-1" and got[rid] >= 3:
-                        armed["fire"] = True  # the next step dies, with both requests running
+                    if rid == "long-1" and got[rid] >= 3 and not armed["fired"]:
+                        armed["fire"] = armed["fired"] = True  # the next step dies, both requests running
             except EngineDeadError as e:
                 got[rid] = e
 
