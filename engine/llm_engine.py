@@ -312,6 +312,7 @@ class LLMEngine:
         try:
             tokens = sample(logits, seqs, errors)
         except Exception:  # noqa: BLE001 - per sequence below
+            errors.clear()
             tokens = []
             for i, seq in enumerate(seqs):
                 try:
