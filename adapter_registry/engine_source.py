@@ -21,6 +21,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from sqlalchemy import select
@@ -34,6 +35,8 @@ from adapter_registry.objectstore import ObjectStore
 from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterFetchError, check_version_id
 
 log = logging.getLogger(__name__)
+#: Tries of a quarantine write before report_fault gives up (logged).
+QUARANTINE_ATTEMPTS = 5
 
 
 class RegistryAdapterSource:
@@ -82,15 +85,27 @@ class RegistryAdapterSource:
         """Quarantine version `version_id` (a sha256 hex) with `reason`: every ready version with
         that digest, whichever tenant's, stops being resolved and fetched, and adapters pointing
         at it fall back to their newest other ready version. Logs; never raises (the engine calls
-        it from its step loop's error path)."""
-        try:
-            from adapter_registry.services import quarantine_version
+        it off its step loop). A write that collides with another (SQLite's single writer; a
+        Postgres serialization failure) is retried a few times with backoff before giving up."""
+        from adapter_registry.errors import RegistryUnavailable
+        from adapter_registry.services import quarantine_version
 
-            with self.session_factory() as session:
-                n = quarantine_version(session=session, sha256=str(version_id), reason=str(reason))
-            log.warning("adapter version %s quarantined (%d version rows): %s", version_id, n, reason)
-        except Exception:
-            log.exception("could not quarantine adapter version %s (%s)", version_id, reason)
+        delay = 0.1
+        for attempt in range(1, QUARANTINE_ATTEMPTS + 1):
+            try:
+                with self.session_factory() as session:
+                    n = quarantine_version(session=session, sha256=str(version_id), reason=str(reason))
+                log.warning("adapter version %s quarantined (%d version rows): %s", version_id, n, reason)
+                return
+            except RegistryUnavailable:
+                if attempt == QUARANTINE_ATTEMPTS:
+                    log.exception("could not quarantine adapter version %s (%s)", version_id, reason)
+                    return
+                time.sleep(delay)
+                delay *= 2
+            except Exception:  # noqa: BLE001 - never raise into the engine
+                log.exception("could not quarantine adapter version %s (%s)", version_id, reason)
+                return
 
     def _lookup(self, version_id: str) -> AdapterVersion:
         q = (select(AdapterVersion).join(Adapter, AdapterVersion.adapter_id == Adapter.id)

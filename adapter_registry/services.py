@@ -146,7 +146,13 @@ def resolve_version(*, session: Session, tenant: Tenant, ref: str, require_ready
     adapter = get_adapter(session=session, tenant=tenant, name=name)
     if version is None:
         if adapter.current_version_id is None:
-            raise Conflict(f"adapter {name!r} has no ready version yet")
+            newest = session.scalar(select(AdapterVersion).where(
+                AdapterVersion.adapter_id == adapter.id, AdapterVersion.deleted_at.is_(None))
+                .order_by(AdapterVersion.version.desc()).limit(1))
+            if newest is None or newest.status == "validating":
+                raise Conflict(f"adapter {name!r} has no ready version yet")
+            reason = f": {newest.rejection_reason}" if newest.rejection_reason else ""
+            raise Conflict(f"adapter {name!r} has no ready version; its newest, {newest.ref}, is {newest.status}{reason}")
         v = session.get(AdapterVersion, adapter.current_version_id)
     else:
         cond = AdapterVersion.version == int(version) if version.isdigit() else AdapterVersion.sha256 == version

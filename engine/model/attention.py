@@ -38,7 +38,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor            #: [T] int64: flat cache slot of each token's K/V
     num_decode: int                       #: leading tokens that are single decode tokens
-    decode_slots: torch.Tensor | None     #: [num_decode, Lmax] int64 cache slots (0-padded)
+    decode_slots: torch.Tensor | None     #: [num_decode, Lmax] int64 cache slots (padded with the row's own first slots)
     decode_mask: torch.Tensor | None      #: [num_decode, 1, 1, Lmax] bool, True = attend
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_lens: torch.Tensor | None = None  #: [num_decode] int64 context length (new token included)

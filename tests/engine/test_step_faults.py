@@ -12,7 +12,6 @@ from engine.llm_engine import NON_FINITE_MESSAGE
 from engine.lora.source import LocalDirectoryAdapterSource
 from engine.sampling_params import GenerationRequest, RequestOutput, SamplingParams
 
-from .helpers import greedy
 from .lora_fixtures import write_random_adapter
 
 PROMPT = "Once upon a time, in a land far away,"

@@ -138,3 +138,18 @@ def test_dead_in_process_engine_is_a_503(platform, aengine):
             assert e.value.status_code == 503 and "engine" in e.value.body["message"]
     # The shared engine still serves.
     assert platform.openai(t).chat.completions.create(model=BASE, messages=MSGS, max_tokens=1).choices
+
+
+def test_ready_reflects_the_engine_workers_without_naming_them(platform, worker):
+    dead = f"http://127.0.0.1:{free_port()}"
+    app, settings = gateway_for(platform, [dead, worker.url])
+    with ServerThread(app) as server:
+        r = httpx.get(f"{server.url}/ready", timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["engine"]["engines"] == {"worker-0": "unreachable", "worker-1": "ready"}
+    app, settings = gateway_for(platform, [dead])
+    with ServerThread(app) as server:
+        r = httpx.get(f"{server.url}/ready", timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "not_ready"
+        assert "worker-0: unreachable" in r.json()["reason"] and "127.0.0.1" not in r.text
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # alive, not ready

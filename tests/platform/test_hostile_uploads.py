@@ -17,7 +17,6 @@ import pytest
 
 from adapter_registry import services as registry
 from adapter_registry.db import utcnow
-from adapter_registry.models import AdapterVersion
 
 BASE = "SmolLM2-135M-Instruct"
 PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"

@@ -359,6 +359,11 @@ def _engine_error(job: _Job, out: RequestOutput) -> ApiError:
     it): the reason without internal paths or addresses, and the request id; logged whole."""
     log.warning("request %s: the engine failed it: %s", job.request_id, out.error)
     reason = scrub(out.error or "engine error")
+    if out.adapter_fault:
+        # The tenant's adapter made the model's numbers non-finite: the version is quarantined
+        # (every later request for it is a 409 too), and the platform itself is fine.
+        return ApiError(409, f"the adapter of model {job.model!r} failed this request and is quarantined: {reason} "
+                             f"(request id {job.request_id})", param="model", code="adapter_quarantined")
     return ApiError(503, f"the engine could not complete the request: {reason} (request id {job.request_id})",
                     type="server_error", code="engine_error")
 

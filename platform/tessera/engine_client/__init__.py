@@ -25,8 +25,9 @@ class EngineUnavailable(RuntimeError):
 @dataclass
 class EngineReadiness:
     """Whether an engine can serve now. `state`: the engine's ("ready", "restarting", "failed",
-    "stopped"; over HTTP also "unreachable"); `reason`: why not, for the operator (no tenant
-    data); `engines`: per engine worker (HTTP mode), name -> its state."""
+    "stopped"; over HTTP "ready" when a worker is, else "unavailable"); `reason`: why not, for
+    the operator (no tenant data); `engines`: per engine worker (HTTP mode), worker-<i> -> its
+    state (an engine state, or "unreachable")."""
 
     ready: bool
     state: str

@@ -4,13 +4,19 @@ Requests for an adapter go to the same worker each time (a hash of the version i
 that worker keeps the adapter hot; base-model requests rotate. A worker that refuses the
 connection is skipped for the next one; when none answers, or one goes silent for longer than
 the read timeout mid-request, the caller gets EngineUnavailable (a 503), never a hang.
+
+`ready()` probes every worker's GET /ready concurrently (short timeout, answers cached for
+`READY_CACHE_S`), so the gateway's GET /ready is true when at least one worker would serve now.
+Workers are named worker-0, worker-1, ... in what it reports: their URLs stay internal.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -18,9 +24,15 @@ import httpx
 
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 from engine.tokenizer import TextTokenizer
-from tessera.engine_client import EngineUnavailable
+from tessera.engine_client import EngineReadiness, EngineUnavailable
 
 log = logging.getLogger(__name__)
+
+#: How long a readiness probe's answers are reused (a load balancer probing every second costs
+#: the workers one probe each per this interval, whatever the number of gateway probes).
+READY_CACHE_S = 2.0
+#: Longest wait for one worker's GET /ready.
+READY_TIMEOUT_S = 1.0
 
 
 def load_tokenizer(model_path: Path | None) -> tuple[TextTokenizer, str, int]:
@@ -48,6 +60,7 @@ class HttpEngineClient:
         self.tokenizer, self.model_name, self.max_model_len = load_tokenizer(model_path)
         self._headers = {"authorization": f"Bearer {secret}"}
         self._rr = itertools.count()
+        self._readiness: tuple[float, EngineReadiness] | None = None
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=connect_timeout_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
@@ -66,6 +79,33 @@ class HttpEngineClient:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    async def _worker_state(self, url: str) -> tuple[str, int]:
+        """(state, restarts) of one worker from its GET /ready; "unreachable" when it does not answer."""
+        try:
+            r = await self.client.get(f"{url}/ready", timeout=READY_TIMEOUT_S)
+            engine = r.json().get("engine") or {}
+            state = "ready" if r.status_code == 200 else str(engine.get("state") or "not_ready")
+            return state, int(engine.get("restarts") or 0)
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return "unreachable", 0
+
+    async def ready(self) -> EngineReadiness:
+        """Ready when at least one worker answered its GET /ready with 200 (see the module
+        docstring); never raises."""
+        now = time.monotonic()
+        if self._readiness is not None and now - self._readiness[0] < READY_CACHE_S:
+            return self._readiness[1]
+        states = await asyncio.gather(*(self._worker_state(u) for u in self.urls))
+        engines = {f"worker-{i}": state for i, (state, _) in enumerate(states)}
+        serving = sum(state == "ready" for state, _ in states)
+        readiness = EngineReadiness(
+            ready=serving > 0, state="ready" if serving else "unavailable",
+            reason=None if serving else "no engine worker is ready (" + ", ".join(
+                f"{name}: {state}" for name, state in engines.items()) + ")",
+            restarts=sum(r for _, r in states), engines=engines)
+        self._readiness = (time.monotonic(), readiness)
+        return readiness
 
     def _order(self, request: GenerationRequest) -> list[str]:
         n = len(self.urls)
