@@ -1,6 +1,7 @@
 """A hostile tenant's adapter uploads, through the admin API, never reach another tenant: a regex
 that would backtrack forever, a validation past its deadline, an adapter whose scale overflows
-fp16, a version a dead validator left 'validating', a version the engine found faulty. Each is
+fp16, a version a dead validator left 'validating', a version the engine found faulty, an archive
+whose tar header declares a gigabyte-long name. Each is
 answered with its reason while another tenant's greedy stream runs unchanged and /health answers.
 """
 from __future__ import annotations
@@ -187,3 +188,26 @@ def test_a_version_the_engine_reports_faulty_is_quarantined(platform, aengine, t
     with pytest.raises(openai.APIStatusError) as e:
         platform.openai(b).chat.completions.create(model="faulty@1", messages=MSGS, max_tokens=4, temperature=0)
     assert e.value.status_code == 409 and "quarantined: non-finite logits" in e.value.body["message"]
+
+
+def test_an_archive_declaring_a_gigabyte_long_name_is_refused_while_another_tenant_streams(platform, tmp_path):
+    """A .tar.gz whose first header declares a 4 GiB GNU long name (tarfile alone reads the whole
+    declared record into memory): a 4xx naming the header, before anything is stored."""
+    import gzip
+    import tarfile
+
+    header = tarfile.TarInfo("././@LongLink")
+    header.size, header.type = 4 << 30, tarfile.GNUTYPE_LONGNAME
+    archive = tmp_path / "adapter.tar.gz"
+    with gzip.open(archive, "wb") as gz:
+        gz.write(header.tobuf(format=tarfile.GNU_FORMAT))
+        gz.write(b"a" * (1 << 20))
+    a, b = platform.tenant(), platform.tenant()
+    expected = alone(platform, a)
+    with Stream(platform, a) as stream:
+        r = platform.admin.post(f"/admin/v1/tenants/{b.name}/adapters/bomb/versions",
+                                files=[("files", (archive.name, archive.read_bytes()))])
+        assert health_ok(platform)
+    assert 400 <= r.status_code < 500 and "long name or pax header" in r.json()["error"]["message"], r.text
+    assert platform.admin.get(f"/admin/v1/tenants/{b.name}/adapters/bomb").status_code == 404
+    assert stream.result() == expected
