@@ -1,8 +1,8 @@
 """A hostile tenant's adapter uploads, through the admin API, never reach another tenant: a regex
 that would backtrack forever, a validation past its deadline, an adapter whose scale overflows
 fp16, a version a dead validator left 'validating', a version the engine found faulty, an archive
-whose tar header declares a gigabyte-long name. Each is
-answered with its reason while another tenant's greedy stream runs unchanged and /health answers.
+whose tar header declares a gigabyte-long name. Each is answered with its reason while another
+tenant's greedy stream runs unchanged and /health answers.
 """
 from __future__ import annotations
 
