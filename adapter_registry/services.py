@@ -46,15 +46,13 @@ from adapter_registry.errors import (
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.objectstore import ObjectStore
 from adapter_registry.settings import RegistrySettings
+from adapter_registry.task_queue import STUCK_SLACK_S, send_validation
 from adapter_registry.validation import AdapterRejected, validate_in_sandbox
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
-# How long past the validation deadline a 'validating' version is left alone before it counts as
-# stuck: room for downloading its files and, with Celery, for a short queue.
-STUCK_SLACK_S = 60.0
 
 
 def _check_name(name: str, what: str) -> str:
@@ -313,13 +311,7 @@ def _start_validation(*, session: Session, store: ObjectStore, settings: Registr
     try:
         if settings.celery_eager:
             return validate_version(session=session, store=store, settings=settings, version_id=version.id)
-        from adapter_registry.tasks import VALIDATE_TASK, celery_app
-
-        # send_task, not apply_async: never run eagerly here, and use the broker these settings
-        # name (the process-wide Celery config may come from other settings).
-        with celery_app.connection_for_write(url=settings.celery_broker_url) as conn:
-            celery_app.send_task(VALIDATE_TASK, args=[version.id], queue=settings.celery_queue,
-                                 connection=conn, retry=False)
+        send_validation(settings=settings, version_id=version.id)
         return version
     except RegistryUnavailable:
         _forget(session, version, keep=keep_on_failure, drop_adapter=discard_on_failure)

@@ -15,58 +15,26 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_ready
 
+from adapter_registry import services
+from adapter_registry.cleanup import collect_garbage
 from adapter_registry.context import get_context
 from adapter_registry.errors import RegistryUnavailable
-from adapter_registry.settings import RegistrySettings, get_settings
-
-celery_app = Celery("adapter_registry")
-VALIDATE_TASK = "adapter_registry.validate_version"
-
-
-def base_conf(broker_url: str, queue: str) -> dict:
-    """Celery configuration every Tessera worker shares: at-least-once delivery (tasks are
-    idempotent), fail fast when the broker is down, leave logging to the application."""
-    return dict(
-        broker_url=broker_url,
-        task_default_queue=queue,
-        task_acks_late=True,  # a worker that dies mid-task leaves the task for another
-        task_reject_on_worker_lost=True,
-        broker_connection_retry_on_startup=True,
-        broker_connection_timeout=5,
-        task_publish_retry=False,  # fail the caller fast (503) when the broker is down
-        worker_hijack_root_logger=False,
-    )
-
-
-@celery_app.on_configure.connect
-def _configure(sender: Celery, **_kwargs) -> None:
-    # Read settings when Celery first needs its configuration, not at import time. Eagerness is
-    # not set here: services run validation inline themselves when settings.celery_eager.
-    s = get_settings()
-    sender.conf.update(base_conf(s.celery_broker_url, s.celery_queue))
-    sender.conf.task_annotations = {VALIDATE_TASK: validate_time_limits(s)}
-
-
-def validate_time_limits(settings: RegistrySettings) -> dict:
-    """Soft and hard time limits of the validation task: the child's deadline plus the slack
-    services allows for downloading the files (the hard limit kills a worker process that
-    ignored the soft one)."""
-    from adapter_registry.services import STUCK_SLACK_S
-
-    soft = settings.validation_timeout_s + STUCK_SLACK_S
-    return {"soft_time_limit": soft, "time_limit": soft + 30}
+from adapter_registry.task_queue import (
+    COLLECT_GARBAGE_TASK,
+    VALIDATE_TASK,
+    base_conf,  # noqa: F401  (re-exported: tessera/billing/tasks.py imports it from here)
+    celery_app,
+    validate_time_limits,
+)
 
 
 @celery_app.task(name=VALIDATE_TASK, autoretry_for=(RegistryUnavailable,),
                  retry_backoff=True, max_retries=5)
 def validate_version_task(version_id: int) -> str:
     """Validate adapter version `version_id`; returns its final status ('ready' or 'rejected')."""
-    from adapter_registry import services
-
     ctx = get_context()
     with ctx.session_factory() as session:
         try:
@@ -84,16 +52,12 @@ def validate_version_task(version_id: int) -> str:
 def _recover_stuck_versions(sender=None, **_kwargs) -> None:
     # Only in this app's workers (the billing worker imports this module for base_conf).
     if getattr(sender, "app", None) is celery_app:
-        from adapter_registry import services
-
         services.recover_stuck_versions_at_start(get_context())
 
 
-@celery_app.task(name="adapter_registry.collect_garbage")
+@celery_app.task(name=COLLECT_GARBAGE_TASK)
 def collect_garbage_task(grace_seconds: float = 3600.0) -> dict:
     """Periodic cleanup of objects/blobs left by failed uploads (see cleanup.collect_garbage)."""
-    from adapter_registry.cleanup import collect_garbage
-
     ctx = get_context()
     with ctx.session_factory() as session:
         report = collect_garbage(session=session, store=ctx.store, grace=timedelta(seconds=grace_seconds))
