@@ -11,7 +11,7 @@
   tessera:slo_burn_rate:rate<w>             errors ratio / error budget (1 = budget gone in 30 days)
   tessera:slo_error_budget_remaining:ratio  1 - 30-day errors ratio / budget (< 0: overspent)
 
-and one alert, TesseraErrorBudgetBurn, in four rules (slo.BURN_ALERTS, the SRE workbook pairs
+and one alert, TesseraErrorBudgetBurn, in four rules (slo_definitions.BURN_ALERTS, the SRE workbook pairs
 for a 30-day SLO): severity "page" when the burn rate exceeds 14.4 over 1h and 5m, or 6 over 6h
 and 30m; "ticket" when it exceeds 3 over 1d and 2h, or 1 over 3d and 6h. The short window makes
 an alert stop soon after the burn stops. Each alert carries tenant, slo, severity, long_window
@@ -29,12 +29,20 @@ import yaml
 from prometheus_client.utils import floatToGoString
 
 from tessera.observability.metrics import TPOT_BUCKETS_S, TTFT_BUCKETS_S
-from tessera.observability.slo import ALERT_NAME, BURN_ALERTS, DEFAULTS, FIELDS, WINDOWS, Objectives, check_values
+from tessera.observability.slo_definitions import (
+    ALERT_NAME,
+    BUDGET,
+    BUDGET_REMAINING,
+    BURN_ALERTS,
+    BURN_RATE,
+    DEFAULTS,
+    ERROR_RATIO,
+    FIELDS,
+    WINDOWS,
+    Objectives,
+    check_values,
+)
 
-ERROR_RATIO = "tessera:slo_errors:ratio_rate"
-BUDGET = "tessera:slo_error_budget:ratio"
-BURN_RATE = "tessera:slo_burn_rate:rate"
-BUDGET_REMAINING = "tessera:slo_error_budget_remaining:ratio"
 RULES_FILE = "rules/tessera-slo.rules.yml"
 
 _HISTOGRAMS = {"ttft": ("tessera_request_ttft_seconds", TTFT_BUCKETS_S),

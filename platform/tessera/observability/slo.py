@@ -15,91 +15,36 @@ exactly 30 days. Alerts (the SRE workbook's multi-window, multi-burn-rate pairs,
 when both the long and the short window burn faster than the pair's factor. The status comes from
 Prometheus (the recording rules rules.py writes) when `prometheus_url` is set, else from the
 usage_events table with the same definitions.
+
+The definitions themselves (SLO names, windows, BURN_ALERTS, Objectives, DEFAULTS, the recorded
+series' names) live in slo_definitions.py, which rules.py imports too; this module keeps them
+importable as slo.Objectives, slo.DEFAULTS, slo.BURN_ALERTS for its callers.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import Session
 
 from tessera.models import Plan, TenantPolicy, UsageEvent
-from tessera.observability.metrics import TPOT_BUCKETS_S, TTFT_BUCKETS_S
 from tessera.observability.models import SloObjective
-
-SLO_NAMES = ("availability", "ttft", "tpot")
-WINDOW_DAYS = 30
-
-
-@dataclass(frozen=True)
-class BurnAlert:
-    """One multi-window burn-rate condition: fires when both windows burn faster than `factor`."""
-
-    severity: str  # "page" | "ticket"
-    long_window: str
-    short_window: str
-    factor: float
-
-
-BURN_ALERTS = (
-    BurnAlert("page", "1h", "5m", 14.4),   # 2% of a 30-day budget in 1 hour
-    BurnAlert("page", "6h", "30m", 6.0),   # 5% in 6 hours
-    BurnAlert("ticket", "1d", "2h", 3.0),  # 10% in a day
-    BurnAlert("ticket", "3d", "6h", 1.0),  # 10% in 3 days
+from tessera.observability.slo_definitions import (
+    ALERT_NAME,
+    BUDGET_REMAINING,
+    BURN_ALERTS,
+    BURN_RATE,
+    DEFAULTS,
+    ERROR_RATIO,
+    FIELDS,
+    SLO_NAMES,
+    WINDOW_SECONDS,
+    WINDOWS,
+    BurnAlert,
+    Objectives,
+    check_values,
 )
-# Every window a burn rate is computed over, shortest first.
-WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
-WINDOW_SECONDS = {"5m": 300, "30m": 1800, "1h": 3600, "2h": 7200, "6h": 21600, "1d": 86400, "3d": 259200,
-                  "30d": WINDOW_DAYS * 86400}
-
-TTFT_THRESHOLDS_MS = tuple(int(round(b * 1000)) for b in TTFT_BUCKETS_S)
-TPOT_THRESHOLDS_MS = tuple(int(round(b * 1000)) for b in TPOT_BUCKETS_S)
-
-
-@dataclass(frozen=True)
-class Objectives:
-    """A tenant's effective objectives."""
-
-    availability_target: float
-    ttft_threshold_ms: int
-    ttft_target: float
-    tpot_threshold_ms: int
-    tpot_target: float
-
-    def target(self, slo: str) -> float:
-        return getattr(self, f"{slo}_target")
-
-    def threshold_ms(self, slo: str) -> int | None:
-        return getattr(self, f"{slo}_threshold_ms", None)
-
-    def as_api(self) -> dict:
-        """{"availability": {"target"}, "ttft": {"threshold_ms", "target"}, "tpot": {...}, "window_days"}"""
-        return {"availability": {"target": self.availability_target},
-                "ttft": {"threshold_ms": self.ttft_threshold_ms, "target": self.ttft_target},
-                "tpot": {"threshold_ms": self.tpot_threshold_ms, "target": self.tpot_target},
-                "window_days": WINDOW_DAYS}
-
-
-DEFAULTS = Objectives(availability_target=0.995, ttft_threshold_ms=1000, ttft_target=0.95,
-                      tpot_threshold_ms=100, tpot_target=0.95)
-FIELDS = tuple(f.name for f in fields(Objectives))
-
-
-def check_values(values: dict) -> None:
-    """ValueError naming the field for an unknown field, a target outside (0, 1), or a threshold
-    that is not a histogram bucket bound. None values (clear the override) are always fine."""
-    for k, v in values.items():
-        if k not in FIELDS:
-            raise ValueError(f"unknown SLO field {k!r} (use {', '.join(FIELDS)})")
-        if v is None:
-            continue
-        if k.endswith("_target") and not (isinstance(v, (int, float)) and 0 < v < 1):
-            raise ValueError(f"{k} must be a share strictly between 0 and 1, e.g. 0.995 (got {v!r})")
-        if k == "ttft_threshold_ms" and v not in TTFT_THRESHOLDS_MS:
-            raise ValueError(f"ttft_threshold_ms must be one of the TTFT histogram bounds {list(TTFT_THRESHOLDS_MS)} (got {v!r})")
-        if k == "tpot_threshold_ms" and v not in TPOT_THRESHOLDS_MS:
-            raise ValueError(f"tpot_threshold_ms must be one of the TPOT histogram bounds {list(TPOT_THRESHOLDS_MS)} (got {v!r})")
 
 
 def _row_values(row: SloObjective | None) -> dict:
@@ -196,9 +141,6 @@ def alert_dict(slo: str, a: BurnAlert, state: str) -> dict:
             "short_window": a.short_window, "burn_rate_threshold": a.factor, "state": state}
 
 
-ALERT_NAME = "TesseraErrorBudgetBurn"
-
-
 def _slo_status(target: float, threshold_ms: int | None, bad: dict[str, int], total: dict[str, int]) -> dict:
     budget = 1.0 - target
 
@@ -252,8 +194,6 @@ async def status_from_prometheus(client, url: str, targets: list[TenantObjective
     the number of tenants: one query of the recording rules rules.py writes, and the alerts
     Prometheus holds (pending or firing). Counts are None (Prometheus keeps ratios). Raises
     httpx.HTTPError when Prometheus cannot be reached."""
-    from tessera.observability.rules import BUDGET_REMAINING, BURN_RATE, ERROR_RATIO
-
     names = {t.tenant for t in targets}
     tenant_sel = f',tenant="{_escape(next(iter(names)))}"' if len(names) == 1 else ""
     sel = f'{{__name__=~"{BURN_RATE}.*|{BUDGET_REMAINING}|{ERROR_RATIO}30d"{tenant_sel}}}'
