@@ -9,7 +9,7 @@ engine to its last delta; a request's added latency is its end-to-end time minus
 same server and client, for scale).
 The headline figures use a minimal HTTP/1.1 client (pre-encoded request, chunked body read to its
 end), so they hold what the server and the wire add; `httpx_*` repeats the loads through httpx,
-the client library under the openai package, whose own parsing adds ~1-2 ms per stream here.
+the client library under the openai package, whose own parsing adds to each stream.
 The same loads then run against the same gateway in front of an instant engine (answers at
 once, no compute): `gateway_only_added_ms_*` is the gateway's own cost, without the real engine
 competing with it for this machine's 2 cores.

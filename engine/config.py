@@ -57,7 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     #: Longest prompt + completion; None takes the model's context length.
     max_model_len: int | None = None
-    #: Activation, KV-cache and LoRA-slot dtype. fp32 is exact (and the fastest measured on CPU:
+    #: Activation, KV-cache and LoRA-slot dtype. fp32 is exact (and the fastest on CPU:
     #: the base matmuls cast to bf16 inside BaseLinear where that is faster; bf16 elementwise
     #: ops, attention and small batched matmuls are slower than fp32 on CPU).
     dtype: torch.dtype = torch.float32

@@ -23,8 +23,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     `errors`, a row whose sampling raises gets None and its exception in errors[i], and the
     other rows are sampled as usual; without it the exception propagates.
     """
-    # max(dim).indices is argmax (first index of the maximum) at ~1/3 of torch.argmax's CPU time
-    # over a 49k vocabulary (22 vs 66 us a row, 0.4 vs 1.0 ms for 32 rows).
+    # max(dim).indices is argmax (first index of the maximum) and cheaper than torch.argmax on
+    # CPU over a large vocabulary (bench/RESULTS.md).
     tokens = logits.max(dim=-1).indices.tolist()
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:

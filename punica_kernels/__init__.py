@@ -124,8 +124,7 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta: LoRAMe
 
     `lora_a` may instead be a `LoRAStack` (`lora_stack(lora_a, lora_b, scales, ranks, offsets)`,
     checked once), with lora_b, scales, ranks and offsets left out: a caller making the same call
-    every step (the engine) then pays only the activations' and rank values' checks (~29 -> ~12 us
-    a call here).
+    every step (the engine) then pays only the activations' and rank values' checks.
 
     CUDA: the two Triton BGMV launches with an fp32 intermediate. CPU: one fused pass over the
     step's cached slot-major plan (punica_kernels.cpu.add_lora), the engine's decode path there.

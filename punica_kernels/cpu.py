@@ -4,11 +4,10 @@ What a 2-core CPU rewards is reading each adapter's weights once per call, in a 
 calls. The decode shape (many tokens, each on its own adapter) is laid out slot-major: the
 tokens of each slot are gathered into a zero-padded block [n_slots, m, K] (m = most tokens on
 one slot; a copy of activation rows, small), and one `torch.bmm` multiplies every slot's block
-by that slot's own matrix, read in place from the stack (a view: no weight copy). Measured on
-this machine for a SmolLM2 decode step of 32 tokens on 32 adapters, rank 16, all seven targets
-(30 layers x 7 modules): slot-major 38 ms, gather + bmm (a weight copy per token, vLLM's CPU
-fallback shape) 930 ms, dense GEMMs over all slots 236 ms (bench/kernels.py has the per-op
-figures). A slot with far more tokens than the others (a long prompt among decode tokens) gets
+by that slot's own matrix, read in place from the stack (a view: no weight copy). Each adapter's
+weights are then read once per call, where gather + bmm (vLLM's CPU fallback shape) copies a
+weight per token and dense GEMMs over all slots multiply every token by every adapter
+(bench/RESULTS.md and bench/kernels.py compare the three). A slot with far more tokens than the others (a long prompt among decode tokens) gets
 its own matmul instead of padding every other slot to its size (BLOCK_PAD_FACTOR), on a view of
 x when its tokens are one contiguous run.
 
@@ -218,7 +217,7 @@ def _expand_grouped(args, groups) -> None:
                 else:
                     y.narrow(1, args.offsets[l], args.widths[l]).index_add_(0, g.rows, out.view(n * g.m, -1))
             if packed:
-                # One scatter into whole rows of y: ~3x cheaper than one per narrow column slice.
+                # One scatter into whole rows of y, not one per narrow (strided) column slice.
                 y.narrow(1, 0, sum(args.widths)).index_add_(0, g.rows, torch.cat(outs, 2).view(n * g.m, -1))
         for b in g.big:
             for l, B in enumerate(args.slices):

@@ -24,9 +24,8 @@ from . import cbuild
 SOURCE = Path(__file__).parent / "csrc" / "add_lora_cpu.c"
 #: Longest run of one slot the kernel takes (passes of up to 8 tokens over its weights, hot in
 #: L1/L2 after the first); past it (a long prompt) the torch path's GEMMs on views win. Chat-length
-#: prompts stay here: 32 prompts of ~35 tokens on 32 adapters spent 0.97 s of LoRA work in torch's
-#: per-segment matmuls and 0.28 s in the kernel (bench/RESULTS.md); isolated, warm, a 512-token
-#: run is ~1.3x faster as one GEMM.
+#: prompts stay here: on them the kernel spends far less than torch's per-segment matmuls
+#: (bench/RESULTS.md).
 MAX_RUN = 64
 #: Largest padded rank R the kernel supports (its intermediate lives on the stack).
 MAX_RANK = 64

@@ -1,15 +1,19 @@
 """Weight loading: GGUF files and Hugging Face safetensors checkpoints, into one layout.
 
-Both loaders return `(ModelConfig, dict[str, torch.Tensor])` with tensors named and laid out as
-Hugging Face's LlamaForCausalLM (`model.layers.{i}.self_attn.q_proj.weight` [out, in], ...), so
-the model code and LoRA adapters (trained against HF names) see one layout.
+Both loaders return a triple `(ModelConfig, dict[str, torch.Tensor], metadata: dict)` with
+tensors named and laid out as Hugging Face's LlamaForCausalLM
+(`model.layers.{i}.self_attn.q_proj.weight` [out, in], ...), so the model code and LoRA adapters
+(trained against HF names) see one layout. The metadata is the GGUF file's key/value header
+(the tokenizer is built from it); a safetensors checkpoint gives an empty dict. A GGUF's Q4_1
+layer weights also come as their raw blocks under name + `gguf_loader.Q4_1_SUFFIX`.
 """
 from engine.loader.gguf_loader import load_gguf, default_model_path
 from engine.loader.safetensors_loader import load_safetensors_checkpoint
 
 
 def load_checkpoint(path):
-    """Load a `.gguf` file or a directory with config.json + *.safetensors."""
+    """Load a `.gguf` file or a directory with config.json + *.safetensors; returns the loaders'
+    (ModelConfig, tensors, metadata) triple. FileNotFoundError for anything else."""
     from pathlib import Path
 
     p = Path(path)

@@ -102,8 +102,8 @@ def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_r
 
     expected = expected_tensor_shapes(base_shape_of(cfg), config)
     # Checked one by one, then converted per (module, A/B) with every layer's tensor stacked: one
-    # finiteness check and one conversion (or quantization) for 30 tensors instead of one each,
-    # which took most of a cold load (~0.1 ms of torch overhead per op, 420 tensors).
+    # finiteness check and one conversion (or quantization) for 30 tensors instead of one each:
+    # per-op torch overhead on hundreds of small tensors would dominate a cold load.
     groups: dict[tuple[str, str], list[tuple[int, str, torch.Tensor]]] = {}
     for name, shape in expected.items():
         t = tensors.get(name)

@@ -62,8 +62,8 @@ class KVCache:
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache[slots] for slots of any shape: rows [*slots.shape, Hkv, D]. index_select on the flat
-    slot list is ~9x faster on CPU than advanced indexing with a 2-D index (measured: 32 x 95
-    slots, 3 x 64 fp32 rows: 0.08 ms vs 0.70 ms), and attention gathers twice per layer."""
+    slot list is much faster on CPU than advanced indexing with a 2-D index (bench/RESULTS.md),
+    and attention gathers twice per layer."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
@@ -113,7 +113,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:nd] = od.squeeze(2)
     for p in meta.prefills:
         # 4-D [1, H, Q, D] operands: with a batch dim SDPA takes its CPU flash kernel (3-D ones
-        # fall back to the math path, which copies K/V per GQA group): ~2x faster per prompt.
+        # fall back to the math path, which copies K/V per GQA group).
         s, e = p.start - first, p.start - first + p.num_tokens
         qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
         if p.context_slots is None:

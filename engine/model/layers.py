@@ -72,19 +72,19 @@ class BaseLinear(nn.Module):
     fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
     fmt "int8": per-output-channel symmetric int8 with bf16 scales, read 1 byte per weight for
     skinny batches (M <= int8_max_rows) by `int8_linear`: the C kernel on a blocked copy
-    (`pack_int8`, fp32 activations, ~2x torch's rate at 1-2 rows) or torch's fused weight-only
+    (`pack_int8`, fp32 activations, each block of rows one linear stream) or torch's fused weight-only
     kernel (`_weight_int8pack_mm`, bf16 activations); wider batches use a dense copy, because a
     dense GEMM beats those there:
       - `dense` (fp32) for `exact=True` calls, which the model makes for steps that prefill:
         a prompt's first token comes from (near) fp32 numerics, as with the exact format;
       - `dense_fast` (bf16, or None = use `dense`) for decode-only steps wider than the int8
-        crossover: ~3x an fp32 GEMM where the CPU has avx512_bf16, ~6x slower where it has only
-        AVX2, so it is kept only where it measured faster.
+        crossover: bf16 GEMMs beat fp32 where the CPU has avx512_bf16 and lose to it where it has
+        only AVX2, so bf16 is kept only where it was faster when the engine started.
     Both the crossover and the fast dtype depend on the CPU: `calibrate_int8_rows` and
     `choose_dense_dtype` measure them on the loaded weights at engine start.
     `pack_dense` (CPU with oneDNN) adds oneDNN-blocked copies of those dense weights, which
     `dense_linear` then uses: the same dtype and numerics, without the per-call reorder of a
-    plain weight (1.2-2x faster at 1-100 rows, bench/RESULTS.md).
+    plain weight (faster at 1-100 rows; bench/RESULTS.md).
     The output has the activation dtype.
     """
 
@@ -241,8 +241,8 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
     fastest every layer's `dense_fast` dtype (decode-only wide batches), and return
     (dtype, {dtype name: ms}).
 
-    bf16 is ~3x faster than fp32 where the CPU has avx512_bf16 and ~6x slower where it has only
-    AVX2, so this is measured, not assumed. A wide batch is compute bound, so a sample of the
+    bf16 is several times faster than fp32 where the CPU has avx512_bf16 and several times slower
+    where it has only AVX2, so the choice is timed on this CPU, never assumed. A wide batch is compute bound, so a sample of the
     layers is enough (the int8 crossover, measured after this, streams all of them)."""
     if not layers:
         return torch.float32, {}
@@ -270,11 +270,9 @@ def choose_dense_dtype(layers: list[BaseLinear], rows: int = 64, reps: int = 7, 
 
 #: Steps that prefill take the decode path (the AMX kernel, else the fast dense copy) instead of the
 #: fp32 copy only where the fast copy's GEMMs are at least this many times fp32's at prefill width.
-#: With AMX, bf16 GEMMs measure ~6-7x fp32 at 512 rows and the prompt's first token then costs a
-#: fraction; on this project's SmolLM2 test prompts the answers
-#: stay the same (the closest first-token margin, 0.12 in fp32, is 0.21 with bf16 weights here).
-#: With avx512_bf16 alone (~2-3x) bf16 prefill flipped that near-tie on an EPYC (bench/RESULTS.md),
-#: so there prefill stays fp32.
+#: bf16 prefill rounds the activations, which can flip a first token that is a near-tie in fp32;
+#: that is worth it only where bf16 GEMMs are far faster (AMX), and not where they are merely
+#: faster (avx512_bf16 alone), where a test prompt's near-tie did flip (bench/RESULTS.md).
 FAST_PREFILL_MIN_SPEEDUP = 4.0
 
 
@@ -327,8 +325,8 @@ def _largest_winning_rows(layers: list[BaseLinear], candidates, reps: int, ours,
 def calibrate_q4_rows(layers: list[BaseLinear], candidates=(1, 2, 4), reps: int = 5) -> int:
     """Measure, on the layers that keep Q4_1 blocks, the largest batch (rows) for which the Q4_1
     kernel is at least as fast as the int8 kernel, and set it as their `q4_max_rows` (0: never).
-    Q4_1 reads 0.625 bytes a weight against int8's 1 but does more work per weight: with AVX-512
-    it won at one row (bench/RESULTS.md), with AVX2 alone it measured even there, and past a few
+    Q4_1 reads 0.625 bytes a weight against int8's 1 but does more work per weight: whether it
+    wins at one row depends on the CPU's vector units (bench/RESULTS.md), and past a few
     rows the int8 kernel (which shares each widened weight between rows) wins on both. Returns the
     threshold; nothing to measure (no Q4_1 layers) returns 0."""
     q4 = [layer for layer in layers if layer.q4_blocked is not None]

@@ -388,7 +388,7 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
 #endif
 
 /* One layer's stacks, what every call on them shares (built once per stack by cpu_native, so a
- * call passes six arguments instead of seventeen: ctypes converts each, ~0.4 us apiece). Field
+ * call passes six arguments instead of seventeen: ctypes converts each one on every call). Field
  * order and types match cpu_native.StackArgs. A_rs and B_rs (per-slice row scales) are read for
  * int8 only. */
 typedef struct {

@@ -8,11 +8,12 @@
  *       each query head g: out[t, g] = softmax(scale * q[t, g] . K[slots[t, :len[t]], g / G]) @ V[...]
  *       (G = query heads per KV head), reading the cache rows in place by slot.
  *
- * Why by hand: a SmolLM2 decode step is 30 layers of tiny tensors, and torch pays ~5-15 us of
- * dispatch per op on ~35 ops a layer (a third of a single-stream step), plus gathers that copy
- * every cached K/V row before SDPA reads it. Everything is fp32, accumulated in fp32, in the same
- * order for a row whatever else is in the batch (so a sequence's output does not depend on its
- * batch). Rows and (token, KV head) pairs are shared between torch's OpenMP threads.
+ * Why by hand: a SmolLM2 decode step is 30 layers of tiny tensors, where torch's per-op dispatch
+ * on dozens of ops a layer costs more than their arithmetic, plus gathers that copy every cached
+ * K/V row before SDPA reads it (bench/RESULTS.md has the breakdown). Everything is fp32,
+ * accumulated in fp32, in the same order for a row whatever else is in the batch (so a
+ * sequence's output does not depend on its batch). Rows and (token, KV head) pairs are shared
+ * between torch's OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -145,8 +146,8 @@ void tessera_silu_mul(int64_t M, int64_t I, const float *gu, float *out) {
 }
 
 /* Cache rows ahead of the one being read. Decode attention reads each sequence's rows from blocks
- * anywhere in a cache far larger than the caches: without this a 32-sequence step spent ~3x its
- * compute time waiting on them. */
+ * anywhere in a cache far larger than the CPU caches, and the hardware prefetcher cannot guess
+ * those jumps: without this a wide decode step waits on memory longer than it computes. */
 #define PREFETCH_ROWS 16
 
 static inline void prefetch_row(const float *row, int64_t D) {

@@ -4,8 +4,8 @@
  * fp32; w int8 in AMX's pair-interleaved tile layout [N/16][K/32][16 pairs][16 n][2]
  * (engine.model.cpu_int8.tile_weight), N a multiple of 16 and K of 32.
  *
- * Why by hand: a 32-row decode step on the bf16 dense copy is bound by reading 2 bytes a weight
- * (oneDNN's AMX GEMM streamed a SmolLM2 step's 212 MB at ~10 GB/s). This kernel reads the int8
+ * Why by hand: a 32-row decode step on the bf16 dense copy is bound by reading 2 bytes a weight,
+ * and oneDNN's AMX GEMM streams them well below memory speed. This kernel reads the int8
  * weights (1 byte each), widens each 16 x 32 tile to bf16 in registers (int8 values are exact in
  * bf16) and multiplies it on the tile unit with fp32 accumulation, then applies the per-channel
  * scale: the exact product of the quantized weights, in half the bytes. The weight stream is

@@ -3,25 +3,26 @@
  * x [M, K] fp32, scales [N] fp32, y [M, N] fp32; w int8 in a blocked layout
  * [N/16][K/16][16 rows][16 k] (engine.model.cpu_int8.block_weight), N and K multiples of 16.
  *
- * Why by hand: at 1-4 rows the step streams through the weights, and torch's
- * _weight_int8pack_mm reads them at ~13-15 GB/s here. In the blocked layout every 16 output rows
- * are one contiguous stream (256 bytes per 16 k), which this loop reads at ~30 GB/s (2x, M=1):
+ * Why by hand: at 1-4 rows the step streams through the weights, so the rate it reads them at is
+ * its speed, and torch's _weight_int8pack_mm reads them well below memory speed. In the blocked
+ * layout every 16 output rows are one contiguous stream (256 bytes per 16 k), which this loop
+ * reads near memory speed (bench/RESULTS.md):
  * int8 widened to fp32 in registers, 16 accumulators per batch row (fp32 activations, no bf16
  * rounding), one transpose-and-add tree for the 16 sums. Row blocks are shared between torch's
  * OpenMP threads (the process's only libgomp). Software prefetch keeps the stream at memory speed.
  * The AVX-512 path serves 1-4 rows (wider batches go to the AMX kernel or a dense GEMM). On
  * AVX2-only CPUs the widening costs as much as the FMAs, so batch rows are taken in pairs that
- * share each widened weight; there this kernel is also the wide batches' fastest path (32 rows:
- * ~107 GFLOP/s against ~55 for the dense fp32 copy's GEMM, bench/RESULTS.md).
+ * share each widened weight; there this kernel is also the wide batches' fastest path (faster at
+ * 32 rows than the dense fp32 copy's GEMM, bench/RESULTS.md).
  */
 #include <stdint.h>
 
 #include "tessera_simd.h" /* tessera_sum16 / tessera_sum8, immintrin.h */
 
 /* Software prefetch distance in the weight stream (into L2). Each call streams one layer's weights
- * (0.3-1.7 MB) once; the hardware prefetcher ramps up too slowly on streams that short, and a
- * step's 120 calls left each core at ~8 GB/s. 16 KB ahead into L2 measured best of 2-64 KB (L1
- * or L2) inside a real decode step: ~16 -> ~24 GB/s (bench/RESULTS.md). Past the end of a thread's
+ * (0.3-1.7 MB) once; the hardware prefetcher ramps up too slowly on streams that short. 16 KB
+ * ahead into L2 was the best of the distances tried (2-64 KB, L1 or L2) inside a real decode step
+ * (bench/RESULTS.md). Past the end of a thread's
  * rows it only touches the next rows or misses harmlessly (a prefetch never faults). */
 #define PREFETCH_BYTES 16384
 
