@@ -1,21 +1,17 @@
 """Fixtures and helpers every test folder shares: the Triton interpreter switch, the S3-protocol
-server (moto's, on loopback) and the Redis probe."""
+server (moto's, on loopback), and one fixture per service or tool a test may
+need (`pytestmark = pytest.mark.usefixtures("needs_redis")`): missing, the test skips, or fails
+under CI=true (tests/requirements.py)."""
 import os
 import socket
 
 import pytest
 
+from tests import requirements
+
 # Triton kernels run on this CPU-only machine through the interpreter; set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
-    """Whether the machine's Redis answers (tests that need it skip, with the reason, if not)."""
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +26,38 @@ def s3_endpoint():
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def needs_postgres():
+    requirements.require_postgres()
+
+
+@pytest.fixture(scope="session")
+def needs_redis():
+    requirements.require_redis()
+
+
+@pytest.fixture(scope="session")
+def needs_chromium():
+    requirements.require_chromium()
+
+
+@pytest.fixture(scope="session")
+def needs_promtool():
+    requirements.require_tool("promtool")
+
+
+@pytest.fixture(scope="session")
+def needs_prometheus():
+    requirements.require_tool("prometheus")
+
+
+@pytest.fixture(scope="session")
+def needs_amtool():
+    requirements.require_tool("amtool")
+
+
+@pytest.fixture(scope="session")
+def needs_c_compiler():
+    requirements.require_c_compiler()

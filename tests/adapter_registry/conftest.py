@@ -15,15 +15,14 @@ from adapter_registry.migrate import upgrade
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.objectstore import S3Store
 from adapter_registry.settings import RegistrySettings
+from tests.requirements import require_postgres
 
 PG_ADMIN = dict(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
 
 
 def _pg_connect():
-    try:
-        return psycopg2.connect(connect_timeout=3, **PG_ADMIN)
-    except psycopg2.OperationalError as e:
-        pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is unreachable: {e}")
+    require_postgres()
+    return psycopg2.connect(connect_timeout=3, **PG_ADMIN)
 
 
 def create_pg_database() -> str:

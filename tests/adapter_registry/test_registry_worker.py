@@ -12,13 +12,11 @@ import pytest
 
 from adapter_registry import services
 
-from tests.conftest import redis_up
-
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
+@pytest.mark.usefixtures("needs_redis")
 def test_worker_validates_an_upload(make_ctx, adapter_dir, tmp_path):
     queue = f"registry-test-{uuid.uuid4().hex[:8]}"  # our own queue: no other worker takes the task
     ctx = make_ctx("postgres", celery_eager=False, celery_queue=queue, celery_broker_url="redis://127.0.0.1:6379/0")

@@ -9,6 +9,7 @@ import torch
 from engine.lora.source import LocalDirectoryAdapterSource
 from engine.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from engine.sampling_params import GenerationRequest, SamplingParams
+from tests.requirements import require_c_compiler
 
 from .conftest import chat
 from .helpers import PROMPTS
@@ -175,8 +176,8 @@ def test_compact_adapter_storage_keeps_the_adapters_effect(make_engine, tokenize
     from punica_kernels import cpu_native
 
     assert lora_engine.lora_manager.slots.a[(0, "q")].dtype == torch.float32
-    if cpu_native.library() is None:
-        pytest.skip("no C compiler here: adapters stay fp32")
+    require_c_compiler()
+    assert cpu_native.library() is not None, "the C LoRA kernel did not build although a C compiler is here"
     auto = make_engine(LocalDirectoryAdapterSource(adapter_root), weight_format="auto", max_lora_rank=64)
     assert auto.lora_manager.slots.a[(0, "q")].dtype == torch.int8
     compact = make_engine(LocalDirectoryAdapterSource(adapter_root), max_lora_rank=64, lora_dtype=lora_dtype)

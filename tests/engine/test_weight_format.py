@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import pick_weight_format
 from engine.model import cpu_int8
 from engine.model.layers import BaseLinear, calibrate_int8_rows, calibrate_q4_rows, choose_dense_dtype
+from tests.requirements import require_c_compiler
 
 
 def _layers(g):
@@ -79,8 +80,8 @@ def test_int8_kernel_gives_the_quantized_weights_product_and_forward_takes_it():
     layer = BaseLinear(torch.randn(96, 160, generator=g), "int8")
     xs = [torch.randn(m, 160, generator=g) for m in (1, 2, 4)]
     torch_path = [layer.int8_linear(x) for x in xs]
-    if not layer.pack_int8():
-        pytest.skip("no C compiler here to build the int8 kernel")
+    require_c_compiler()
+    assert layer.pack_int8(), "the int8 kernel did not build although a C compiler is here"
     assert layer.int8_blocked.dtype == torch.int8 and layer.int8_blocked.numel() == layer.weight.numel()
     layer.int8_max_rows = 4
     w = layer.dequantized().double()
@@ -278,8 +279,9 @@ def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it
     from engine.model import cpu_int8, cpu_q4
     from engine.model.llama import LlamaModel
 
+    require_c_compiler()
     if cpu_q4.library() is None:
-        pytest.skip("no Q4_1 kernel here (no C compiler, or neither AVX-512 nor AVX2)")
+        pytest.skip("no Q4_1 kernel on this CPU (neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
     model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
     g = torch.Generator().manual_seed(9)
@@ -305,8 +307,9 @@ def test_q4_calibration_sets_a_measured_threshold_that_forward_follows(smollm_ch
     from engine.model import cpu_q4
     from engine.model.llama import LlamaModel
 
+    require_c_compiler()
     if cpu_q4.library() is None:
-        pytest.skip("no Q4_1 kernel here (no C compiler, or neither AVX-512 nor AVX2)")
+        pytest.skip("no Q4_1 kernel on this CPU (neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
     model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
     layers = [model.layers[0].qkv_proj, model.layers[0].down_proj]

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.requirements import HOW, require
 
 #: The virtualenv's `tessera` command (next to the interpreter running the tests).
 TESSERA = str(Path(sys.executable).parent / "tessera")
@@ -36,8 +37,7 @@ class PrivatePostgres:
 
     def __init__(self):
         bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-        if not bins:
-            pytest.skip("no PostgreSQL server binaries under /usr/lib/postgresql/*/bin")
+        require("PostgreSQL server binaries under /usr/lib/postgresql/*/bin", bool(bins), HOW["postgres"])
         self.bin = Path(bins[-1]).parent
         self.root = Path(tempfile.mkdtemp(prefix="tessera-chaos-pg-"))
         self.data = self.root / "data"
@@ -47,7 +47,9 @@ class PrivatePostgres:
             try:
                 owner = pwd.getpwnam("postgres")
             except KeyError:
-                pytest.skip("running as root and there is no 'postgres' user to run a PostgreSQL cluster")
+                owner = None
+            require("a 'postgres' system user (this runs as root; PostgreSQL refuses root)", owner is not None,
+                    HOW["postgres"])
             os.chown(self.root, owner.pw_uid, owner.pw_gid)
             self._as_owner = ["runuser", "-u", "postgres", "--"]
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")

@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ADMIN_TOKEN
-from .test_admin_ui_browser import CHROMIUM, WIDE, evidence, shot
+from tests.requirements import CHROMIUM
 
-sync_api = pytest.importorskip("playwright.sync_api")
+from .conftest import ADMIN_TOKEN
+from .test_admin_ui_browser import WIDE, evidence, shot
+
+try:
+    from playwright import sync_api
+except ImportError:  # the needs_chromium fixture says what is missing
+    sync_api = None
 
 PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"
 # The same book prices, from the same day, as test_billing_api.py sets: the book is shared by the
@@ -29,7 +34,7 @@ PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_ad
 PRICES = {"input": ("0.075", 75_000), "output": ("0.30", 300_000)}  # batch, per million tokens
 EFFECTIVE_FROM = "2020-01-01"
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (make setup installs it)")
+pytestmark = pytest.mark.usefixtures("needs_chromium")  # missing: skip, or fail under CI=true
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,22 @@ import openai
 import pytest
 import torch
 
+from tests.requirements import CHROMIUM
+
 from .conftest import ADMIN_TOKEN
 
-sync_api = pytest.importorskip("playwright.sync_api")
+try:
+    from playwright import sync_api
+except ImportError:  # the needs_chromium fixture says what is missing
+    sync_api = None
 
-CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
 PIRATE = ROOT / "platform" / "tessera" / "demo_adapters" / "pirate"
 UPPER = ROOT / "platform" / "tessera" / "demo_adapters" / "upper"
 SHOTS = ROOT / "test-artifacts" / "ui-screenshots"
 WIDE, NARROW = {"width": 1280, "height": 900}, {"width": 390, "height": 844}
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (make setup installs it)")
+pytestmark = pytest.mark.usefixtures("needs_chromium")  # missing: skip, or fail under CI=true
 
 
 @pytest.fixture(scope="module")

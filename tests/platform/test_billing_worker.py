@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
-
-from adapter_registry.objectstore import S3Store
 from tessera.billing.exports import build_export
 from tessera.billing.models import BillingRun, Export, LineItem
 from tessera.billing.periods import Period
 
-from ..conftest import redis_up
+from adapter_registry.objectstore import S3Store
+
 from .billing_helpers import Ev, PriceList, add_tenant, make_context, write_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +36,7 @@ def _wait(pred, timeout: float, log: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not redis_up(), reason="Redis at 127.0.0.1:6379 is unreachable")
+@pytest.mark.usefixtures("needs_redis")
 def test_worker_and_beat_roll_up_and_export_to_s3(tmp_path, s3_endpoint):
     queue = f"billing-test-{uuid.uuid4().hex[:8]}"  # our own queue: no other worker takes these tasks
     bucket = f"tessera-{uuid.uuid4().hex[:10]}"

@@ -7,10 +7,11 @@ import uuid
 
 import pytest
 import redis
-
 from tessera.app import create_app
 from tessera.engine_client.inprocess import InProcessEngineClient
 from tessera.quota.redis import RedisQuota
+
+from tests.requirements import require_redis
 
 from .conftest import Platform, ServerThread
 from .test_gateway_quota import avoid_minute_edge, backend_semantics, burst, check_burst
@@ -20,10 +21,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 @pytest.fixture(scope="module")
 def redis_prefix():
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except redis.RedisError as e:
-        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {e}")
+    require_redis()
     prefix = f"tessera-test:{uuid.uuid4().hex[:8]}:"
     yield prefix
     r = redis.Redis.from_url(REDIS_URL)

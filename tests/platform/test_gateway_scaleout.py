@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from adapter_registry.migrate import upgrade
 from adapter_registry.settings import RegistrySettings
+from tests.requirements import require_redis
 
 from ..adapter_registry.conftest import create_pg_database, drop_pg_database
 from .conftest import free_port
@@ -42,12 +42,7 @@ def wait_http(url: str, proc: subprocess.Popen, headers=None, timeout: float = 1
 
 
 def test_serve_with_engine_worker_postgres_and_redis(tmp_path):
-    try:
-        import redis
-
-        redis.Redis.from_url("redis://127.0.0.1:6379/0", socket_connect_timeout=2).ping()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"Redis unavailable: {e}")
+    require_redis()
     url = create_pg_database()
     procs = []
     try:

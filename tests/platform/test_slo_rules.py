@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from adapter_registry.migrate import upgrade
 from tessera.observability import dashboards, rules, slo
 from tessera.settings import PlatformSettings
+
+from adapter_registry.migrate import upgrade
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "infra" / "prometheus"
 TESSERA = str(Path(sys.executable).parent / "tessera")
 
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="promtool not installed (make setup installs Debian's prometheus package)")
+needs_promtool = pytest.mark.usefixtures("needs_promtool")  # missing: skip, or fail under CI=true
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -100,8 +99,9 @@ def test_objectives_file_with_a_bad_threshold_is_refused(tmp_path):
 def test_cli_writes_rules_for_every_tenant_in_the_database(tmp_path):
     """`tessera slo rules` reads tenants and objectives (plan defaults, tenant overrides) from the
     TESSERA_* database and writes a rule file promtool accepts."""
-    from adapter_registry.context import build_context
     from tessera import services
+
+    from adapter_registry.context import build_context
 
     settings = PlatformSettings(_env_file=None, database_url=f"sqlite:///{tmp_path}/t.db",
                                 object_store_root=tmp_path / "objects")
@@ -161,7 +161,7 @@ def test_dashboard_is_current_and_queries_the_tenant():
     assert {v["name"] for v in committed["templating"]["list"]} == {"datasource", "tenant"}
 
 
-@pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool not installed (Debian's prometheus-alertmanager)")
+@pytest.mark.usefixtures("needs_amtool")
 def test_alertmanager_routes_by_severity_and_tenant():
     cfg = str(ROOT / "infra" / "alertmanager" / "alertmanager.yml")
     check = subprocess.run(["amtool", "check-config", cfg], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,6 @@ the usage events, and from a real Prometheus scraping the platform and evaluatin
 rules (marked `prometheus`: `make test-prometheus` runs it alone)."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 
@@ -13,12 +12,12 @@ import openai
 import pytest
 import yaml
 from sqlalchemy import select
-
-from adapter_registry.models import Tenant as TenantRow
 from tessera.app import create_app
 from tessera.engine_client import EngineUnavailable
 from tessera.engine_client.inprocess import InProcessEngineClient
 from tessera.observability import rules, slo
+
+from adapter_registry.models import Tenant as TenantRow
 
 from .conftest import Platform, ServerThread, free_port
 
@@ -153,7 +152,7 @@ def wait_for(fn, what: str, timeout: float = 45.0):
 
 
 @pytest.mark.prometheus
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (make setup installs it)")
+@pytest.mark.usefixtures("needs_prometheus")
 def test_real_prometheus_scrapes_the_platform_and_fires_the_generated_alerts(platform_settings, aengine, tmp_path):
     """Prometheus on a loopback port scrapes /metrics every second and evaluates the rules that
     the generator writes from the database; the failing tenant gets exactly its four
