@@ -40,8 +40,8 @@ from sqlalchemy import select
 log = logging.getLogger(__name__)
 
 # Bucket bounds (seconds) sized for LLM serving: TTFT from tens of ms (short prompt, idle engine)
-# to a minute (long prefill behind a queue); TPOT from 10 ms (GPU decode) to 1 s (overloaded
-# CPU). An SLO threshold must be one of these bounds (slo.py checks), so the burn-rate rules read
+# to a minute (long prefill behind a queue); TPOT from 5 ms (GPU decode) to 1 s (overloaded
+# CPU). An SLO threshold must be one of these bounds (slo_definitions.check_values), so the burn-rate rules read
 # the threshold's bucket exactly instead of interpolating.
 TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
 TPOT_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
