@@ -97,8 +97,8 @@ class Meter:
 
     async def record(self, usage: Usage) -> bool:
         """`record_sync`, shielded so a cancelled request still gets its event. On SQLite (embedded,
-        WAL, one process writing) the insert takes ~0.05 ms, far less than a hop to a worker thread
-        costs, so it runs inline; on Postgres it runs on a worker thread (network round trips).
+        WAL, one process writing) the insert is far cheaper than a hop to a worker thread, so it
+        runs inline; on Postgres it runs on a worker thread (network round trips).
         If the insert fails the event goes to the outbox (durable when this returns) and True is
         not returned; the observer still sees the request, once."""
         with anyio.CancelScope(shield=True):
@@ -230,7 +230,8 @@ class _SQLiteInsert:
     SQLAlchemy compiled for `stmt` (same SQL, same column conversions, the engine's connect-time
     pragmas), executed in SQLite's autocommit mode, where the single INSERT is its own durable
     transaction. It is on every response's critical path (the event must be durable before the
-    last bytes go out): a pooled connection plus BEGIN/COMMIT round trips cost ~0.25 ms more."""
+    last bytes go out), and a pooled connection plus BEGIN/COMMIT round trips would cost more than
+    the insert itself (bench/RESULTS.md, gateway)."""
 
     def __init__(self, engine: Engine, stmt):
         columns = [f.name for f in fields(Usage)] + ["created_at"]
