@@ -10,7 +10,7 @@ the live engines of this process (LLMEngine registers itself with `track`).
   tessera_engine_batch_sequences                   histogram, sequences per step
   tessera_engine_step_adapters                     histogram, distinct adapters per step
   tessera_engine_preemptions_total                 counter, sequences preempted (recomputed later)
-  tessera_engine_request_faults_total{kind}        counter, requests failed by a fault in a step:
+  tessera_engine_request_faults_total{reason}      counter, requests failed by a fault in a step:
                                                    non_finite (logits) | exception (traced to it)
   tessera_engine_restarts_total                    counter, step loop restarts after it died
   tessera_engine_running_sequences{priority}       gauge (scrape time)
@@ -44,7 +44,7 @@ STEP_ADAPTERS = Histogram("tessera_engine_step_adapters", "Distinct LoRA adapter
                           buckets=(0, 1, 2, 4, 8, 16, 32, 64))
 PREEMPTIONS = Counter("tessera_engine_preemptions_total", "Sequences preempted for KV blocks (recomputed later).")
 REQUEST_FAULTS = Counter("tessera_engine_request_faults_total",
-                         "Requests failed by a fault traced to them in a step (the engine kept serving).", ["kind"])
+                         "Requests failed by a fault traced to them in a step (the engine kept serving).", ["reason"])
 RESTARTS = Counter("tessera_engine_restarts_total", "Times the engine's step loop died and was reset and restarted.")
 
 ADAPTER_LOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
