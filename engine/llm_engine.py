@@ -36,6 +36,7 @@ from engine.model.layers import (FAST_PREFILL_MIN_SPEEDUP, BaseLinear, calibrate
                                  choose_dense_dtype, measure_prefill_speedup)
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
+from engine.request_checks import check_prompt
 from engine.sampler import sample
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -153,26 +154,15 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request_id {request.request_id!r}", "request_id")
         if request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+            ids, vocab = list(request.prompt_token_ids), self.model_config.vocab_size
         elif request.prompt is not None:
             if not isinstance(request.prompt, str):
                 raise InvalidRequestError("prompt must be a string", "prompt")
-            ids = self.tokenizer.encode(request.prompt)
+            ids, vocab = self.tokenizer.encode(request.prompt), None
         else:
             raise InvalidRequestError("prompt is required", "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
         params = request.params
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", "prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_model_len} tokens", "max_tokens")
+        check_prompt(ids, max_model_len=self.max_model_len, max_tokens=params.max_tokens, vocab_size=vocab)
         priority = Priority.parse(request.priority)
         if request.adapter is not None and self.lora_manager is None:
             raise InvalidRequestError("this engine serves no adapters", "model")

@@ -25,12 +25,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import anyio
+from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from adapter_registry.db import utcnow
+from tessera.billing.periods import Period
 from tessera.models import UsageEvent
 from tessera.observability.metrics import usage_outbox_metrics
 from tessera.outbox import UsageOutbox, database_tag
@@ -55,6 +57,17 @@ class Usage:
     ttft_ms: float | None
     duration_ms: float
     base_model: str | None = None  # the base model that served it (billing prices by it)
+
+
+def used_in_month(session_factory: sessionmaker, *, tenant_id: int, month: Period) -> int:
+    """Tokens (prompt + completion) the tenant's usage events record since the start of `month`
+    (a UTC month, as quota.month_of gives it): what its monthly budget counter starts from.
+    Blocking (run it off the event loop); raises SQLAlchemyError when the database fails."""
+    since = month.start_datetime()
+    with session_factory() as session:
+        return int(session.scalar(
+            select(func.coalesce(func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens), 0))
+            .where(UsageEvent.tenant_id == tenant_id, UsageEvent.created_at >= since)))
 
 
 class Meter:

@@ -1,0 +1,150 @@
+"""A completion request's checks, from its body to a `Job` the engine can run: the priority class,
+the prompt (rendered, bounded by its UTF-8 size, tokenized) and the sampling parameters. The
+prompt checks the engine would make are engine.request_checks.check_prompt, run here before any
+quota is reserved, with the engine's messages. Every refusal is an ApiError (4xx).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine.request_checks import ContextLengthExceeded, check_prompt
+from engine.sampling_params import InvalidRequestError, Priority, SamplingParams
+from engine.tokenizer import ChatTemplateError, PromptTooLong
+from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
+from tessera.errors import ApiError
+from tessera.gateway import Gateway
+from tessera.services import Caller
+
+#: Prompts up to this many characters are tokenized on the event loop (tens of microseconds,
+#: less than a hop to a worker thread); longer ones on a worker thread, so one tenant's large
+#: prompt never stalls the other requests this process serves.
+INLINE_TOKENIZE_CHARS = 2048
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass
+class Job:
+    """Everything the engine call and the usage event need, fixed before admission."""
+
+    kind: str  # "chat" | "text"
+    request_id: str
+    model: str
+    adapter: str | None  # adapter version id (sha256); None for the base model
+    priority: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # streaming: a last chunk with the usage
+    started: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def invalid(e: InvalidRequestError) -> ApiError:
+    """The 400 for a request the engine's checks refuse (context_length_exceeded where it is one)."""
+    return ApiError(400, e.message, param=e.param, code=e.code if isinstance(e, ContextLengthExceeded) else None)
+
+
+def requested_max_tokens(body: Body) -> int | None:
+    """The completion bound the client asked for (chat's max_completion_tokens first), or None."""
+    return getattr(body, "max_completion_tokens", None) or body.max_tokens
+
+
+def priority_of(caller: Caller, requested: str | None) -> str:
+    """The priority class: the requested one, else the plan's default. 400 invalid_priority for
+    an unknown class, 403 priority_not_allowed for one the caller's plan does not allow."""
+    name = requested or caller.policy.default_priority
+    try:
+        Priority.parse(name)
+    except InvalidRequestError as e:
+        raise ApiError(400, e.message, param="priority", code="invalid_priority") from None
+    if name not in caller.policy.allowed_priorities:
+        raise ApiError(403, f"priority class {name!r} is not allowed on plan {caller.policy.plan!r} "
+                            f"(allowed: {', '.join(caller.policy.allowed_priorities)})",
+                       param="priority", code="priority_not_allowed")
+    return name
+
+
+async def prompt_ids(gw: Gateway, body: Body) -> list[int]:
+    """The prompt's token ids (unchecked: `sampling_params` checks them): on the event loop when
+    short, else on a worker thread."""
+    if _text_chars(body) <= INLINE_TOKENIZE_CHARS:
+        return _tokenize(gw, body)
+    return await anyio.to_thread.run_sync(_tokenize, gw, body)
+
+
+def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
+    """Check the prompt `ids` (check_prompt: vocabulary, empty, context, prompt + max_tokens) and
+    the body's sampling fields; max_tokens left to the server is the settings' default, capped by
+    the room the context leaves. Raises ApiError 400 naming the first bad field."""
+    ctx = gw.engine.max_model_len
+    max_tokens = requested_max_tokens(body)
+    if max_tokens is None:
+        max_tokens = min(gw.settings.default_max_tokens, ctx - len(ids))
+    try:
+        check_prompt(ids, max_model_len=ctx, max_tokens=max_tokens, param=_prompt_param(body),
+                     vocab_size=gw.engine.tokenizer.vocab_size if _given_as_ids(body) else None)
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+    if body.n != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise ApiError(400, "presence_penalty and frequency_penalty are not supported (use 0)", param="presence_penalty")
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    raw = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(body, name) is not None:
+            raw[name] = getattr(body, name)
+    if body.stop is not None:
+        raw["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    try:
+        return SamplingParams.from_dict(raw)
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+
+
+def _prompt_param(body: Body) -> str:
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+
+def _given_as_ids(body: Body) -> bool:
+    """The client sent token ids (checked against the vocabulary), not text."""
+    return isinstance(body, CompletionRequest) and not isinstance(body.prompt, str) \
+        and not any(isinstance(x, str) for x in body.prompt)
+
+
+def _text_chars(body: Body) -> int:
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) for m in body.messages)
+    if isinstance(body.prompt, str):
+        return len(body.prompt)
+    return sum(len(x) for x in body.prompt if isinstance(x, str))
+
+
+def _tokenize(gw: Gateway, body: Body) -> list[int]:
+    """Render (chat) and encode the prompt. A prompt whose UTF-8 size alone shows it cannot fit
+    the context is refused before encoding (400 context_length_exceeded). Messages' contents
+    are text: special tokens written in them never become control tokens."""
+    tok = gw.engine.tokenizer
+    ctx = gw.engine.max_model_len
+    most = ctx - 1  # the prompt must leave room for one generated token
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            return tok.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                                    for m in body.messages], max_tokens=most)
+        if _given_as_ids(body):
+            return list(body.prompt)
+        if not isinstance(body.prompt, str) and len(body.prompt) != 1:
+            raise ApiError(400, "only one prompt per request is supported", param="prompt")
+        text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        tok.check_fits(text, most)
+        return tok.encode(text) if text else []
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    except PromptTooLong as e:
+        raise ApiError(400, f"the prompt has at least {e.min_tokens} tokens; this model's context is {ctx} tokens",
+                       param=_prompt_param(body), code="context_length_exceeded") from None
