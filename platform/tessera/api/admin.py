@@ -9,20 +9,14 @@
 """
 from __future__ import annotations
 
-from typing import Any
-
-import anyio
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
-from sqlalchemy.exc import DataError, SQLAlchemyError
 
-from adapter_registry import services as registry
-from adapter_registry.errors import RegistryError
 from tessera import services
 from tessera.api.bounds import Int32, Int64, RowId
+from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
-from tessera.errors import ApiError
 from tessera.models import UsageEvent
 
 router = APIRouter(prefix="/admin/v1")
@@ -62,28 +56,6 @@ def _policy_dict(p: services.Policy) -> dict:
             "default_priority": p.default_priority}
 
 
-async def _db(gw, fn, *, changes: bool = True) -> Any:
-    """Run fn(session) on a thread; registry errors and bad values become OpenAI-shaped errors.
-    After a change the configuration epoch is bumped: every gateway drops its cached callers."""
-
-    def run():
-        with gw.session_factory() as session:
-            return fn(session)
-
-    try:
-        result = await anyio.to_thread.run_sync(run)
-        if changes:
-            await gw.epoch.bump()
-        return result
-    except RegistryError as e:
-        raise ApiError(e.http_status, str(e)) from None
-    except (ValueError, OverflowError, DataError) as e:
-        # DataError: a value the database refuses (out of its column's range); not an outage.
-        raise ApiError(400, str(e.orig) if isinstance(e, DataError) else str(e)) from None
-    except SQLAlchemyError:
-        raise ApiError(503, "the database is unavailable; try again") from None
-
-
 @router.put("/plans/{name}")
 async def put_plan(name: str, body: PlanIn, _: AdminDep, gw: GatewayDep):
     fields = body.model_dump(exclude_unset=True)
@@ -94,7 +66,7 @@ async def put_plan(name: str, body: PlanIn, _: AdminDep, gw: GatewayDep):
                 "allowed_priorities": plan.allowed_priorities, "default_priority": plan.default_priority,
                 "monthly_included_tokens": plan.monthly_included_tokens}
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.post("/tenants", status_code=201)
@@ -104,50 +76,48 @@ async def create_tenant(body: TenantIn, _: AdminDep, gw: GatewayDep):
         return {"id": t.id, "name": t.name,
                 "policy": _policy_dict(services.policy_for(session=session, tenant_id=t.id))}
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.post("/tenants/{tenant}/keys", status_code=201)
-async def issue_key(tenant: str, body: KeyIn, _: AdminDep, gw: GatewayDep):
+async def issue_key(_: AdminDep, tenant: PathTenant, body: KeyIn, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
+        t = attach(session, tenant)
         row, key = services.issue_key(session=session, tenant=t, name=body.name)
         return {"id": row.id, "tenant": t.name, "name": row.name, "prefix": row.prefix, "key": key}
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.delete("/tenants/{tenant}/keys/{key_id}")
-async def revoke_key(tenant: str, key_id: RowId, _: AdminDep, gw: GatewayDep):
+async def revoke_key(_: AdminDep, tenant: PathTenant, key_id: RowId, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        row = services.revoke_key(session=session, tenant=t, key_id=key_id)
+        row = services.revoke_key(session=session, tenant=attach(session, tenant), key_id=key_id)
         return {"id": row.id, "revoked_at": row.revoked_at.isoformat()}
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.patch("/tenants/{tenant}/quotas")
-async def set_quotas(tenant: str, body: QuotasIn, _: AdminDep, gw: GatewayDep):
+async def set_quotas(_: AdminDep, tenant: PathTenant, body: QuotasIn, gw: GatewayDep):
     values = body.model_dump(exclude_unset=True)
     plan = values.pop("plan", None)
 
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        return _policy_dict(services.set_policy(session=session, tenant=t, plan=plan, values=values))
+        return _policy_dict(services.set_policy(session=session, tenant=attach(session, tenant), plan=plan,
+                                                values=values))
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.get("/tenants/{tenant}/usage")
-async def usage(tenant: str, _: AdminDep, gw: GatewayDep):
+async def usage(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
         rows = session.execute(
             select(UsageEvent.status, func.count(), func.coalesce(func.sum(UsageEvent.prompt_tokens), 0),
                    func.coalesce(func.sum(UsageEvent.completion_tokens), 0))
-            .where(UsageEvent.tenant_id == t.id).group_by(UsageEvent.status)).all()
-        return {"tenant": t.name, "by_status": {s: {"requests": n, "prompt_tokens": int(p), "completion_tokens": int(c)}
+            .where(UsageEvent.tenant_id == tenant.id).group_by(UsageEvent.status)).all()
+        return {"tenant": tenant.name, "by_status": {s: {"requests": n, "prompt_tokens": int(p), "completion_tokens": int(c)}
                                                 for s, n, p, c in rows}}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)

@@ -32,7 +32,7 @@ from fastapi import APIRouter, File, Form, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapter_registry import services as registry
-from tessera.api.admin import _db
+from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.errors import ApiError
 
@@ -68,22 +68,22 @@ def _adapter_dict(session, tenant, adapter) -> dict:
 
 
 @router.get("/tenants/{tenant}/adapters")
-async def list_adapters(tenant: str, _: AdminDep, gw: GatewayDep):
+async def list_adapters(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
+        t = attach(session, tenant)
         return {"tenant": t.name, "data": [_adapter_dict(session, t, a)
                                            for a in registry.list_adapters(session=session, tenant=t)]}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.get("/tenants/{tenant}/adapters/{name}")
-async def get_adapter(tenant: str, name: str, _: AdminDep, gw: GatewayDep):
+async def get_adapter(_: AdminDep, tenant: PathTenant, name: str, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
+        t = attach(session, tenant)
         return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 def _save_upload(files: list[UploadFile], work: Path) -> Path:
@@ -106,48 +106,47 @@ def _save_upload(files: list[UploadFile], work: Path) -> Path:
 
 
 @router.post("/tenants/{tenant}/adapters/{name}/versions", status_code=201)
-async def upload_version(tenant: str, name: str, _: AdminDep, gw: GatewayDep,
+async def upload_version(_: AdminDep, tenant: PathTenant, name: str, gw: GatewayDep,
                          files: list[UploadFile] = File(default_factory=list),
                          base_model: str | None = Form(None)):
     with tempfile.TemporaryDirectory(prefix="tessera-admin-upload-") as work:
         def run(session):
-            t = registry.get_tenant(session=session, name=tenant)
+            t = attach(session, tenant)
             source = _save_upload(files, Path(work))
             v = registry.upload_adapter(session=session, store=gw.store, settings=gw.settings, tenant=t, name=name,
                                         source=source, base_model=base_model or None)
             return version_dict(v, v.adapter.current_version_id)
 
-        return await _db(gw, run, changes=False)
+        return await run_db(gw, run, changes=False)
 
 
 @router.put("/tenants/{tenant}/adapters/{name}/current")
-async def set_current(tenant: str, name: str, body: CurrentIn, _: AdminDep, gw: GatewayDep):
+async def set_current(_: AdminDep, tenant: PathTenant, name: str, body: CurrentIn, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
+        t = attach(session, tenant)
         registry.set_current_version(session=session, tenant=t, ref=f"{name}@{body.version}")
         return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.delete("/tenants/{tenant}/adapters/{name}")
-async def delete_adapter(tenant: str, name: str, _: AdminDep, gw: GatewayDep):
+async def delete_adapter(_: AdminDep, tenant: PathTenant, name: str, gw: GatewayDep):
     if "@" in name:
         raise ApiError(400, "to delete one version use DELETE .../adapters/{name}/versions/{N}")
 
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        registry.delete_adapter(session=session, tenant=t, ref=name)
+        registry.delete_adapter(session=session, tenant=attach(session, tenant), ref=name)
         return {"name": name, "deleted": True}
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.delete("/tenants/{tenant}/adapters/{name}/versions/{version}")
-async def delete_version(tenant: str, name: str, version: int, _: AdminDep, gw: GatewayDep):
+async def delete_version(_: AdminDep, tenant: PathTenant, name: str, version: int, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
+        t = attach(session, tenant)
         registry.delete_adapter(session=session, tenant=t, ref=f"{name}@{version}")
         return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
 
-    return await _db(gw, run)
+    return await run_db(gw, run)

@@ -34,8 +34,9 @@ from adapter_registry import services as registry
 from adapter_registry.context import RegistryContext
 from adapter_registry.errors import NotFound
 from adapter_registry.models import Tenant
-from tessera.api.admin import _db
+from engine.sampling_params import PRIORITY_NAMES
 from tessera.api.bounds import MAX_PRICE_MICROS, RowId
+from tessera.api.deps import PathTenant, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.billing import jobs
 from tessera.billing.exports import CONTENT_TYPES, download_name, fetch_export, list_exports
@@ -52,7 +53,7 @@ router = APIRouter(prefix="/admin/v1")
 class PriceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     base_model: str = Field(min_length=1, max_length=200)
-    priority: Literal["realtime", "standard", "batch"]
+    priority: Literal[PRIORITY_NAMES]  # type: ignore[valid-type]  # one of the engine's classes
     token_kind: Literal["input", "output"]
     micros_per_mtok: int = Field(ge=0, le=MAX_PRICE_MICROS, description="micro-units of the currency per million tokens")
     effective_from: date
@@ -123,7 +124,7 @@ async def get_prices(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
         return {"currency": gw.settings.billing_currency, "base_models": [gw.engine.model_name],
                 "data": [_price(p, names) for p in list_prices(session=session, tenant_id=tid)]}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.put("/billing/prices")
@@ -135,12 +136,12 @@ async def put_price(body: PriceIn, _: AdminDep, gw: GatewayDep):
                       tenant_id=t.id if t else None)
         return _price(p, {t.id: t.name} if t else {})
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.post("/billing/rollup")
 async def post_rollup(_: AdminDep, gw: GatewayDep):
-    return await _db(gw, lambda _s: jobs.rollup_job(_ctx(gw)).as_dict(), changes=False)
+    return await run_db(gw, lambda _s: jobs.rollup_job(_ctx(gw)).as_dict(), changes=False)
 
 
 @router.get("/billing/held")
@@ -149,60 +150,50 @@ async def get_held(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
         tid = registry.get_tenant(session=session, name=tenant).id if tenant else None
         return {"data": [h.__dict__ for h in held_usage(session.connection(), tenant_id=tid)]}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.get("/tenants/{tenant}/billing/periods")
-async def get_periods(tenant: str, _: AdminDep, gw: GatewayDep):
+async def get_periods(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
         out = []
-        for p in list_periods(session, tenant_id=t.id):
+        for p in list_periods(session, tenant_id=tenant.id):
             pending = p["pending"]
             if pending is not None:
                 pending = {**pending, "amount_micros": round_picos(pending.pop("amount_picos"))}
             out.append({"period": p["period"].name, "status": "closed" if p["invoice"] else "open",
-                        "invoice": _invoice(p["invoice"], t.name) if p["invoice"] else None, "pending": pending})
-        return {"tenant": t.name, "currency": gw.settings.billing_currency, "data": out}
+                        "invoice": _invoice(p["invoice"], tenant.name) if p["invoice"] else None,
+                        "pending": pending})
+        return {"tenant": tenant.name, "currency": gw.settings.billing_currency, "data": out}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.get("/tenants/{tenant}/billing/periods/{period}")
-async def get_period(tenant: str, period: str, _: AdminDep, gw: GatewayDep):
+async def get_period(_: AdminDep, tenant: PathTenant, period: str, gw: GatewayDep):
     p = _period(period)
 
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        s = period_summary(session, tenant_id=t.id, period=p)
+        s = period_summary(session, tenant_id=tenant.id, period=p)
         items = [_line_item(li) for li in s["line_items"]]
-        return {"tenant": t.name, "period": p.name, "status": "closed" if s["invoice"] else "open",
+        return {"tenant": tenant.name, "period": p.name, "status": "closed" if s["invoice"] else "open",
                 "currency": gw.settings.billing_currency,
-                "invoice": _invoice(s["invoice"], t.name) if s["invoice"] else None, "line_items": items,
-                "message": None if items else f"no usage billed to {t.name} in {p.name}"}
+                "invoice": _invoice(s["invoice"], tenant.name) if s["invoice"] else None, "line_items": items,
+                "message": None if items else f"no usage billed to {tenant.name} in {p.name}"}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.post("/tenants/{tenant}/billing/periods/{period}/close")
-async def close(tenant: str, period: str, _: AdminDep, gw: GatewayDep):
+async def close(_: AdminDep, tenant: PathTenant, period: str, gw: GatewayDep):
     p = _period(period)
-
-    def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        return _invoice(jobs.close_period_job(_ctx(gw), tenant_id=t.id, period=p), t.name)
-
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, lambda _s: _invoice(jobs.close_period_job(_ctx(gw), tenant_id=tenant.id, period=p),
+                                                tenant.name), changes=False)
 
 
 @router.post("/tenants/{tenant}/billing/periods/{period}/exports")
-async def create_export(tenant: str, period: str, body: ExportIn, _: AdminDep, gw: GatewayDep):
-    p = _period(period)
-
-    def tenant_id(session):
-        return registry.get_tenant(session=session, name=tenant).id
-
-    tid = await _db(gw, tenant_id, changes=False)
+async def create_export(_: AdminDep, tenant: PathTenant, period: str, body: ExportIn, gw: GatewayDep):
+    p, tid = _period(period), tenant.id
     if not gw.settings.celery_eager:
         from tessera.billing.tasks import export_task
 
@@ -210,21 +201,21 @@ async def create_export(tenant: str, period: str, body: ExportIn, _: AdminDep, g
             result = await anyio.to_thread.run_sync(lambda: export_task.delay(tid, p.name, body.format))
         except Exception:  # noqa: BLE001 - broker down: say so, nothing was queued
             raise ApiError(503, "the task queue is unavailable; try again") from None
-        return JSONResponse({"status": "queued", "task_id": result.id, "tenant": tenant, "period": p.name,
+        return JSONResponse({"status": "queued", "task_id": result.id, "tenant": tenant.name, "period": p.name,
                              "format": body.format}, status_code=202)
-    e = await _db(gw, lambda _s: jobs.export_job(_ctx(gw), tenant_id=tid, period=p, fmt=body.format), changes=False)
-    return JSONResponse(_export(e, tenant), status_code=201)
+    e = await run_db(gw, lambda _s: jobs.export_job(_ctx(gw), tenant_id=tid, period=p, fmt=body.format), changes=False)
+    return JSONResponse(_export(e, tenant.name), status_code=201)
 
 
 @router.get("/tenants/{tenant}/billing/exports")
-async def get_exports(tenant: str, _: AdminDep, gw: GatewayDep, period: str | None = None):
+async def get_exports(_: AdminDep, tenant: PathTenant, gw: GatewayDep, period: str | None = None):
     p = _period(period) if period else None
 
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        return {"tenant": t.name, "data": [_export(e, t.name) for e in list_exports(session, tenant_id=t.id, period=p)]}
+        return {"tenant": tenant.name,
+                "data": [_export(e, tenant.name) for e in list_exports(session, tenant_id=tenant.id, period=p)]}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.get("/billing/exports/{export_id}/download")
@@ -235,7 +226,7 @@ async def download(export_id: RowId, _: AdminDep, gw: GatewayDep):
             raise NotFound(f"export {export_id} not found")
         return e, session.get(Tenant, e.tenant_id).name
 
-    e, tenant = await _db(gw, run, changes=False)
+    e, tenant = await run_db(gw, run, changes=False)
     tmp = tempfile.mkdtemp(prefix="tessera-download-")
     path = Path(tmp) / "file"
     try:

@@ -43,10 +43,9 @@ import httpx
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from adapter_registry import services as registry
 from tessera import services
-from tessera.api.admin import _db
 from tessera.api.bounds import Int32
+from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.observability import slo
 
@@ -87,7 +86,7 @@ async def _documents(gw, targets: list[slo.TenantObjectives]) -> tuple[list[dict
             docs.append(_document(t, "usage_events", status, slo.firing(burn)))
         return docs
 
-    docs = await _db(gw, run, changes=False)
+    docs = await run_db(gw, run, changes=False)
     if error:
         for d in docs:
             d["source_error"] = error
@@ -96,30 +95,29 @@ async def _documents(gw, targets: list[slo.TenantObjectives]) -> tuple[list[dict
 
 @router.get("/slo")
 async def all_slos(_: AdminDep, gw: GatewayDep):
-    targets = await _db(gw, lambda s: slo.all_objectives(session=s), changes=False)
+    targets = await run_db(gw, lambda s: slo.all_objectives(session=s), changes=False)
     docs, _err = await _documents(gw, targets)
     return {"source": docs[0]["source"] if docs else ("prometheus" if gw.settings.prometheus_url else "usage_events"),
             "tenants": docs}
 
 
 @router.get("/tenants/{tenant}/slo")
-async def tenant_slo(tenant: str, _: AdminDep, gw: GatewayDep):
+async def tenant_slo(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        return slo.objectives_for(session=session, tenant=registry.get_tenant(session=session, name=tenant))
+        return slo.objectives_for(session=session, tenant=attach(session, tenant))
 
-    docs, _err = await _documents(gw, [await _db(gw, run, changes=False)])
+    docs, _err = await _documents(gw, [await run_db(gw, run, changes=False)])
     return docs[0]
 
 
 @router.patch("/tenants/{tenant}/slo")
-async def set_tenant_slo(tenant: str, body: ObjectivesIn, _: AdminDep, gw: GatewayDep):
+async def set_tenant_slo(_: AdminDep, tenant: PathTenant, body: ObjectivesIn, gw: GatewayDep):
     values = body.model_dump(exclude_unset=True)
 
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        return slo.set_tenant_objectives(session=session, tenant=t, values=values)
+        return slo.set_tenant_objectives(session=session, tenant=attach(session, tenant), values=values)
 
-    docs, _err = await _documents(gw, [await _db(gw, run)])
+    docs, _err = await _documents(gw, [await run_db(gw, run)])
     return docs[0]
 
 
@@ -133,7 +131,7 @@ async def plan_slo(plan: str, _: AdminDep, gw: GatewayDep):
         p = services.get_plan(session=session, name=plan)
         return _plan_doc(p, *slo.plan_objectives(session=session, plan=p))
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.put("/plans/{plan}/slo")
@@ -144,4 +142,4 @@ async def set_plan_slo(plan: str, body: ObjectivesIn, _: AdminDep, gw: GatewayDe
         p = services.get_plan(session=session, name=plan)
         return _plan_doc(p, *slo.set_plan_objectives(session=session, plan=p, values=values))
 
-    return await _db(gw, run)
+    return await run_db(gw, run)

@@ -19,11 +19,11 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 
-from adapter_registry import services as registry
 from adapter_registry.errors import NotFound
 from adapter_registry.models import Adapter
 from tessera import services
-from tessera.api.admin import _db, _policy_dict
+from tessera.api.admin import _policy_dict
+from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.models import PRIORITIES, ApiKey
 
@@ -62,7 +62,7 @@ async def list_plans(_: AdminDep, gw: GatewayDep):
         return {"data": [_plan_dict(p) for p in services.list_plans(session=session)],
                 "priority_classes": list(PRIORITIES), "default_plan": gw.settings.default_plan}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.get("/tenants")
@@ -78,33 +78,32 @@ async def list_tenants(_: AdminDep, gw: GatewayDep):
                             "policy": None, "overrides": None, "active_keys": 0, "adapters": 0})
         return {"data": out}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.get("/tenants/{tenant}")
-async def get_tenant(tenant: str, _: AdminDep, gw: GatewayDep):
+async def get_tenant(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        return _tenant_dict(session, registry.get_tenant(session=session, name=tenant))
+        return _tenant_dict(session, tenant)
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)
 
 
 @router.patch("/tenants/{tenant}")
-async def patch_tenant(tenant: str, body: TenantPatch, _: AdminDep, gw: GatewayDep):
+async def patch_tenant(_: AdminDep, tenant: PathTenant, body: TenantPatch, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
+        t = attach(session, tenant)
         services.set_tenant_status(session=session, tenant=t, status=body.status)
         return _tenant_dict(session, t)
 
-    return await _db(gw, run)
+    return await run_db(gw, run)
 
 
 @router.get("/tenants/{tenant}/keys")
-async def list_keys(tenant: str, _: AdminDep, gw: GatewayDep):
+async def list_keys(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        return {"tenant": t.name, "data": [
+        return {"tenant": tenant.name, "data": [
             {"id": k.id, "name": k.name, "prefix": k.prefix, "created_at": _iso(k.created_at),
-             "revoked_at": _iso(k.revoked_at)} for k in services.list_keys(session=session, tenant=t)]}
+             "revoked_at": _iso(k.revoked_at)} for k in services.list_keys(session=session, tenant=tenant)]}
 
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, run, changes=False)

@@ -14,8 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from adapter_registry import services as registry
-from tessera.api.admin import _db
+from tessera.api.deps import PathTenant, run_db
 from tessera.auth import AdminDep, CallerDep, GatewayDep
 from tessera.errors import ApiError
 from tessera.usage_query import UsageQueryError, usage_buckets
@@ -44,19 +43,16 @@ async def tenant_usage(caller: CallerDep, gw: GatewayDep, start_time: int | None
                        bucket_width: str = "1d", group_by: GroupBy = None, limit: int | None = None,
                        page: str | None = None):
     """The calling tenant's usage: tokens and requests per time bucket."""
-    return await _db(gw, lambda s: _query(s, caller.tenant_id, start_time, end_time, bucket_width, group_by, limit, page,
+    return await run_db(gw, lambda s: _query(s, caller.tenant_id, start_time, end_time, bucket_width, group_by, limit, page,
                                               gw.settings.billing_currency),
                      changes=False)
 
 
 @router.get("/admin/v1/tenants/{tenant}/usage/buckets")
-async def admin_usage(tenant: str, _: AdminDep, gw: GatewayDep, start_time: int | None = None,
+async def admin_usage(_: AdminDep, tenant: PathTenant, gw: GatewayDep, start_time: int | None = None,
                       end_time: int | None = None, bucket_width: str = "1d", group_by: GroupBy = None,
                       limit: int | None = None, page: str | None = None):
     """A tenant's usage for admins: the same query and answer as GET /v1/usage."""
-    def run(session):
-        t = registry.get_tenant(session=session, name=tenant)
-        return _query(session, t.id, start_time, end_time, bucket_width, group_by, limit, page,
-                      gw.settings.billing_currency)
-
-    return await _db(gw, run, changes=False)
+    return await run_db(gw, lambda s: _query(s, tenant.id, start_time, end_time, bucket_width, group_by, limit, page,
+                                             gw.settings.billing_currency),
+                        changes=False)
