@@ -34,6 +34,8 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from engine.sampling_params import PRIORITY_NAMES
+
 STEP_SECONDS = Histogram("tessera_engine_step_seconds", "Wall time of one engine step.",
                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 BATCH_TOKENS = Histogram("tessera_engine_batch_tokens", "Tokens computed in one step (decodes + prefill chunks).",
@@ -48,7 +50,6 @@ REQUEST_FAULTS = Counter("tessera_engine_request_faults_total",
 RESTARTS = Counter("tessera_engine_restarts_total", "Times the engine's step loop died and was reset and restarted.")
 
 ADAPTER_LOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_PRIORITIES = ("realtime", "standard", "batch")
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -110,7 +111,7 @@ class EngineCollector:
                                     labels=["priority"])
         waiting = GaugeMetricFamily("tessera_engine_waiting_sequences", "Sequences waiting, by priority class.",
                                     labels=["priority"])
-        run_n, wait_n = dict.fromkeys(_PRIORITIES, 0), dict.fromkeys(_PRIORITIES, 0)
+        run_n, wait_n = dict.fromkeys(PRIORITY_NAMES, 0), dict.fromkeys(PRIORITY_NAMES, 0)
         used = total = 0
         cpu_resident = slot_resident = 0
         stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
@@ -135,7 +136,7 @@ class EngineCollector:
                     h.update(lm.stats["load_ms"])
                     load_hist.counts = [a + b for a, b in zip(load_hist.counts, h.counts)]
                     load_hist.sum += h.sum
-        for p in _PRIORITIES:
+        for p in PRIORITY_NAMES:
             running.add_metric([p], run_n[p])
             waiting.add_metric([p], wait_n[p])
         yield running

@@ -21,7 +21,9 @@ class InvalidRequestError(ValueError):
 
 
 class Priority(enum.IntEnum):
-    """Priority classes; a lower value is served first."""
+    """Priority classes; a lower value is served first. The one definition of the classes there
+    are: metrics labels, plans, prices, the CLI and the admin UI (through the API) all read
+    `PRIORITY_NAMES`."""
 
     realtime = 0
     standard = 1
@@ -35,7 +37,12 @@ class Priority(enum.IntEnum):
             return cls[value]
         except KeyError:
             raise InvalidRequestError(
-                f"unknown priority class {value!r} (use realtime, standard or batch)", "priority") from None
+                f"unknown priority class {value!r} (use {_NAMES_IN_WORDS})", "priority") from None
+
+
+#: The priority classes' names, served first to last: the wire and database spelling of Priority.
+PRIORITY_NAMES: tuple[str, ...] = tuple(p.name for p in Priority)
+_NAMES_IN_WORDS = f"{', '.join(PRIORITY_NAMES[:-1])} or {PRIORITY_NAMES[-1]}"
 
 
 class SamplingParams(BaseModel):

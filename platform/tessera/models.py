@@ -12,8 +12,9 @@ from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, Float, Forei
 from sqlalchemy.orm import Mapped, mapped_column
 
 from adapter_registry.db import Base, utcnow
+from engine.sampling_params import PRIORITY_NAMES, Priority
 
-PRIORITIES = ("realtime", "standard", "batch")
+PRIORITIES = PRIORITY_NAMES  # the engine's classes are the platform's
 USAGE_STATUSES = ("completed", "aborted", "error")
 
 
@@ -28,8 +29,8 @@ class Plan(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
-    allowed_priorities: Mapped[list[Any]] = mapped_column(JSON, default=lambda: ["standard", "batch"])
-    default_priority: Mapped[str] = mapped_column(String(16), default="standard")
+    allowed_priorities: Mapped[list[Any]] = mapped_column(JSON, default=lambda: [Priority.standard.name, Priority.batch.name])
+    default_priority: Mapped[str] = mapped_column(String(16), default=Priority.standard.name)
     #: Tokens a month the plan includes at no charge (billing credits them on the invoice).
     monthly_included_tokens: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -13,7 +13,6 @@ import {
 
 export const title = "Billing";
 
-const PRIORITIES = ["realtime", "standard", "batch"];
 const FORMATS = {
   csv: "CSV: line items",
   parquet: "Parquet: line items",
@@ -61,9 +60,10 @@ function select(name, options, value) {
 
 async function loadState(tenant, wanted) {
   const enc = encodeURIComponent(tenant);
-  const [prices, held, periods, exports] = await Promise.all([
+  const [prices, held, plans, periods, exports] = await Promise.all([
     api("GET", `/billing/prices${tenant ? `?tenant=${enc}` : ""}`),
     api("GET", "/billing/held"),
+    api("GET", "/plans"), // the priority classes there are: the server's list, never a copy here
     tenant ? api("GET", `/tenants/${enc}/billing/periods`) : null,
     tenant ? api("GET", `/tenants/${enc}/billing/exports`) : null,
   ]);
@@ -75,6 +75,7 @@ async function loadState(tenant, wanted) {
     currency: prices.currency || periods?.currency || "USD",
     prices: prices.data,
     baseModels: prices.base_models || [],
+    priorityClasses: plans.priority_classes,
     held: held.data,
     periods: months,
     exports: exports ? exports.data : [],
@@ -503,7 +504,7 @@ class PriceForm {
     const listId = newId("models");
     this.models = h("datalist", { id: listId });
     this.baseModel = h("input", { name: "base_model", required: true, autocomplete: "off", list: listId, spellcheck: "false" });
-    this.priority = select("priority", Object.fromEntries(PRIORITIES.map((p) => [p, p])), "standard");
+    this.priority = select("priority", Object.fromEntries(page.state.priorityClasses.map((p) => [p, p])), "standard");
     this.kind = select("token_kind", { input: "input tokens", output: "output tokens" }, "input");
     this.price = h("input", { name: "price", required: true, inputmode: "decimal", autocomplete: "off", placeholder: "e.g. 0.15" });
     this.from = h("input", { name: "effective_from", type: "date", required: true, value: todayUtc() });

@@ -20,13 +20,26 @@ from datetime import date
 from pathlib import Path
 
 
+class _PriorityNames:
+    """argparse `choices`: engine.sampling_params.PRIORITY_NAMES, imported only when a priority is
+    checked or the help is shown (registering the CLI's commands stays free of the engine)."""
+
+    def __iter__(self):
+        from engine.sampling_params import PRIORITY_NAMES
+
+        return iter(PRIORITY_NAMES)
+
+    def __contains__(self, value) -> bool:
+        return value in tuple(self)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("billing", help="prices, rollups, invoices and exports")
     cmds = p.add_subparsers(dest="billing_command", required=True)
 
     c = cmds.add_parser("price", help="set a price (micro-units per million tokens) from a day on")
     c.add_argument("base_model")
-    c.add_argument("priority", choices=["realtime", "standard", "batch"])
+    c.add_argument("priority", choices=_PriorityNames(), metavar="priority", help="class: %(choices)s")
     c.add_argument("token_kind", choices=["input", "output"])
     c.add_argument("micros_per_mtok", type=int)
     c.add_argument("--from", dest="effective_from", required=True, help="first UTC day it applies (YYYY-MM-DD)")

@@ -38,6 +38,7 @@ def _setup(settings) -> tuple[str, list[str]]:
     from adapter_registry.context import build_context
     from adapter_registry.errors import NotFound, RegistryError
     from adapter_registry.migrate import upgrade
+    from engine.sampling_params import PRIORITY_NAMES, Priority
     from tessera import services
 
     if settings.database_url.startswith("sqlite"):
@@ -49,7 +50,7 @@ def _setup(settings) -> tuple[str, list[str]]:
                              max_concurrent_requests=8)
         services.upsert_plan(session=s, name=DEMO_PLAN, requests_per_minute=600, tokens_per_minute=1_000_000,
                              max_concurrent_requests=32, monthly_token_budget=50_000_000,
-                             allowed_priorities=["realtime", "standard", "batch"], default_priority="standard")
+                             allowed_priorities=list(PRIORITY_NAMES), default_priority=Priority.standard.name)
         try:
             tenant = registry.get_tenant(session=s, name=DEMO_TENANT)
         except NotFound:
@@ -75,25 +76,25 @@ def _setup(settings) -> tuple[str, list[str]]:
     return key, names
 
 
-# Demo price book (micro-USD per million tokens) for the embedded model, set only when the book
-# has no price for it yet: realtime costs twice standard, batch half.
-DEMO_PRICES = {"realtime": (200_000, 800_000), "standard": (100_000, 400_000), "batch": (50_000, 200_000)}
-
-
 def _seed_prices(session) -> None:
+    """Set a demo price book for the embedded model, only when the book has no price for it yet."""
     from datetime import date
 
     from sqlalchemy import select
 
     from engine.loader.gguf_loader import DEFAULT_MODEL_NAME
+    from engine.sampling_params import Priority
     from tessera.billing.models import Price
     from tessera.billing.prices import set_price
 
+    # Micro-USD per million (input, output) tokens: realtime costs twice standard, batch half.
+    demo_prices = {Priority.realtime: (200_000, 800_000), Priority.standard: (100_000, 400_000),
+                   Priority.batch: (50_000, 200_000)}
     if session.scalar(select(Price.id).where(Price.base_model == DEFAULT_MODEL_NAME).limit(1)) is not None:
         return
-    for priority, (inp, out) in DEMO_PRICES.items():
+    for priority, (inp, out) in demo_prices.items():
         for kind, micros in (("input", inp), ("output", out)):
-            set_price(session=session, base_model=DEFAULT_MODEL_NAME, priority=priority, token_kind=kind,
+            set_price(session=session, base_model=DEFAULT_MODEL_NAME, priority=priority.name, token_kind=kind,
                       micros_per_mtok=micros, effective_from=date(2026, 1, 1))
 
 
