@@ -58,10 +58,30 @@ def test_user_errors_are_one_line_and_non_zero(cli, capsys, tmp_path):
 
 
 def test_console_entry_point_in_a_fresh_process(tmp_path):
-    env = {**os.environ, "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path / 't.db'}",
-           "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects")}
+    """upload, list, show and delete, each a fresh `tessera` process on the same database."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {
+        "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path / 't.db'}", "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects")}
+
+    def tessera(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tessera.cli", "adapters", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
     src = write_adapter(tmp_path / "a")
-    r = subprocess.run([sys.executable, "-m", "tessera.cli", "adapters", "upload", "--tenant", "acme",
-                        "--create-tenant", "bot", str(src)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = tessera("upload", "--tenant", "acme", "--create-tenant", "bot", str(src))
     assert r.returncode == 0, r.stderr
     assert "bot@1 ready" in r.stdout
+    sha = r.stdout.split("sha256=")[1].split()[0]
+    r = tessera("list", "--tenant", "acme", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [a["name"] for a in json.loads(r.stdout)] == ["bot"]
+    r = tessera("show", "--tenant", "acme", "bot@1")
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert (shown["status"], shown["rank"], shown["current"]) == ("ready", 4, True)
+    assert sha in r.stdout
+    r = tessera("delete", "--tenant", "acme", "bot")
+    assert r.returncode == 0, r.stderr
+    r = tessera("list", "--tenant", "acme", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stdout + r.stderr
+    r = tessera("show", "--tenant", "acme", "bot@1")
+    assert r.returncode == 2 and r.stderr.startswith("tessera: error:") and "Traceback" not in r.stderr
