@@ -1,4 +1,6 @@
-"""Billing periods: UTC calendar months, named 'YYYY-MM'."""
+"""UTC calendar months, named 'YYYY-MM': billing periods, and the months of the quota's monthly
+token budget (tessera.quota), so both agree on which month an instant belongs to and how it is
+written. Dependency-free, so any layer may import it."""
 from __future__ import annotations
 
 import re
@@ -14,6 +16,8 @@ class PeriodError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Period:
+    """One UTC calendar month; hashable and ordered (a dict key, a set member)."""
+
     start: date  # first day of the month
 
     @property
@@ -24,6 +28,7 @@ class Period:
 
     @property
     def name(self) -> str:
+        """'YYYY-MM': the one spelling of a month (API paths, file names, Redis budget keys)."""
         return f"{self.start.year:04d}-{self.start.month:02d}"
 
     def next(self) -> "Period":
@@ -42,6 +47,15 @@ class Period:
         if not m or not 1 <= int(m.group(2)) <= 12 or int(m.group(1)) < 1970:
             raise PeriodError(f"period {name!r} is not a month written YYYY-MM (e.g. 2026-11)")
         return cls(date(int(m.group(1)), int(m.group(2)), 1))
+
+    @classmethod
+    def at(cls, unix_seconds: float) -> "Period":
+        """The month holding this instant (seconds since the epoch), in UTC."""
+        return cls.of(datetime.fromtimestamp(unix_seconds, timezone.utc))
+
+    def seconds_left(self, unix_seconds: float) -> float:
+        """Seconds from this instant until the month ends."""
+        return self.end_datetime().timestamp() - unix_seconds
 
     @classmethod
     def of(cls, day: date | datetime) -> "Period":

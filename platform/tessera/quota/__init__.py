@@ -8,15 +8,16 @@ month. Minute limits use a sliding window: this UTC minute's count plus the prev
 weighted by the share of it still inside the last 60 seconds (`sliding_estimate`). Fixed
 windows would let a tenant send its whole limit at 12:00:59 and again at 12:01:00; here the
 second burst waits until the first has slid out. It is exact at minute starts and assumes the
-previous minute's requests were spread evenly within it.
+previous minute's requests were spread evenly within it. Months are billing's `Period` (UTC
+calendar months; `month_of`), so the budget's month is the one billing invoices.
 """
 from __future__ import annotations
 
-import calendar
 import math
-import time
 from dataclasses import dataclass
 from typing import Protocol
+
+from tessera.billing.periods import Period
 
 
 class QuotaUnavailable(RuntimeError):
@@ -41,7 +42,7 @@ class Reservation:
     request_id: str
     tokens: int
     minute: int
-    month: str
+    month: Period
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class QuotaBackend(Protocol):
         """Replace the reserved tokens by `used_tokens` and free the concurrency slot (idempotent
         per reservation is not required: call it exactly once)."""
 
-    async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:
+    async def seed_budget(self, *, tenant: str, month: Period, used: int) -> None:
         """Start the month's budget counter at `used` (from the usage records) unless it already
         exists: counters kept in memory, or in a flushed Redis, must not forget past spending."""
 
@@ -89,9 +90,9 @@ def minute_of(now: float) -> int:
     return int(now // 60)
 
 
-def month_of(now: float) -> str:
-    t = time.gmtime(now)
-    return f"{t.tm_year:04d}-{t.tm_mon:02d}"
+def month_of(now: float) -> Period:
+    """The UTC month of the instant `now` (unix seconds): the budget counter it counts in."""
+    return Period.at(now)
 
 
 def seconds_to_next_minute(now: float) -> float:
@@ -99,10 +100,7 @@ def seconds_to_next_minute(now: float) -> float:
 
 
 def seconds_to_next_month(now: float) -> float:
-    t = time.gmtime(now)
-    days = calendar.monthrange(t.tm_year, t.tm_mon)[1]
-    end = calendar.timegm((t.tm_year, t.tm_mon, days, 0, 0, 0)) + 86400
-    return max(1.0, end - now)
+    return max(1.0, month_of(now).seconds_left(now))
 
 
 def sliding_estimate(prev: float, cur: float, now: float) -> float:

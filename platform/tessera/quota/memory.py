@@ -6,6 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tessera.billing.periods import Period
 from tessera.quota import Decision, Limits, Reservation, decide, minute_of, month_of, sliding_estimate
 
 
@@ -17,7 +18,7 @@ class _Counters:
     prev_requests: int = 0  # the previous minute's counts (the sliding window's tail)
     prev_tokens: int = 0
     inflight: set[str] = field(default_factory=set)
-    budget: dict[str, int] = field(default_factory=dict)  # month -> tokens reserved or used
+    budget: dict[Period, int] = field(default_factory=dict)  # month -> tokens reserved or used
 
 
 def _window(c: _Counters, minute: int) -> tuple[int, int, int, int]:
@@ -102,7 +103,7 @@ class MemoryQuota:
                 c.prev_tokens = max(0, c.prev_tokens + delta)
             c.budget[reservation.month] = max(0, c.budget.get(reservation.month, 0) + delta)
 
-    async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:
+    async def seed_budget(self, *, tenant: str, month: Period, used: int) -> None:
         with self._lock:
             self._tenants.setdefault(tenant, _Counters()).budget.setdefault(month, used)
 

@@ -5,7 +5,7 @@ Redis runs atomically. Keys per tenant (one hash slot through the {tenant} tag):
                                       minute's, weighted (a sliding window: quota/__init__.py)
   conc:{t}                            sorted set request_id -> lease deadline (a crashed gateway's
                                       slots expire after `lease_s` instead of leaking forever)
-  budget:{t}:<YYYY-MM>                tokens reserved or used this month, kept 40 days
+  budget:{t}:<YYYY-MM>                tokens reserved or used this month (Period.name), kept 40 days
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tessera.billing.periods import Period
 from tessera.quota import Decision, Limits, QuotaUnavailable, Reservation, decide, minute_of, month_of
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ class RedisQuota:
         self._settle = self.client.register_script(_SETTLE)
         self._peek = self.client.register_script(_PEEK)
 
-    def _keys(self, tenant: str, minute: int, month: str) -> list[str]:
+    def _keys(self, tenant: str, minute: int, month: Period) -> list[str]:
         t, p = "{" + tenant + "}", self.prefix
-        return [f"{p}req:{t}:{minute}", f"{p}tok:{t}:{minute}", f"{p}conc:{t}", f"{p}budget:{t}:{month}",
+        return [f"{p}req:{t}:{minute}", f"{p}tok:{t}:{minute}", f"{p}conc:{t}", f"{p}budget:{t}:{month.name}",
                 f"{p}req:{t}:{minute - 1}", f"{p}tok:{t}:{minute - 1}"]
 
     async def reserve(self, *, tenant: str, request_id: str, limits: Limits, tokens: int,
@@ -141,7 +142,7 @@ class RedisQuota:
             # concurrency slot expires with the lease.
             log.exception("could not settle quota for request %s", reservation.request_id)
 
-    async def seed_budget(self, *, tenant: str, month: str, used: int) -> None:
+    async def seed_budget(self, *, tenant: str, month: Period, used: int) -> None:
         try:
             await self.client.set(self._keys(tenant, 0, month)[3], used, nx=True, ex=3456000)
         except RedisError as e:
