@@ -7,19 +7,18 @@ the benchmark may pass an engine client (a shared engine) and a quota backend.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from functools import partial
 
 import anyio
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from sqlalchemy import event
 
 from adapter_registry.context import build_context
 from adapter_registry.services import recover_stuck_versions_at_start
 from tessera import admin_pages, auth
-from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, usage
+from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, probes, usage
 from tessera.billing.embedded import billing_loop
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
@@ -27,7 +26,6 @@ from tessera.errors import ApiError, install_handlers
 from tessera.gateway import Gateway
 from tessera.metering import Meter
 from tessera.observability.metrics import GatewayMetrics, RefusalCountingQuota
-from tessera.observability.metrics import render as render_metrics
 from tessera.quota import QuotaBackend, make_quota_backend
 from tessera.settings import PlatformSettings, get_settings
 
@@ -116,10 +114,10 @@ class BodyLimit:
         return ApiError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large").response()
 
 
-def create_app(settings: PlatformSettings | None = None, *, engine_client: EngineClient | None = None,
-               quota: QuotaBackend | None = None) -> FastAPI:
-    """The platform's ASGI app. Clients passed in are used as they are and not closed."""
-    settings = settings or get_settings()
+def _lifespan(settings: PlatformSettings, engine_client: EngineClient | None, quota: QuotaBackend | None):
+    """The app's lifespan: build the Gateway (see the module docstring), run the background jobs
+    (usage outbox drain, embedded billing, recovery of versions left 'validating'), and close
+    what it built (not the clients passed in)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,58 +155,22 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
             meter.close()
             ctx.engine.dispose()
 
+    return lifespan
+
+
+def create_app(settings: PlatformSettings | None = None, *, engine_client: EngineClient | None = None,
+               quota: QuotaBackend | None = None) -> FastAPI:
+    """The platform's ASGI app. Clients passed in are used as they are and not closed."""
+    settings = settings or get_settings()
     otel = settings.otel_tracing
-    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Tessera", version="0.1.0", lifespan=_lifespan(settings, engine_client, quota),
                   telemetry={"tracing": otel, "metrics": otel, "logs": otel, "operation_spans": otel})
+    app.state.settings = settings
     install_handlers(app)
-    app.include_router(openai.router)
-    app.include_router(admin.router)
-    app.include_router(admin_tenants.router)
-    app.include_router(admin_adapters.router)
-    app.include_router(admin_slo.router)
-    app.include_router(admin_billing.router)
-    app.include_router(usage.router)
-
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics(request: Request):
-        """Prometheus exposition of this gateway (all workers' values in multiprocess mode)."""
-        token = settings.metrics_token
-        if token is not None and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {token.get_secret_value()}".encode()):
-            raise ApiError(401, "/metrics needs the metrics token (TESSERA_METRICS_TOKEN)", code="invalid_metrics_token")
-        body, content_type = render_metrics()
-        return Response(body, media_type=content_type)
+    for api in (openai, admin, admin_tenants, admin_adapters, admin_slo, admin_billing, usage):
+        app.include_router(api.router)
     admin_pages.mount(app)  # the web UI at /admin (sign-in, pages, assets)
-
-    async def engine_readiness(request: Request) -> dict:
-        """The engine client's readiness (EngineClient.ready) as JSON; "starting" before the
-        lifespan built the gateway, "unknown" for a client that cannot tell."""
-        gateway = getattr(request.app.state, "gateway", None)
-        if gateway is None:
-            return {"ready": False, "state": "starting", "reason": "the gateway is starting"}
-        ready = getattr(gateway.engine, "ready", None)
-        if ready is None:
-            return {"ready": True, "state": "unknown", "reason": None}
-        r = await ready()
-        return {"ready": r.ready, "state": r.state, "reason": r.reason, "restarts": r.restarts,
-                **({"engines": r.engines} if r.engines else {})}
-
-    @app.get("/health")
-    async def health(request: Request):
-        """Liveness: 200 whenever the process answers; `engine` says the engine's real state."""
-        return {"status": "ok", "engine": await engine_readiness(request)}
-
-    @app.get("/ready", include_in_schema=False)
-    async def ready(request: Request):
-        """Readiness: 200 when a request sent now would find an engine (in process: its state is
-        "ready"; HTTP: an engine worker answered ready recently), else 503 with the reason."""
-        engine = await engine_readiness(request)
-        if engine["ready"]:
-            return {"status": "ready", "engine": engine}
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse({"status": "not_ready", "reason": engine["reason"], "engine": engine}, status_code=503)
-
+    app.include_router(probes.router)  # /health, /ready, /metrics
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        large=((admin_adapters.UPLOAD_PATH, settings.max_upload_bytes),), admin_gate=auth.admin_gate)
     return app
