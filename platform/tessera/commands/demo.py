@@ -136,48 +136,66 @@ Admin web UI: {url}/admin (password: the admin token above, unless TESSERA_ADMIN
 """
 
 
-def _self_test(url: str, key: str, model: str, *, admin: str, password: str | None, adapters: list[str]) -> bool:
-    """Run what the demo prints, as a user would; print one line per step; True when all worked."""
-    import httpx
-    from openai import OpenAI
+class _SelfTest:
+    """What the demo prints, run as a user would (`--self-test`): one method per printed example,
+    each answering (worked, a note for its line of output)."""
 
-    results: list[bool] = []
+    QUESTION = [{"role": "user", "content": "Which color is a plum?"}]
 
-    def step(name: str, fn) -> None:
+    def __init__(self, url: str, key: str, model: str, *, admin: str, password: str | None, adapters: list[str]):
+        from openai import OpenAI
+
+        self.url, self.key, self.model = url, key, model
+        self.admin_headers = {"authorization": f"Bearer {admin}"}
+        self.password, self.adapters = password, adapters
+        self.client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        self.uploaded: str | None = None
+
+    def run(self) -> bool:
+        """Every step in the order the demo prints them; one line each; True when all worked."""
+        steps = [("curl-style stream", self.curl_stream), ("openai client", lambda: self.chat(self.model)),
+                 ("admin API call", self.admin_call), ("admin web UI sign-in", self.sign_in),
+                 ("adapter upload", self.upload), ("chat with the uploaded adapter", self.chat_uploaded)]
+        return all([self._step(name, fn) for name, fn in steps])
+
+    @staticmethod
+    def _step(name: str, fn) -> bool:
         try:
             ok, note = fn()
         except Exception as e:  # noqa: BLE001 - any failure is a failed step
             ok, note = False, f"{type(e).__name__}: {e}"
-        results.append(ok)
         print(f"self-test: {name} {'ok' if ok else 'FAILED'}{'; ' + note if note else ''}", flush=True)
+        return ok
 
-    question = [{"role": "user", "content": "Which color is a plum?"}]
-    client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+    def curl_stream(self) -> tuple[bool, str]:
+        import httpx
 
-    def curl_stream():
-        body = {"model": model, "messages": question, "max_tokens": 16, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                          headers={"authorization": f"Bearer {key}"}) as r:
+        body = {"model": self.model, "messages": self.QUESTION, "max_tokens": 16, "stream": True}
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {self.key}"}) as r:
             lines = [line for line in r.iter_lines() if line]
         return r.status_code == 200 and lines[-1] == "data: [DONE]", ""
 
-    def chat(with_model: str):
-        def run():
-            text = "".join((c.choices[0].delta.content or "") for c in client.chat.completions.create(
-                model=with_model, max_tokens=16, stream=True, messages=question))
-            return bool(text), f"{with_model} answered {text!r}"
-        return run
+    def chat(self, model: str) -> tuple[bool, str]:
+        text = "".join((c.choices[0].delta.content or "") for c in self.client.chat.completions.create(
+            model=model, max_tokens=16, stream=True, messages=self.QUESTION))
+        return bool(text), f"{model} answered {text!r}"
 
-    admin_headers = {"authorization": f"Bearer {admin}"}
+    def chat_uploaded(self) -> tuple[bool, str]:
+        return self.chat(self.uploaded) if self.uploaded else (False, "nothing was uploaded")
 
-    def admin_call():
-        r = httpx.get(f"{url}/admin/v1/tenants/{DEMO_TENANT}/adapters", headers=admin_headers, timeout=30)
+    def admin_call(self) -> tuple[bool, str]:
+        import httpx
+
+        r = httpx.get(f"{self.url}/admin/v1/tenants/{DEMO_TENANT}/adapters", headers=self.admin_headers, timeout=30)
         listed = {a["name"] for a in r.json().get("data", [])} if r.status_code == 200 else set()
-        return r.status_code == 200 and set(adapters) <= listed, f"HTTP {r.status_code}"
+        return r.status_code == 200 and set(self.adapters) <= listed, f"HTTP {r.status_code}"
 
-    def sign_in():
-        with httpx.Client(base_url=url, timeout=30) as c:
-            r = c.post("/admin/session", json={"password": password or ""})
+    def sign_in(self) -> tuple[bool, str]:
+        import httpx
+
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            r = c.post("/admin/session", json={"password": self.password or ""})
             if r.status_code != 204:
                 return False, f"sign-in answered HTTP {r.status_code}"
             # Signed in, /admin leads to the tenants page (without a session: to the sign-in page).
@@ -186,33 +204,25 @@ def _self_test(url: str, key: str, model: str, *, admin: str, password: str | No
                     f"/admin showed {page.url.path} (HTTP {page.status_code}), admin API on the session "
                     f"HTTP {api.status_code}")
 
-    uploaded = {}
-
-    def upload():
+    def upload(self) -> tuple[bool, str]:
         import io
         import zipfile
 
-        source = ADAPTERS_DIR / (adapters[0] if adapters else "pirate")
+        import httpx
+
+        source = ADAPTERS_DIR / (self.adapters[0] if self.adapters else "pirate")
         name = f"self-test-{secrets.token_hex(3)}"
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w") as z:
             for f in ("adapter_config.json", "adapter_model.safetensors"):
                 z.write(source / f, f)
-        r = httpx.post(f"{url}/admin/v1/tenants/{DEMO_TENANT}/adapters/{name}/versions", headers=admin_headers,
-                       files={"files": (f"{name}.zip", buf.getvalue(), "application/zip")}, timeout=300)
+        r = httpx.post(f"{self.url}/admin/v1/tenants/{DEMO_TENANT}/adapters/{name}/versions",
+                       headers=self.admin_headers, timeout=300,
+                       files={"files": (f"{name}.zip", buf.getvalue(), "application/zip")})
         status = r.json().get("status") if r.status_code == 201 else None
         if status == "ready":
-            uploaded["name"] = name
+            self.uploaded = name
         return status == "ready", f"{name} (a zip of {source.name}): HTTP {r.status_code}, {status or r.text[:200]}"
-
-    step("curl-style stream", curl_stream)
-    step("openai client", chat(model))
-    step("admin API call", admin_call)
-    step("admin web UI sign-in", sign_in)
-    step("adapter upload", upload)
-    step("chat with the uploaded adapter",
-         chat(uploaded["name"]) if uploaded else (lambda: (False, "nothing was uploaded")))
-    return all(results)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
         print(admin_examples(url, admin, adapters), flush=True)
         if args.self_test:
             try:
-                result["ok"] = _self_test(url, key, model, admin=admin, password=admin_password(settings),
-                                          adapters=adapters)
+                result["ok"] = _SelfTest(url, key, model, admin=admin, password=admin_password(settings),
+                                         adapters=adapters).run()
             except Exception as e:  # noqa: BLE001 - any failure is a failed self-test
                 print(f"self-test failed: {type(e).__name__}: {e}", flush=True)
                 result["ok"] = False
