@@ -1,5 +1,7 @@
 """End-to-end generation behaviour: answers, batching invariance, sampling, stops."""
 
+import torch
+
 from engine.sampling_params import GenerationRequest, SamplingParams
 
 from .conftest import chat
@@ -80,6 +82,53 @@ def test_max_tokens_gives_length(engine):
     assert out.completion_tokens == 5 == len(out.token_ids)
 
 
-def test_top_p_and_temperature_change_distribution(engine):
-    outs = {_sampled(engine, f"v{i}", i).__repr__() for i in range(4)}
-    assert len(outs) > 1  # different seeds explore different continuations
+def _nucleus(row: torch.Tensor, temperature: float, top_p: float) -> set[int]:
+    """The test's own top-p nucleus: the most likely tokens of softmax(row / temperature), in
+    order, up to and including the first one at which their mass reaches top_p."""
+    probs = torch.softmax(row.double() / temperature, dim=-1)
+    order = torch.argsort(probs, descending=True).tolist()
+    kept, mass = set(), 0.0
+    for tok in order:
+        kept.add(tok)
+        mass += float(probs[tok])
+        if mass >= top_p:
+            break
+    return kept
+
+
+def test_top_p_and_temperature_shape_what_is_sampled(engine, monkeypatch):
+    """Every token sampled with top_p lies in the nucleus computed from that step's logits, and
+    sampling really leaves the argmax; a top_p that keeps one token and temperature 0 are
+    greedy whatever the seed; a seed reproduces its tokens."""
+    import engine.llm_engine as llm_engine
+
+    seen = []  # (request id, logits row, sampled token) of every sampled step
+
+    def recording_sample(logits, seqs, errors=None):
+        tokens = llm_engine_sample(logits, seqs, errors)
+        seen.extend((seq.request_id, logits[i].detach().clone(), tokens[i]) for i, seq in enumerate(seqs))
+        return tokens
+
+    llm_engine_sample = llm_engine.sample
+    monkeypatch.setattr(llm_engine, "sample", recording_sample)
+
+    prompt, top_p, temperature = "Once upon a time", 0.6, 1.0
+    nucleus_params = {f"n{seed}": SamplingParams(max_tokens=12, temperature=temperature, top_p=top_p, seed=seed,
+                                                 ignore_eos=True) for seed in range(6)}
+    outs = engine.generate([GenerationRequest(rid, prompt=prompt, params=p) for rid, p in nucleus_params.items()])
+    steps = [(row, tok) for rid, row, tok in seen if rid in nucleus_params]
+    assert len(steps) == 6 * 12
+    for row, tok in steps:
+        assert tok in _nucleus(row, temperature, top_p), (tok, _nucleus(row, temperature, top_p))
+    assert any(tok != int(row.argmax()) for row, tok in steps), "sampling never left the argmax"
+    assert len({tuple(o.token_ids) for o in outs.values()}) > 1  # seeds explore different continuations
+
+    want = engine.generate([greedy("g", prompt, 12, ignore_eos=True)])["g"].token_ids
+    for seed in (1, 2, 3):
+        tiny_p = SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=seed, ignore_eos=True)
+        cold = SamplingParams(max_tokens=12, temperature=0.0, seed=seed, ignore_eos=True)
+        got = engine.generate([GenerationRequest(f"p{seed}", prompt=prompt, params=tiny_p),
+                               GenerationRequest(f"t{seed}", prompt=prompt, params=cold)])
+        assert got[f"p{seed}"].token_ids == want and got[f"t{seed}"].token_ids == want, seed
+    again = engine.generate([GenerationRequest("again", prompt=prompt, params=nucleus_params["n3"])])["again"]
+    assert again.token_ids == outs["n3"].token_ids

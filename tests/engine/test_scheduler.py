@@ -33,15 +33,34 @@ def test_realtime_is_admitted_before_batch(tokenizer):
 
 
 def test_tenants_share_fairly_inside_a_class(tokenizer):
-    s = _sched(max_num_seqs=4, max_num_batched_tokens=32)
+    """A heavy tenant that queued first cannot starve light ones: admission interleaves the
+    tenants (the one served the fewest tokens goes next), and a tenant already served many
+    tokens waits behind one that arrived after it."""
+    s = _sched(max_num_seqs=7, max_num_batched_tokens=7 * 8, aging_seconds=0)
     now = time.monotonic()
-    # Tenant A floods first; tenant B arrives later with two requests.
-    for i in range(6):
+    # Tenant A floods first with ten requests; B (three) and C (two) arrive later.
+    for i in range(10):
         s.add(_seq(tokenizer, f"a{i}", tenant="A", arrival=now - 10 + i * 0.01))
+    for i in range(3):
+        s.add(_seq(tokenizer, f"b{i}", tenant="B", arrival=now - 1 + i * 0.01))
     for i in range(2):
-        s.add(_seq(tokenizer, f"b{i}", tenant="B", arrival=now))
-    admitted = [x.seq.tenant_id for x in s.schedule().scheduled]
-    assert admitted.count("B") >= 1 and admitted.count("A") >= 1
+        s.add(_seq(tokenizer, f"c{i}", tenant="C", arrival=now + i * 0.01))
+    order = [x.seq.request_id for x in s.schedule().scheduled]
+    # Round robin among the tenants still waiting (equal shares: the earlier arrival first);
+    # first come, first served would have admitted a0..a6.
+    assert order == ["a0", "b0", "c0", "a1", "b1", "c1", "a2"]
+
+    # Next step: the seven running prompts finished their prefill, A has been served more
+    # tokens than B (three prompts to two), and B's requests, one that arrived after all of
+    # A's queue included, go before A's.
+    for x in s.running:
+        x.num_computed_tokens = x.num_prompt_tokens
+        x.append_token(7)
+    s.add(_seq(tokenizer, "b-late", tenant="B", arrival=now + 1))
+    s.max_num_seqs = 9
+    order = [x.seq.request_id for x in s.schedule().scheduled if x.seq.request_id[0] in "abc"]
+    admitted = order[-2:]  # after the seven decodes
+    assert admitted == ["b2", "b-late"], order
 
 
 def test_aging_prevents_starvation(tokenizer):
