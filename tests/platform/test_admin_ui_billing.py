@@ -188,7 +188,9 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
 
         # Scale-out answers 202 "queued" and a worker writes the export later: the page says so
         # and polls the exports list until it is there. (Here the route answers 202 and then
-        # writes the export itself, as the worker would.)
+        # writes the export itself, as the worker would: this checks the page only. The real
+        # path, a 202 from the admin API, a Celery worker through Redis, and the 503 with the
+        # broker down, is test_billing_worker.py's test_admin_export_is_queued_...)
         def queued(route):
             route.fulfill(status=202, json={"status": "queued", "task_id": "t-1", "tenant": t.name, "period": month,
                                             "format": "jsonl"})

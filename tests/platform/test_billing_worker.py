@@ -2,6 +2,7 @@
 against the real Postgres and an S3-protocol store (moto's server on loopback)."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -148,3 +149,91 @@ def test_tasks_run_eagerly_in_the_embedded_mode(tmp_path, monkeypatch):
         get_settings.cache_clear()
         tasks._context.cache_clear()
         cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("needs_redis")
+def test_admin_export_is_queued_for_a_real_worker_and_503_when_the_broker_is_down(platform_settings, aengine,
+                                                                                   tmp_path):
+    """The scale-out export path through the admin API, nothing faked: with celery_eager off the
+    gateway answers 202 with the task id, a real worker (its own process, through the real Redis
+    broker) writes the file, and the export then shows in the API's list and downloads as the
+    events of the month; with the broker unreachable the same call is a 503 and nothing is queued."""
+    from tessera.app import create_app
+    from tessera.billing.tasks import celery_app
+    from tessera.engine_client.inprocess import InProcessEngineClient
+
+    from adapter_registry.context import build_context
+    from adapter_registry.models import Tenant
+
+    from .conftest import Platform, ServerThread, free_port
+
+    queue = f"billing-test-{uuid.uuid4().hex[:8]}"  # our own queue: no other worker takes these tasks
+    settings = platform_settings.model_copy(update={"celery_eager": False, "billing_queue": queue})
+    ctx = build_context(settings)
+    saved = {k: celery_app.conf[k] for k in ("broker_url", "task_default_queue")}
+    log = tmp_path / "worker.log"
+    worker = None
+    app = create_app(settings, engine_client=InProcessEngineClient(aengine))
+    try:
+        with ServerThread(app) as server:
+            p = Platform(server.url, settings, app)
+            t = p.tenant()
+            with ctx.session_factory() as ss:
+                tenant_id = ss.scalar(select(Tenant.id).where(Tenant.name == t.name))
+            events = [Ev(tenant_id, datetime(2026, 10, d, 9, tzinfo=UTC), 10 * d, d) for d in range(1, 8)]
+            write_events(ctx, events)
+            url = f"/admin/v1/tenants/{t.name}/billing/periods/2026-10/exports"
+
+            # Broker down: a clear 503, nothing written.
+            celery_app.conf.update(task_default_queue=queue)
+            use_broker(celery_app, f"redis://127.0.0.1:{free_port()}/0")
+            r = p.admin.post(url, json={"format": "jsonl"})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"] == "the task queue is unavailable; try again"
+
+            # Broker up, a real worker on our queue: 202 now, the file later.
+            use_broker(celery_app, "redis://127.0.0.1:6379/0")
+            r = p.admin.post(url, json={"format": "jsonl"})
+            assert r.status_code == 202, r.text
+            queued = r.json()
+            assert (queued["status"], queued["tenant"], queued["period"], queued["format"]) == (
+                "queued", t.name, "2026-10", "jsonl") and queued["task_id"]
+            assert p.admin.get(f"/admin/v1/tenants/{t.name}/billing/exports").json()["data"] == []
+
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {
+                "TESSERA_DATABASE_URL": settings.database_url,
+                "TESSERA_OBJECT_STORE_ROOT": str(settings.object_store_root), "TESSERA_CELERY_EAGER": "false",
+                "TESSERA_BILLING_QUEUE": queue, "TESSERA_CELERY_BROKER_URL": "redis://127.0.0.1:6379/0"}
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tessera.billing.tasks", "worker", "-Q", queue, "--pool",
+                 "solo", "--concurrency", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
+                 "--loglevel", "INFO"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+            def listed():
+                data = p.admin.get(f"/admin/v1/tenants/{t.name}/billing/exports").json()["data"]
+                return data or None
+
+            (export,) = _wait(listed, 120, log)
+            # Not final: the month has no invoice yet.
+            assert (export["format"], export["rows"], export["final"]) == ("jsonl", len(events), False)
+            body = p.admin.get(export["download_url"])
+            assert body.status_code == 200 and body.headers["x-content-sha256"] == export["sha256"]
+            lines = [json.loads(x) for x in body.text.splitlines()]
+            assert sorted((x["data"]["input_tokens"], x["data"]["output_tokens"]) for x in lines) == sorted(
+                (e.prompt, e.completion) for e in events)
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=30)
+        celery_app.conf.update(task_default_queue=saved["task_default_queue"])
+        use_broker(celery_app, saved["broker_url"])
+        ctx.engine.dispose()
+
+
+def use_broker(app, url: str) -> None:
+    """Point this process's Celery app at `url` for its next publish. Celery keeps the
+    connection pool and the producer pool made for the old URL; both are dropped."""
+    app.conf.update(broker_url=url)
+    app.close()
+    app.amqp._producer_pool = None

@@ -129,8 +129,9 @@ def test_slo_rules_dashboard_and_status(workspace, tmp_path):
 
 
 def ctx_tenant_id(ctx, name: str) -> int:
-    from adapter_registry.models import Tenant
     from sqlalchemy import select
+
+    from adapter_registry.models import Tenant
 
     with ctx.session_factory() as s:
         return s.scalar(select(Tenant.id).where(Tenant.name == name))
