@@ -15,6 +15,17 @@ def _slices(w):
     return ([w], True) if isinstance(w, torch.Tensor) else (list(w), False)
 
 
+def _expand_setup(v, lora_b, y, offsets):
+    """(slices of B, v as [L, T, R], each slice's first column in y, a float64 copy of y)."""
+    slices, single = _slices(lora_b)
+    v3 = v.unsqueeze(0) if single else v
+    if offsets is None:
+        offsets = [sum(b.shape[1] for b in slices[:i]) for i in range(len(slices))]
+    elif isinstance(offsets, int):
+        offsets = [offsets]
+    return slices, v3, offsets, y.double().clone()
+
+
 def bgmv_shrink(x, lora_a, token_slots, scales, ranks) -> torch.Tensor:
     """float64 v: [T, R] for one stack, [L, T, R] for a sequence of stacks."""
     slices, single = _slices(lora_a)
@@ -32,13 +43,7 @@ def bgmv_shrink(x, lora_a, token_slots, scales, ranks) -> torch.Tensor:
 
 def bgmv_expand(v, lora_b, token_slots, ranks, y, offsets=None) -> torch.Tensor:
     """float64 copy of y with every token's LoRA output added to its columns."""
-    slices, single = _slices(lora_b)
-    v3 = v.unsqueeze(0) if single else v
-    if offsets is None:
-        offsets = [sum(b.shape[1] for b in slices[:i]) for i in range(len(slices))]
-    elif isinstance(offsets, int):
-        offsets = [offsets]
-    out = y.double().clone()
+    slices, v3, offsets, out = _expand_setup(v, lora_b, y, offsets)
     for l, B in enumerate(slices):
         off, n = offsets[l], B.shape[1]
         for t in range(out.shape[0]):
@@ -67,13 +72,7 @@ def sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks) -> torch.Tensor
 
 def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=None) -> torch.Tensor:
     """float64 copy of y with every segment's LoRA output added to its columns."""
-    slices, single = _slices(lora_b)
-    v3 = v.unsqueeze(0) if single else v
-    if offsets is None:
-        offsets = [sum(b.shape[1] for b in slices[:i]) for i in range(len(slices))]
-    elif isinstance(offsets, int):
-        offsets = [offsets]
-    out = y.double().clone()
+    slices, v3, offsets, out = _expand_setup(v, lora_b, y, offsets)
     for l, B in enumerate(slices):
         off, n = offsets[l], B.shape[1]
         for i in range(len(seg_slots)):
