@@ -81,6 +81,17 @@ def _check_ranks_scales(ranks, scales, num_slots: int, max_rank: int, device) ->
             raise ValueError(f"scales has {scales.shape[0]} entries but the stack has {num_slots} slots")
 
 
+def _checked_slices(slices: list[torch.Tensor], single: bool, what: str, ref: torch.Tensor, ref_name: str):
+    """Yield (name, slice) for each weight slice once it is a 3-D contiguous float tensor with
+    `ref`'s dtype and device; the caller checks its shape."""
+    for i, w in enumerate(slices):
+        name = what if single else f"{what}[{i}]"
+        _check_tensor(w, name, ndim=3, dtypes=FLOAT_DTYPES, device=ref.device)
+        if w.dtype != ref.dtype:
+            raise TypeError(f"{name} has dtype {_dtype_name(w.dtype)} but {ref_name} has {_dtype_name(ref.dtype)}; they must match")
+        yield name, w
+
+
 @dataclass(frozen=True)
 class ShrinkArgs:
     """Validated shrink call: x [T, K], slices of [S, R, K], output [L, T, R] (fp32)."""
@@ -97,17 +108,11 @@ class ShrinkArgs:
 
 def check_shrink(x, lora_a, scales, ranks, out=None) -> ShrinkArgs:
     slices, single = _as_slices(lora_a, "lora_a")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
     num_tokens, hidden = x.shape
     s0 = slices[0]
-    for i, a in enumerate(slices):
-        name = "lora_a" if single else f"lora_a[{i}]"
-        _check_tensor(a, name, ndim=3, dtypes=FLOAT_DTYPES, device=device)
-        if a.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {_dtype_name(a.dtype)} but x has {_dtype_name(x.dtype)}; they must match")
+    for name, a in _checked_slices(slices, single, "lora_a", x, "x"):
         if a.shape[2] != hidden:
             raise ValueError(f"{name} has shape {tuple(a.shape)} (expected [S, R, {hidden}]): its last dim must equal x's width {hidden}")
         if a.shape[:2] != s0.shape[:2]:
@@ -148,20 +153,12 @@ def _packed_offsets(widths: list[int]) -> list[int]:
 
 def check_expand(v, lora_b, ranks, y, offsets=None) -> ExpandArgs:
     slices, single = _as_slices(lora_b, "lora_b")
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
     _check_tensor(y, "y", ndim=2, dtypes=FLOAT_DTYPES)
     device = y.device
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
     _check_tensor(v, "v", ndim=2 if single else 3, dtypes=(torch.float32,), device=device)
     v3 = v.unsqueeze(0) if single else v
     s0 = slices[0]
-    for i, b in enumerate(slices):
-        name = "lora_b" if single else f"lora_b[{i}]"
-        _check_tensor(b, name, ndim=3, dtypes=FLOAT_DTYPES, device=device)
-        if b.dtype != y.dtype:
-            raise TypeError(f"{name} has dtype {_dtype_name(b.dtype)} but y has {_dtype_name(y.dtype)}; they must match")
+    for _, b in _checked_slices(slices, single, "lora_b", y, "y"):
         if b.shape[0] != s0.shape[0] or b.shape[2] != s0.shape[2]:
             raise ValueError(f"all lora_b slices must share S and R ([S, N_i, R]); got {tuple(s0.shape)} and {tuple(b.shape)}")
     num_slots, max_rank = s0.shape[0], s0.shape[2]
@@ -172,10 +169,7 @@ def check_expand(v, lora_b, ranks, y, offsets=None) -> ExpandArgs:
                          "(the shrink output for these stacks and y's token count)")
     widths = [b.shape[1] for b in slices]
     if offsets is None:
-        offsets, acc = [], 0
-        for n in widths:
-            offsets.append(acc)
-            acc += n
+        offsets = _packed_offsets(widths)
     else:
         if isinstance(offsets, int):
             offsets = [offsets]
