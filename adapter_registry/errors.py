@@ -4,46 +4,40 @@ from __future__ import annotations
 
 
 class RegistryError(Exception):
-    """Base of the registry's user-facing errors."""
+    """Base of the registry's user-facing errors. A subclass names its HTTP status in its class
+    line (`class NotFound(RegistryError, http_status=404)`), else inherits its parent's."""
 
     http_status = 400
 
+    def __init_subclass__(cls, *, http_status: int | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if http_status is not None:
+            cls.http_status = http_status
 
-class NotFound(RegistryError):
+
+class NotFound(RegistryError, http_status=404):
     """No such tenant/adapter/version visible to this tenant (another tenant's is 'not found' too)."""
 
-    http_status = 404
 
-
-class UploadRejected(RegistryError):
+class UploadRejected(RegistryError, http_status=422):
     """The upload is refused before anything is stored (unsafe archive, pickle file, missing file...)."""
 
-    http_status = 422
 
-
-class QuotaExceeded(RegistryError):
+class QuotaExceeded(RegistryError, http_status=413):
     """The upload would exceed the tenant's limits (adapter size, number of adapters)."""
 
-    http_status = 413
 
-
-class Conflict(RegistryError):
+class Conflict(RegistryError, http_status=409):
     """The request conflicts with current state (e.g. making a rejected version current)."""
 
-    http_status = 409
 
-
-class RegistryUnavailable(RegistryError):
+class RegistryUnavailable(RegistryError, http_status=503):
     """The database or object store failed; nothing was half-made, the caller may retry."""
-
-    http_status = 503
 
 
 class ObjectStoreError(RegistryUnavailable):
     """The object store could not be reached or refused an operation."""
 
 
-class ObjectNotFound(RegistryError):
+class ObjectNotFound(RegistryError, http_status=404):
     """The object store has no object under this key."""
-
-    http_status = 404

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -65,6 +67,16 @@ def _check_name(name: str, what: str) -> str:
 
 def _db_unavailable(e: SQLAlchemyError) -> RegistryUnavailable:
     return RegistryUnavailable(f"database unavailable ({type(e).__name__}); nothing was stored, try again")
+
+
+@contextmanager
+def _database_call(session: Session) -> Iterator[None]:
+    """Run the block's database work; if the database fails, roll back and raise RegistryUnavailable."""
+    try:
+        yield
+    except SQLAlchemyError as e:
+        session.rollback()
+        raise _db_unavailable(e) from e
 
 
 # ---------------------------------------------------------------- tenants
@@ -382,16 +394,13 @@ def validate_version(*, session: Session, store: ObjectStore, settings: Registry
             version.target_modules = list(c.target_modules)
             version.dtype = result.dtype
     version.validated_at = utcnow()
-    try:
+    with _database_call(session):
         if version.status == "ready":
             adapter = version.adapter
             current = session.get(AdapterVersion, adapter.current_version_id) if adapter.current_version_id else None
             if current is None or current.version < version.version:
                 adapter.current_version_id = version.id
         session.commit()
-    except SQLAlchemyError as e:
-        session.rollback()
-        raise _db_unavailable(e) from e
     metrics.validated(version)
     return version
 
@@ -476,11 +485,8 @@ def reject_validation(*, session: Session, version_id: int, reason: str) -> Adap
         raise NotFound(f"adapter version id {version_id} not found")
     if version.status == "validating":
         version.status, version.rejection_reason, version.validated_at = "rejected", reason, utcnow()
-        try:
+        with _database_call(session):
             session.commit()
-        except SQLAlchemyError as e:
-            session.rollback()
-            raise _db_unavailable(e) from e
         metrics.validated(version)
     return version
 
@@ -502,7 +508,7 @@ def quarantine_version(*, session: Session, sha256: str, reason: str) -> int:
     and move each affected adapter's current pointer to its newest remaining ready version (or
     none). Returns how many versions were quarantined (0: none ready, e.g. already quarantined).
     Raises RegistryUnavailable if the database fails."""
-    try:
+    with _database_call(session):
         versions = list(session.scalars(select(AdapterVersion).where(
             AdapterVersion.sha256 == sha256, AdapterVersion.status == "ready")))
         for v in versions:
@@ -513,9 +519,6 @@ def quarantine_version(*, session: Session, sha256: str, reason: str) -> int:
             if v.adapter.current_version_id == v.id:
                 v.adapter.current_version_id = _newest_ready_id(session, v.adapter_id)
         session.commit()
-    except SQLAlchemyError as e:
-        session.rollback()
-        raise _db_unavailable(e) from e
     if versions:
         metrics.quarantined(len(versions))
     return len(versions)

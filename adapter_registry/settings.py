@@ -72,24 +72,27 @@ class RegistrySettings(BaseSettings):
     @field_validator("allowed_dtypes")
     @classmethod
     def _known_dtypes(cls, v: list[str]) -> list[str]:
-        unknown = sorted(set(v) - set(SUPPORTED_DTYPES))
-        if unknown:
-            raise ValueError(f"unsupported dtypes {unknown}; choose among {list(SUPPORTED_DTYPES)}")
-        return v
+        return _only_known(v, SUPPORTED_DTYPES, "unsupported dtypes {}; choose among " + str(list(SUPPORTED_DTYPES)))
 
     @field_validator("served_base_models")
     @classmethod
     def _known_bases(cls, v: list[str]) -> list[str]:
-        unknown = sorted(set(v) - set(KNOWN_BASE_MODELS))
-        if unknown:
-            raise ValueError(f"unknown base models {unknown}; known: {sorted(KNOWN_BASE_MODELS)}")
-        return v
+        return _only_known(v, KNOWN_BASE_MODELS, "unknown base models {}; known: " + str(sorted(KNOWN_BASE_MODELS)))
 
     @model_validator(mode="after")
     def _s3_credentials_pair(self) -> "RegistrySettings":
         if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
             raise ValueError("set both s3_access_key_id and s3_secret_access_key, or neither")
         return self
+
+
+def _only_known(values: list[str], known, message: str) -> list[str]:
+    """`values` unchanged when each is in `known`; else ValueError with `message` naming the
+    unknown ones (sorted) in its `{}`."""
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(message.format(unknown))
+    return values
 
 
 @lru_cache(maxsize=1)
