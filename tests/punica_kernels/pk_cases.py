@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from punica_kernels import reference as ref
 
@@ -55,23 +57,13 @@ def make_batch(*, T: int, K: int, S: int, R: int, widths=(None,), dtype=torch.fl
         a.append(A.to(dtype))
         b.append(B.to(dtype))
     scales = (torch.rand(S, generator=g) + 0.5).float()
-    if mode == "none":
-        token_slots = torch.full((T,), -1)
-    elif mode == "one":
-        token_slots = torch.full((T,), S - 1)
-    else:
-        token_slots = torch.randint(-1, S, (T,), generator=g)
+    token_slots = _slots(T, mode, S, g)
     # Segments: random cut points (repeats make empty segments), one slot each.
     n_cuts = int(torch.randint(0, max(1, min(T, 12)) + 1, (1,), generator=g))
     cuts = sorted(torch.randint(0, T + 1, (n_cuts,), generator=g).tolist())
     seg_starts = torch.tensor([0, *cuts, T], dtype=torch.int32)
     n_seg = seg_starts.numel() - 1
-    if mode == "none":
-        seg_slots = torch.full((n_seg,), -1)
-    elif mode == "one":
-        seg_slots = torch.full((n_seg,), S - 1)
-    else:
-        seg_slots = torch.randint(-1, S, (n_seg,), generator=g)
+    seg_slots = _slots(n_seg, mode, S, g)
     v = torch.randn(L, T, R, generator=g)
     if y_width is None:
         y_width = sum(widths)
@@ -79,6 +71,15 @@ def make_batch(*, T: int, K: int, S: int, R: int, widths=(None,), dtype=torch.fl
     max_len = int((seg_starts[1:] - seg_starts[:-1]).max()) if n_seg else 0
     return Batch(x, a, b, ranks, scales, token_slots.to(torch.int32), seg_starts,
                  seg_slots.to(torch.int32), v, y, offsets, max_len)
+
+
+def _slots(n: int, mode: str, S: int, g: torch.Generator) -> torch.Tensor:
+    """n slot indices: all -1 (mode "none"), all the last slot ("one"), or random in [-1, S)."""
+    if mode == "none":
+        return torch.full((n,), -1)
+    if mode == "one":
+        return torch.full((n,), S - 1)
+    return torch.randint(-1, S, (n,), generator=g)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
@@ -122,3 +123,47 @@ def run_expand(fns: dict, bt: Batch, op: str, single: bool, **kw) -> torch.Tenso
                           max_segment_len=bt.max_segment_len, **kw)
     assert out is y  # updated in place
     return y
+
+
+def check_shrink_and_expand(shrink: dict, expand: dict, bt: Batch, op: str, single: bool,
+                            dtype=torch.float32) -> None:
+    """Shrink and expand of bt (fns as in run_shrink and run_expand) against the float64 reference."""
+    assert_close(run_shrink(shrink, bt, op, single), reference_v(bt, op, single), dtype)
+    assert_close(run_expand(expand, bt, op, single), reference_y(bt, op, single), dtype)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A random batch by its sizes and seed (what hypothesis prints for a failing example)."""
+    op: str
+    T: int
+    K: int
+    S: int
+    R: int
+    n_slices: int
+    mode: str
+    seed: int
+
+    def check(self, shrink: dict, expand: dict) -> None:
+        """Its batch (expand widths K, K/2, K/3 for 1 to 3 slices) through check_shrink_and_expand."""
+        widths = tuple(max(1, self.K // (i + 1)) for i in range(self.n_slices))
+        bt = make_batch(T=self.T, K=self.K, S=self.S, R=self.R, widths=widths, mode=self.mode, seed=self.seed)
+        check_shrink_and_expand(shrink, expand, bt, self.op, single=self.n_slices == 1)
+
+
+def random_cases(*, max_T: int, max_K: int, max_S: int, max_R: int, examples: int):
+    """Decorates a test taking `case`: hypothesis draws that many Cases up to these sizes (T from 0,
+    the other sizes from 1; "mixed" mode twice as often as each of the others)."""
+    cases = st.builds(
+        Case,
+        op=st.sampled_from(["bgmv", "sgmv"]),
+        T=st.integers(0, max_T),
+        K=st.integers(1, max_K),
+        S=st.integers(1, max_S),
+        R=st.integers(1, max_R),
+        n_slices=st.integers(1, 3),
+        mode=st.sampled_from(["mixed", "mixed", "none", "one"]),
+        seed=st.integers(0, 2**16),
+    )
+    return lambda test: settings(max_examples=examples, deadline=None,
+                                 suppress_health_check=[HealthCheck.too_slow])(given(case=cases)(test))

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from pk_cases import assert_close, make_batch, reference_v, reference_y, run_expand, run_shrink
+from pk_cases import (
+    assert_close,
+    check_shrink_and_expand,
+    make_batch,
+    random_cases,
+    reference_v,
+    reference_y,
+    run_expand,
+    run_shrink,
+)
 
 import punica_kernels as pk
 from punica_kernels import cpu
@@ -25,8 +32,7 @@ SHAPES = [(1, 2049, 1, 1), (37, 129, 7, 16), (300, 65, 64, 8), (9, 2049, 5, 128)
 def test_cpu_path_matches_reference(op, mode, dtype, shape):
     T, K, S, R = shape
     bt = make_batch(T=T, K=K, S=S, R=R, mode=mode, dtype=dtype, seed=T + K + S)
-    assert_close(run_shrink(SHRINK, bt, op, single=True), reference_v(bt, op, single=True), dtype)
-    assert_close(run_expand(EXPAND, bt, op, single=True), reference_y(bt, op, single=True), dtype)
+    check_shrink_and_expand(SHRINK, EXPAND, bt, op, single=True, dtype=dtype)
 
 
 @pytest.mark.parametrize("op", ["bgmv", "sgmv"])
@@ -48,8 +54,7 @@ def test_cpu_sgmv_prefill_segments_use_views_and_match():
     bt.seg_slots = torch.tensor([2, 0, -1, 1], dtype=torch.int32)
     bt.max_segment_len = 90
     assert cpu._long_segments(cpu._segments(bt.seg_starts, bt.seg_slots), 200)
-    assert_close(run_shrink(SHRINK, bt, "sgmv", single=True), reference_v(bt, "sgmv", single=True), torch.float32)
-    assert_close(run_expand(EXPAND, bt, "sgmv", single=True), reference_y(bt, "sgmv", single=True), torch.float32)
+    check_shrink_and_expand(SHRINK, EXPAND, bt, "sgmv", single=True)
 
 
 def _plan_forms_batch(singletons, dtype=torch.float32, **kw):
@@ -77,8 +82,7 @@ def test_cpu_slot_major_plan_forms_match(dtype, singletons, block):
         assert torch.equal(g.block_slots, torch.tensor([0, 1, 3, 7, 20]))
     else:  # slots 0, 1, 3, 4, 6, 7 read as the range [0, 8); big slots 2 and 5 are padding there
         assert g.block_slots == slice(0, 8)
-    assert_close(run_shrink(SHRINK, bt, "bgmv", single=False), reference_v(bt, "bgmv", single=False), dtype)
-    assert_close(run_expand(EXPAND, bt, "bgmv", single=False), reference_y(bt, "bgmv", single=False), dtype)
+    check_shrink_and_expand(SHRINK, EXPAND, bt, "bgmv", single=False, dtype=dtype)
 
 
 def test_cpu_similar_prompts_stay_one_block():
@@ -99,8 +103,7 @@ def test_cpu_slot_major_block_reads_a_slot_range_in_place():
     bt.token_slots = torch.randperm(32, generator=torch.Generator().manual_seed(1)).to(torch.int32)
     (g,) = cpu.plan_tokens(bt.token_slots, bt.ranks)
     assert g.block_slots == slice(0, 32) and g.m == 1 and g.pad_mask is None and not g.big
-    assert_close(run_shrink(SHRINK, bt, "bgmv", single=True), reference_v(bt, "bgmv", single=True), torch.float32)
-    assert_close(run_expand(EXPAND, bt, "bgmv", single=True), reference_y(bt, "bgmv", single=True), torch.float32)
+    check_shrink_and_expand(SHRINK, EXPAND, bt, "bgmv", single=True)
 
 
 def test_meta_reuse_across_layers_and_rank_changes():
@@ -120,23 +123,9 @@ def test_meta_reuse_across_layers_and_rank_changes():
     assert_close(y, want, torch.float32)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    op=st.sampled_from(["bgmv", "sgmv"]),
-    T=st.integers(0, 120),
-    K=st.integers(1, 600),
-    S=st.integers(1, 40),
-    R=st.integers(1, 64),
-    n_slices=st.integers(1, 3),
-    mode=st.sampled_from(["mixed", "mixed", "none", "one"]),
-    seed=st.integers(0, 2**16),
-)
-def test_cpu_hypothesis_shapes(op, T, K, S, R, n_slices, mode, seed):
-    widths = tuple(max(1, K // (i + 1)) for i in range(n_slices))
-    bt = make_batch(T=T, K=K, S=S, R=R, widths=widths, mode=mode, seed=seed)
-    single = n_slices == 1
-    assert_close(run_shrink(SHRINK, bt, op, single), reference_v(bt, op, single), torch.float32)
-    assert_close(run_expand(EXPAND, bt, op, single), reference_y(bt, op, single), torch.float32)
+@random_cases(max_T=120, max_K=600, max_S=40, max_R=64, examples=60)
+def test_cpu_hypothesis_shapes(case):
+    case.check(SHRINK, EXPAND)
 
 
 def _reference_add_lora(bt, single):
