@@ -122,12 +122,7 @@ async def upload_version(_: AdminDep, tenant: PathTenant, name: str, gw: Gateway
 
 @router.put("/tenants/{tenant}/adapters/{name}/current")
 async def set_current(_: AdminDep, tenant: PathTenant, name: str, body: CurrentIn, gw: GatewayDep):
-    def run(session):
-        t = attach(session, tenant)
-        registry.set_current_version(session=session, tenant=t, ref=f"{name}@{body.version}")
-        return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
-
-    return await run_db(gw, run)
+    return await _change_version(gw, tenant, name, body.version, registry.set_current_version)
 
 
 @router.delete("/tenants/{tenant}/adapters/{name}")
@@ -144,9 +139,15 @@ async def delete_adapter(_: AdminDep, tenant: PathTenant, name: str, gw: Gateway
 
 @router.delete("/tenants/{tenant}/adapters/{name}/versions/{version}")
 async def delete_version(_: AdminDep, tenant: PathTenant, name: str, version: int, gw: GatewayDep):
+    return await _change_version(gw, tenant, name, version, registry.delete_adapter)
+
+
+async def _change_version(gw, tenant, name: str, version: int, change) -> dict:
+    """Apply `change(session=, tenant=, ref="name@version")` (a registry call) to the tenant's
+    adapter `name`, then answer the adapter as it now is."""
     def run(session):
         t = attach(session, tenant)
-        registry.delete_adapter(session=session, tenant=t, ref=f"{name}@{version}")
+        change(session=session, tenant=t, ref=f"{name}@{version}")
         return _adapter_dict(session, t, registry.get_adapter(session=session, tenant=t, name=name))
 
     return await run_db(gw, run)
