@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from contextlib import contextmanager
 
 import anyio
 import psycopg2
@@ -41,6 +42,29 @@ def short_busy_timeout(url: str):
     engine = make_engine(url)
     event.listen(engine, "connect", lambda conn, _record: conn.execute("PRAGMA busy_timeout=50"))
     return engine
+
+
+def meter_on(engine, **kw) -> Meter:
+    """A meter recording through this engine (kw: outbox_dir, observer)."""
+    return Meter(engine, make_session_factory(engine), **kw)
+
+
+@contextmanager
+def write_locked(url: str):
+    """Another writer holds the SQLite database (past the busy timeout) for the block."""
+    holder = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def record_while_locked(url: str, meter: Meter, *events: Usage) -> list[bool]:
+    """meter.record of each event while another writer holds the SQLite database."""
+    with write_locked(url):
+        return [anyio.run(meter.record, u) for u in events]
 
 
 def usage(tenant_id: int, prompt: int, completion: int, request_id: str | None = None) -> Usage:
@@ -82,6 +106,15 @@ def sqlite_db(tmp_path):
 
 
 @pytest.fixture
+def locked(sqlite_db, tmp_path):
+    """A meter on the 50 ms busy timeout engine (its outbox in tmp_path / "outbox"): a write lock
+    held by another connection sends its events to the outbox at once."""
+    engine = short_busy_timeout(sqlite_db)
+    yield meter_on(engine, outbox_dir=tmp_path / "outbox")
+    engine.dispose()
+
+
+@pytest.fixture
 def pg_db():
     url = create_pg_database()
     upgrade(RegistrySettings(database_url=url))
@@ -106,7 +139,7 @@ def test_lock_timeout_defers_to_the_outbox_and_the_drain_records_each_event_once
     tid = make_tenant(sqlite_db)
     engine = short_busy_timeout(sqlite_db)
     observed = Observed()
-    meter = Meter(engine, make_session_factory(engine), observer=observed, outbox_dir=tmp_path / "outbox")
+    meter = meter_on(engine, observer=observed, outbox_dir=tmp_path / "outbox")
     sent = {}
 
     def record(u: Usage) -> bool:
@@ -116,18 +149,15 @@ def test_lock_timeout_defers_to_the_outbox_and_the_drain_records_each_event_once
     assert record(usage(tid, 5, 7))
     assert outbox_files(tmp_path / "outbox") == []  # nothing on disk while the database takes events
 
-    holder = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")  # another writer holds the database past the busy timeout
-    deferred = [usage(tid, 3 + i, 11 * i) for i in range(5)]
-    assert not any(record(u) for u in deferred)
-    again = usage(tid, 3, 0, request_id=deferred[0].request_id)  # a retried write of the same request
-    assert not anyio.run(meter.record, again)
-    assert meter.outbox_depth == 6 and len(outbox_files(tmp_path / "outbox")) == 1
-    with pytest.raises(Exception):
-        meter.drain_once()  # still locked: nothing moves, nothing is dropped
-    assert meter.outbox_depth == 6
-    holder.execute("ROLLBACK")
-    holder.close()
+    with write_locked(sqlite_db):
+        deferred = [usage(tid, 3 + i, 11 * i) for i in range(5)]
+        assert not any(record(u) for u in deferred)
+        again = usage(tid, 3, 0, request_id=deferred[0].request_id)  # a retried write of the same request
+        assert not anyio.run(meter.record, again)
+        assert meter.outbox_depth == 6 and len(outbox_files(tmp_path / "outbox")) == 1
+        with pytest.raises(Exception):
+            meter.drain_once()  # still locked: nothing moves, nothing is dropped
+        assert meter.outbox_depth == 6
 
     meter.drain_once()
     assert meter.outbox_depth == 0
@@ -143,7 +173,7 @@ def test_postgres_outage_and_a_meter_restart_with_a_pending_outbox(pg_db, tmp_pa
     tid = make_tenant(pg_db)
     outbox = tmp_path / "outbox"
     engine = make_engine(pg_db)
-    meter = Meter(engine, make_session_factory(engine), outbox_dir=outbox)
+    meter = meter_on(engine, outbox_dir=outbox)
     sent = {}
 
     def record(u: Usage) -> bool:
@@ -161,7 +191,7 @@ def test_postgres_outage_and_a_meter_restart_with_a_pending_outbox(pg_db, tmp_pa
 
     set_connections(pg_db, allowed=True)
     engine = make_engine(pg_db)
-    restarted = Meter(engine, make_session_factory(engine), outbox_dir=outbox)
+    restarted = meter_on(engine, outbox_dir=outbox)
 
     async def run_drainer_until_empty():
         with anyio.fail_after(30):
@@ -177,19 +207,12 @@ def test_postgres_outage_and_a_meter_restart_with_a_pending_outbox(pg_db, tmp_pa
     engine.dispose()
 
 
-def test_an_event_the_database_refuses_is_kept_not_retried_forever(sqlite_db, tmp_path):
+def test_an_event_the_database_refuses_is_kept_not_retried_forever(sqlite_db, tmp_path, locked):
     tid = make_tenant(sqlite_db)
     engine = make_engine(sqlite_db)
-    meter = Meter(engine, make_session_factory(engine), outbox_dir=tmp_path / "outbox")
-    holder = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None)
-    short = short_busy_timeout(sqlite_db)
-    locked = Meter(short, make_session_factory(short), outbox_dir=tmp_path / "outbox")
-    holder.execute("BEGIN EXCLUSIVE")
+    meter = meter_on(engine, outbox_dir=tmp_path / "outbox")
     good, bad = usage(tid, 1, 2), usage(tid + 1000, 1, 2)  # no such tenant: a foreign key refuses it
-    for u in (good, bad):
-        assert not anyio.run(locked.record, u)
-    holder.execute("ROLLBACK")
-    holder.close()
+    assert record_while_locked(sqlite_db, locked, good, bad) == [False, False]
     locked.drain_once()
     assert locked.outbox_depth == 0 and stored(sqlite_db, tid) == {good.request_id: 3}
     locked.close()
@@ -198,34 +221,27 @@ def test_an_event_the_database_refuses_is_kept_not_retried_forever(sqlite_db, tm
     rows = sqlite3.connect(path).execute("SELECT request_id, rejected FROM events").fetchall()
     assert [r[0] for r in rows] == [bad.request_id] and "FOREIGN KEY" in rows[0][1].upper()
     meter.close()
-    short.dispose()
     engine.dispose()
 
 
-def test_outboxes_are_per_process_and_per_database(sqlite_db, tmp_path):
+def test_outboxes_are_per_process_and_per_database(sqlite_db, tmp_path, locked):
     """A live meter's outbox is never adopted by another, nor one for another database."""
     tid = make_tenant(sqlite_db)
-    short = short_busy_timeout(sqlite_db)
-    first = Meter(short, make_session_factory(short), outbox_dir=tmp_path / "outbox")
-    holder = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    assert not anyio.run(first.record, usage(tid, 1, 1))
-    holder.execute("ROLLBACK")
-    holder.close()
+    assert record_while_locked(sqlite_db, locked, usage(tid, 1, 1)) == [False]
 
     other_db = f"sqlite:///{tmp_path}/other.db"
     upgrade(RegistrySettings(database_url=other_db))
     other = create_engine(other_db)
-    assert Meter(other, make_session_factory(other), outbox_dir=tmp_path / "outbox").adopt_orphans() == 0
+    assert meter_on(other, outbox_dir=tmp_path / "outbox").adopt_orphans() == 0
     second_engine = make_engine(sqlite_db)
-    second = Meter(second_engine, make_session_factory(second_engine), outbox_dir=tmp_path / "outbox")
-    assert second.adopt_orphans() == 0  # the first meter is alive and holds its outbox
-    first.close()
+    second = meter_on(second_engine, outbox_dir=tmp_path / "outbox")
+    assert second.adopt_orphans() == 0  # the locked meter is alive and holds its outbox
+    locked.close()
     assert second.adopt_orphans() == 1  # now it is an orphan
     second.drain_once()
     assert stored(sqlite_db, tid) != {} and outbox_files(tmp_path / "outbox") == []
     second.close()
-    for e in (short, other, second_engine):
+    for e in (other, second_engine):
         e.dispose()
 
 
@@ -249,7 +265,7 @@ def test_an_event_survives_the_process_killed_right_after_recording(pg_db, tmp_p
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     set_connections(pg_db, allowed=True)
     engine = make_engine(pg_db)
-    meter = Meter(engine, make_session_factory(engine), outbox_dir=outbox)
+    meter = meter_on(engine, outbox_dir=outbox)
     assert meter.adopt_orphans() == 1
     meter.drain_once()
     assert stored(pg_db, tid) == {"req-killed": 42} and outbox_files(outbox) == []
