@@ -261,19 +261,25 @@ def _long_segments(segs, num_tokens) -> bool:
     return bool(segs) and num_tokens >= SEGMENT_LOOP_MIN_AVG_LEN * len(segs)
 
 
-def _segment_token_slots(seg_starts, seg_slots, num_tokens):
+def _segment_route(args, seg_starts, seg_slots, ranks, meta, device):
+    """Check the segments, then pick the path: (segments, None) when they are long enough for
+    one matmul each, else (None, the grouped plan of their tokens, each token given its
+    segment's slot)."""
+    check_segments(seg_starts, seg_slots, args.num_tokens, args.num_slots, device)
+    segs = _segments(seg_starts, seg_slots)
+    if _long_segments(segs, args.num_tokens):
+        return segs, None
     lens = (seg_starts[1:] - seg_starts[:-1]).to(torch.int64)
-    return torch.repeat_interleave(seg_slots.to(torch.int64), lens, output_size=num_tokens)
+    slots = torch.repeat_interleave(seg_slots.to(torch.int64), lens, output_size=args.num_tokens)
+    return None, _plan(slots, ranks, meta)
 
 
 def sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None, meta=None, out=None):
     """CPU SGMV shrink; same contract as `punica_kernels.sgmv_shrink` (max_segment_len unused)."""
     args = check_shrink(x, lora_a, scales, ranks, out)
-    check_segments(seg_starts, seg_slots, args.num_tokens, args.num_slots, x.device)
-    segs = _segments(seg_starts, seg_slots)
-    if not _long_segments(segs, args.num_tokens):
-        slots = _segment_token_slots(seg_starts, seg_slots, args.num_tokens)
-        _shrink_grouped(args, scales, _plan(slots, ranks, meta))
+    segs, plan = _segment_route(args, seg_starts, seg_slots, ranks, meta, x.device)
+    if plan is not None:
+        _shrink_grouped(args, scales, plan)
     else:
         rank_list, scale_list = ranks.tolist(), scales.tolist()
         for a, b, s in segs:
@@ -289,11 +295,9 @@ def sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_
 def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None, meta=None):
     """CPU SGMV expand; same contract as `punica_kernels.sgmv_expand` (adds into y)."""
     args = check_expand(v, lora_b, ranks, y, offsets)
-    check_segments(seg_starts, seg_slots, args.num_tokens, args.num_slots, y.device)
-    segs = _segments(seg_starts, seg_slots)
-    if not _long_segments(segs, args.num_tokens):
-        slots = _segment_token_slots(seg_starts, seg_slots, args.num_tokens)
-        _expand_grouped(args, _plan(slots, ranks, meta))
+    segs, plan = _segment_route(args, seg_starts, seg_slots, ranks, meta, y.device)
+    if plan is not None:
+        _expand_grouped(args, plan)
         return y
     rank_list = ranks.tolist()
     for a, b, s in segs:
