@@ -53,5 +53,29 @@ def engine_tok_s(engine, reqs) -> float:
     return sum(o.completion_tokens for o in outs.values()) / dt
 
 
+def hf_baseline():
+    """The default GGUF model through Hugging Face transformers (the baseline the benchmarks
+    compare against): (fp32 model in eval mode, its tokenizer padding on the left for batches).
+    transformers is imported here: only the baseline runs need it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def hf_chat_batch(tok, n: int):
+    """n chat prompts (PROMPTS in turn) through `tok`'s chat template, as one left-padded batch."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                     add_generation_prompt=True, tokenize=False) for i in range(n)]
+    return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
 def median(xs):
     return statistics.median(xs)

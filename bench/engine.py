@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import PROMPTS, engine_tok_s, fixed_requests, machine, median  # noqa: E402
+from bench.common import PROMPTS, engine_tok_s, fixed_requests, hf_baseline, hf_chat_batch, machine, median  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import default_model_path, load_gguf  # noqa: E402
@@ -64,19 +64,10 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies) -> dict:
 
 
 def run_hf(concurrencies) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    model, tok = hf_baseline()
     res = {}
     for c in concurrencies:
-        texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                         add_generation_prompt=True, tokenize=False) for i in range(c)]
-        batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = hf_chat_batch(tok, c)
         with torch.no_grad():
             model.generate(**batch, max_new_tokens=4, do_sample=False)  # warm-up
             t0 = time.perf_counter()

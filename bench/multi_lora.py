@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import PROMPTS, engine_tok_s, fixed_requests, machine, median  # noqa: E402
+from bench.common import engine_tok_s, fixed_requests, hf_baseline, hf_chat_batch, machine, median  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import default_model_path, load_gguf  # noqa: E402
@@ -102,20 +102,12 @@ def main() -> None:
 
 def run_peft(root: Path, names: list[str]) -> float:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    model, tok = hf_baseline()
     model = PeftModel.from_pretrained(model, str(root / names[0]), adapter_name=names[0])
     for n in names[1:]:
         model.load_adapter(str(root / n), adapter_name=n)
-    texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                     add_generation_prompt=True, tokenize=False) for i in range(len(names))]
-    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = hf_chat_batch(tok, len(names))
     with torch.no_grad():
         model.generate(**batch, adapter_names=names, max_new_tokens=2, do_sample=False)
         t0 = time.perf_counter()
