@@ -128,12 +128,17 @@ class AsyncLLMEngine:
             loop, q, _ = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self):
+        """Yield the commands queued for the engine thread, one at a time, until none is left."""
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+            yield cmd
+
+    def _drain_commands(self) -> None:
+        for cmd in self._queued_commands():
             if cmd[0] == "add":
                 _, request, loop, fut = cmd
                 try:
@@ -179,11 +184,7 @@ class AsyncLLMEngine:
 
     def _fail_in_flight(self, err: EngineDeadError) -> None:
         """Every request in flight, accepted or still queued as a command, gets `err` now."""
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for cmd in self._queued_commands():
             if cmd[0] == "add":
                 _, _, loop, fut = cmd
                 loop.call_soon_threadsafe(_set_exception, fut, err)
