@@ -162,6 +162,26 @@ def _decode_forward(layer, x, exact=False):
     return BaseLinear.forward(layer, x, exact=False)
 
 
+def _exact_and_fast(smollm_checkpoint, *, int8_max_rows: int, pack_dense=False, decode_only=False):
+    """The checkpoint as the exact fp32 model and as the int8 model whose layers keep a bf16 dense
+    copy (packed where pack_dense) and take int8 up to int8_max_rows rows; decode_only: every
+    forward as in a decode-only step."""
+    from engine.model.llama import LlamaModel
+
+    cfg, weights, _ = smollm_checkpoint
+    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
+    fast = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    for m in fast.modules():
+        if isinstance(m, BaseLinear):
+            m.set_fast_dtype(torch.bfloat16)
+            if pack_dense:
+                m.pack_dense()
+            m.int8_max_rows = int8_max_rows
+            if decode_only:
+                m.forward = functools.partial(_decode_forward, m)
+    return exact, fast
+
+
 @pytest.mark.parametrize("path", ["wide", "int8"])
 def test_fast_formats_stay_close_to_the_exact_model(smollm_checkpoint, tokenizer, path):
     """The measured format is not exact (bf16 or int8 weights, bf16 matmul outputs), so it is held
@@ -170,19 +190,11 @@ def test_fast_formats_stay_close_to_the_exact_model(smollm_checkpoint, tokenizer
     model rates it within 0.5 of its best). Both paths are forced: the dense copy in bf16 for
     every batch size ("wide"; the model would take it only in decode-only steps), or int8 for
     every batch size ("int8")."""
-    from engine.model.llama import LlamaModel
-
     from .conftest import chat
     from .test_model_vs_hf import _our_logits
 
-    cfg, weights, _ = smollm_checkpoint
-    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
-    fast = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
-    for m in fast.modules():
-        if isinstance(m, BaseLinear):
-            m.set_fast_dtype(torch.bfloat16)
-            m.int8_max_rows = 0 if path == "wide" else 1 << 20
-            m.forward = functools.partial(_decode_forward, m)  # as in a decode-only step
+    exact, fast = _exact_and_fast(smollm_checkpoint, int8_max_rows=0 if path == "wide" else 1 << 20,
+                                  decode_only=True)
     for text in ("What is the capital of France?", "Write a haiku about the sea.", "2 + 2 ="):
         ids = tokenizer.encode(chat(tokenizer, text))
         ref, got = _our_logits(exact, ids), _our_logits(fast, ids)
@@ -196,18 +208,10 @@ def test_fast_formats_stay_close_to_the_exact_model(smollm_checkpoint, tokenizer
 def test_a_prefill_step_on_the_auto_format_keeps_the_exact_first_token(smollm_checkpoint, tokenizer):
     """Steps that prefill multiply wide batches by the fp32 copy, so a prompt's logits (and first
     token) match the exact model's up to the int8 lm_head for few rows."""
-    from engine.model.llama import LlamaModel
-
     from .conftest import chat
     from .test_model_vs_hf import _our_logits
 
-    cfg, weights, _ = smollm_checkpoint
-    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
-    auto = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
-    for m in auto.modules():
-        if isinstance(m, BaseLinear):
-            m.set_fast_dtype(torch.bfloat16)
-            m.int8_max_rows = 16
+    exact, auto = _exact_and_fast(smollm_checkpoint, int8_max_rows=16)
     ids = tokenizer.encode(chat(tokenizer, "What is the capital of France?"))
     assert len(ids) > 16
     ref, got = _our_logits(exact, ids), _our_logits(auto, ids)
@@ -219,20 +223,11 @@ def test_fast_prefill_keeps_the_first_tokens_of_the_test_prompts(smollm_checkpoi
     measure >= FAST_PREFILL_MIN_SPEEDUP times fp32's), a prompt's logits stay within the fast
     formats' bound and its first greedy token is the exact model's, the near-tie
     "capital of France" prompt included."""
-    from engine.model.llama import LlamaModel
-
     from .conftest import chat
     from .test_model_vs_hf import _our_logits
 
-    cfg, weights, _ = smollm_checkpoint
-    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
-    fast = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    exact, fast = _exact_and_fast(smollm_checkpoint, int8_max_rows=16, pack_dense=True)
     fast.exact_prefill = False
-    for m in fast.modules():
-        if isinstance(m, BaseLinear):
-            m.set_fast_dtype(torch.bfloat16)
-            m.pack_dense()
-            m.int8_max_rows = 16
     for text in ("What is the capital of France?", "What is the capital of Germany?", "2 + 2 ="):
         ids = tokenizer.encode(chat(tokenizer, text))
         ref, got = _our_logits(exact, ids), _our_logits(fast, ids)
