@@ -192,6 +192,19 @@ export async function tenantPicker(current, onChange, { allowAll = false } = {})
   return { element: field("Tenant", select), value, empty: tenants.length === 0 };
 }
 
+/** The tenant picker of a page whose items (`title`: "Adapters", "Keys") belong to a tenant. With
+ * no tenant yet, `main` shows the page's heading and a "create a tenant first" notice with a link
+ * to Tenants instead, and this resolves null. */
+export async function tenantPickerOrNotice(main, title, current, onChange) {
+  const picker = await tenantPicker(current, onChange);
+  if (picker.empty) {
+    clear(main, h("h1", {}, title), emptyState("No tenants yet", `${title} belong to a tenant. Create a tenant first.`,
+      h("a", { href: "/admin/tenants", "data-nav": true, class: "button primary" }, "Go to Tenants")));
+    return null;
+  }
+  return picker;
+}
+
 /** A dialog asking to confirm a destructive action; resolves true/false. */
 export function confirmDialog(title, text, confirmLabel) {
   return new Promise((resolve) => {

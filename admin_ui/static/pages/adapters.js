@@ -1,7 +1,7 @@
 // Adapters: upload a PEFT adapter (drag-and-drop or file picker) with upload progress and the
 // validation status live; versions, the current version, delete.
 import { api, upload } from "../api.js";
-import { badge, busy, clear, confirmDialog, emptyState, errorBox, field, fmt, h, tenantPicker, toast } from "../ui.js";
+import { badge, busy, clear, confirmDialog, emptyState, errorBox, field, fmt, h, tenantPickerOrNotice, toast } from "../ui.js";
 
 export const title = "Adapters";
 
@@ -9,12 +9,8 @@ const POLL_MS = 1000;
 const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 export async function render(main, ctx) {
-  const picker = await tenantPicker(ctx.params.get("tenant"), (t) => ctx.setParams({ tenant: t }));
-  if (picker.empty) {
-    clear(main, h("h1", {}, "Adapters"), emptyState("No tenants yet", "Adapters belong to a tenant. Create a tenant first.",
-      h("a", { href: "/admin/tenants", "data-nav": true, class: "button primary" }, "Go to Tenants")));
-    return;
-  }
+  const picker = await tenantPickerOrNotice(main, "Adapters", ctx.params.get("tenant"), (t) => ctx.setParams({ tenant: t }));
+  if (!picker) return;
   const tenant = picker.value;
   const enc = encodeURIComponent(tenant);
   const listBox = h("div");

@@ -1,16 +1,12 @@
 // Keys: issue (the secret is shown once, with a copy button), find by prefix, revoke.
 import { api } from "../api.js";
-import { badge, busy, clear, confirmDialog, emptyState, field, fmt, h, tenantPicker, toast } from "../ui.js";
+import { badge, busy, clear, confirmDialog, emptyState, field, fmt, h, tenantPickerOrNotice, toast } from "../ui.js";
 
 export const title = "Keys";
 
 export async function render(main, ctx) {
-  const picker = await tenantPicker(ctx.params.get("tenant"), (t) => ctx.setParams({ tenant: t, prefix: null }));
-  if (picker.empty) {
-    clear(main, h("h1", {}, "Keys"), emptyState("No tenants yet", "Keys belong to a tenant. Create a tenant first.",
-      h("a", { href: "/admin/tenants", "data-nav": true, class: "button primary" }, "Go to Tenants")));
-    return;
-  }
+  const picker = await tenantPickerOrNotice(main, "Keys", ctx.params.get("tenant"), (t) => ctx.setParams({ tenant: t, prefix: null }));
+  if (!picker) return;
   const tenant = picker.value;
   const enc = encodeURIComponent(tenant);
   const keys = (await api("GET", `/tenants/${enc}/keys`)).data;
