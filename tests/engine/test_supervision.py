@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY
 import engine.async_engine as async_engine_module
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 
+from .faults import EngineFaults
 from .helpers import greedy
 
 PROMPT = "Once upon a time, in a land far away,"
@@ -44,27 +45,20 @@ def supervised(engine):
 def test_step_loop_death_fails_in_flight_requests_and_restarts(supervised, engine, monkeypatch):
     reference = asyncio.run(_collect(supervised, greedy("ref", PROMPT, 12)))
     before = _restarts_metric()
-    real_step = engine.step
-    armed = {"fire": False, "fired": False}
-
-    def step():
-        if armed["fire"]:
-            armed["fire"] = False
-            raise RuntimeError("injected: an engine bug")
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", step)
+    faults = EngineFaults(engine, monkeypatch)
 
     async def main():
         got: dict[str, object] = {}
+        fired = False
 
         async def consume(rid, prompt):
+            nonlocal fired
             try:
                 async for out in supervised.generate(greedy(rid, prompt, 400, ignore_eos=True)):
                     got.setdefault(rid, 0)
                     got[rid] += len(out.token_ids)
-                    if rid == "long-1" and got[rid] >= 3 and not armed["fired"]:
-                        armed["fire"] = armed["fired"] = True  # the next step dies, both requests running
+                    if rid == "long-1" and got[rid] >= 3 and not fired:
+                        faults.step = fired = True  # the next step dies, both requests running
             except EngineDeadError as e:
                 got[rid] = e
 
@@ -82,22 +76,7 @@ def test_step_loop_death_fails_in_flight_requests_and_restarts(supervised, engin
 
 def test_failing_reset_is_retried_and_reported(supervised, engine, monkeypatch):
     monkeypatch.setattr(async_engine_module, "RESET_BACKOFF_S", (0.005, 0.02))
-    real_step, real_reset = engine.step, engine.reset
-    state = {"die": True, "reset_ok": False}
-
-    def step():
-        if state["die"]:
-            state["die"] = False
-            raise RuntimeError("injected: an engine bug")
-        return real_step()
-
-    def reset():
-        if not state["reset_ok"]:
-            raise MemoryError("injected: reset cannot allocate")
-        return real_reset()
-
-    monkeypatch.setattr(engine, "step", step)
-    monkeypatch.setattr(engine, "reset", reset)
+    faults = EngineFaults(engine, monkeypatch, step=True, reset=True)
 
     async def doomed():
         with pytest.raises(EngineDeadError):
@@ -111,7 +90,7 @@ def test_failing_reset_is_retried_and_reported(supervised, engine, monkeypatch):
             await _collect(supervised, greedy("refused", PROMPT, 5))
 
     asyncio.run(refused())
-    state["reset_ok"] = True
+    faults.reset = False
     _wait_state(supervised, "ready")
     assert supervised.health() == {"state": "ready", "restarts": 1, "last_error": "RuntimeError"}
     assert len(asyncio.run(_collect(supervised, greedy("served", PROMPT, 5)))) == 5

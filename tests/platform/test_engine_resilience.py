@@ -26,6 +26,7 @@ from engine.llm_engine import LLMEngine
 from tessera.app import create_app
 from tessera.engine_client.inprocess import InProcessEngineClient
 from tessera.engine_client.worker import create_worker_app
+from tests.engine.faults import EngineFaults
 from tests.engine.lora_fixtures import write_random_adapter
 
 from .conftest import ServerThread
@@ -216,22 +217,7 @@ def test_a_dead_step_loop_is_restarted_and_ready_reports_it(platform, platform_s
     serves again in the same process."""
     monkeypatch.setattr(async_engine_module, "RESET_BACKOFF_S", (0.01, 0.05))
     eng = LLMEngine(config=EngineConfig(weight_format="fp32", kv_cache_bytes=8 << 20))
-    real_step, real_reset = eng.step, eng.reset
-    fault = {"step": True, "reset": True}
-
-    def step():
-        if fault["step"]:
-            fault["step"] = False
-            raise RuntimeError("injected: an engine bug")
-        return real_step()
-
-    def reset():
-        if fault["reset"]:
-            raise MemoryError("injected: reset cannot allocate")
-        return real_reset()
-
-    monkeypatch.setattr(eng, "step", step)
-    monkeypatch.setattr(eng, "reset", reset)
+    faults = EngineFaults(eng, monkeypatch, step=True, reset=True)
     aengine = AsyncLLMEngine(eng)
     tenant = platform.tenant()
     body = {"model": BASE, "prompt": COUNTING, "max_tokens": 8, "temperature": 0, "stream": True}
@@ -259,7 +245,7 @@ def test_a_dead_step_loop_is_restarted_and_ready_reports_it(platform, platform_s
                                   json={"request_id": "w1", "prompt_token_ids": [1, 2, 3], "params": {"max_tokens": 2}})
             assert internal.status_code == 503
 
-            fault["reset"] = False
+            faults.reset = False
             ready = _wait_ready_status(server.url, 200).json()
             assert ready["engine"]["state"] == "ready" and ready["engine"]["restarts"] == 1
             served = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, headers=headers,
