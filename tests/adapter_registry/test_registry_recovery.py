@@ -6,6 +6,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from registry_calls import create_tenant, upload
 from registry_helpers import write_adapter
 
 from adapter_registry import services
@@ -15,14 +16,7 @@ from adapter_registry.models import AdapterVersion
 
 @pytest.fixture
 def tenant(ctx):
-    with ctx.session_factory() as s:
-        return services.create_tenant(session=s, name="acme")
-
-
-def upload(ctx, tenant, path, **kw):
-    with ctx.session_factory() as s:
-        return services.upload_adapter(session=s, store=ctx.store, settings=ctx.settings, tenant=tenant,
-                                       name="bot", source=path, **kw)
+    return create_tenant(ctx)
 
 
 def leave_validating(ctx, version_id: int, *, ago: timedelta) -> None:
@@ -38,6 +32,15 @@ def status(ctx, version_id: int) -> tuple[str, str | None]:
     with ctx.session_factory() as s:
         v = s.get(AdapterVersion, version_id)
         return v.status, v.rejection_reason
+
+
+def stuck_upload(ctx, adapter_dir) -> AdapterVersion:
+    """An upload validated in-process (whatever ctx's Celery settings), then left 'validating' by a
+    validator that died an hour ago."""
+    eager = ctx.settings.model_copy(update={"celery_eager": True})
+    v = upload(ctx, create_tenant(ctx), adapter_dir, settings=eager)
+    leave_validating(ctx, v.id, ago=timedelta(hours=1))
+    return v
 
 
 def recover(ctx) -> int:
@@ -78,12 +81,7 @@ def test_reuploading_the_bytes_of_a_stuck_version_validates_them(ctx, tenant, ad
 def test_with_celery_a_stuck_version_is_requeued_and_a_down_broker_leaves_it_for_later(make_ctx, adapter_dir):
     """Broker down: recovery logs and keeps the version (nothing raised, nothing deleted)."""
     ctx = make_ctx("sqlite", celery_eager=False, celery_broker_url="redis://127.0.0.1:9/0")
-    eager = ctx.settings.model_copy(update={"celery_eager": True})
-    with ctx.session_factory() as s:
-        tenant = services.create_tenant(session=s, name="acme")
-        v = services.upload_adapter(session=s, store=ctx.store, settings=eager, tenant=tenant, name="bot",
-                                    source=adapter_dir)
-    leave_validating(ctx, v.id, ago=timedelta(hours=1))
+    v = stuck_upload(ctx, adapter_dir)
     assert recover(ctx) == 0
     assert status(ctx, v.id) == ("validating", None)
     assert services.recover_stuck_versions_at_start(ctx) == 0
@@ -94,12 +92,7 @@ def test_with_celery_a_stuck_version_is_sent_to_the_queue(make_ctx, adapter_dir)
 
     queue = f"registry-recover-{uuid.uuid4().hex[:8]}"
     ctx = make_ctx("sqlite", celery_eager=False, celery_queue=queue, celery_broker_url="redis://127.0.0.1:6379/0")
-    eager = ctx.settings.model_copy(update={"celery_eager": True})
-    with ctx.session_factory() as s:
-        tenant = services.create_tenant(session=s, name="acme")
-        v = services.upload_adapter(session=s, store=ctx.store, settings=eager, tenant=tenant, name="bot",
-                                    source=adapter_dir)
-    leave_validating(ctx, v.id, ago=timedelta(hours=1))
+    v = stuck_upload(ctx, adapter_dir)
     assert recover(ctx) == 1
     with Connection(ctx.settings.celery_broker_url) as conn:
         q = conn.SimpleQueue(queue)

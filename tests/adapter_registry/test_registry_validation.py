@@ -12,9 +12,9 @@ import zipfile
 
 import pytest
 import torch
+from registry_calls import create_tenant, upload
 from registry_helpers import write_adapter
 
-from adapter_registry import services
 from adapter_registry.content import BLOB_PREFIX
 from adapter_registry.errors import QuotaExceeded, UploadRejected
 from adapter_registry.models import AdapterVersion
@@ -27,14 +27,7 @@ def reg(make_ctx):
 
 @pytest.fixture
 def tenant(reg):
-    with reg.session_factory() as s:
-        return services.create_tenant(session=s, name="acme")
-
-
-def upload(reg, tenant, path, **kw):
-    with reg.session_factory() as s:
-        return services.upload_adapter(session=s, store=reg.store, settings=reg.settings, tenant=tenant,
-                                       name="bot", source=path, **kw)
+    return create_tenant(reg)
 
 
 def assert_refused_and_nothing_stored(reg, tenant, path, error, message):
@@ -136,8 +129,7 @@ def test_archive_with_too_many_files_is_refused(reg, tenant, tmp_path):
 
 def test_oversized_adapter_is_refused_by_the_tenant_plan(make_ctx, tmp_path):
     reg = make_ctx("sqlite")
-    with reg.session_factory() as s:
-        tenant = services.create_tenant(session=s, name="tiny", max_adapter_bytes=100_000)
+    tenant = create_tenant(reg, "tiny", max_adapter_bytes=100_000)
     d = write_adapter(tmp_path / "a")  # ~460 KB of weights
     assert_refused_and_nothing_stored(reg, tenant, d, QuotaExceeded, "tenant 'tiny' may upload at most 100000 bytes")
 
