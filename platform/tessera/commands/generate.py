@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import sys
 import uuid
+from typing import NoReturn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,43 +27,80 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the arguments, load the model (and --adapter), then stream the answer; CLIError for
+    anything the user can fix."""
+    import logging
+
+    from engine.sampling_params import GenerationRequest
+
+    params = _sampling_params(args)
+    if not args.prompt.strip():
+        _fail("prompt is empty")
+    logging.getLogger("engine").setLevel(logging.ERROR)  # errors reach the user once, as CLIError
+    source, version = _adapter_source(args)
+    engine = _load_engine(args, source)
+    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt=_prompt(args, engine), params=params,
+                                adapter=version)
+    _run_stream(engine, request)
+    return 0
+
+
+def _fail(message: str) -> NoReturn:
+    """Raise the CLI's one-line error."""
     from tessera.cli import CLIError
 
-    from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import GenerationRequest, InvalidRequestError, SamplingParams
+    raise CLIError(message) from None
+
+
+def _sampling_params(args: argparse.Namespace):
+    """The SamplingParams the flags ask for; CLIError when the engine refuses them."""
+    from engine.sampling_params import InvalidRequestError, SamplingParams
 
     try:
-        params = SamplingParams.from_dict({
+        return SamplingParams.from_dict({
             "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed, "stop": args.stop})
     except InvalidRequestError as e:
-        raise CLIError(str(e)) from None
-    if not args.prompt.strip():
-        raise CLIError("prompt is empty")
-    import logging
+        _fail(str(e))
 
-    logging.getLogger("engine").setLevel(logging.ERROR)  # errors reach the user once, as CLIError
-    source = version = None
-    if args.adapter:
-        from pathlib import Path
 
-        from engine.lora.source import LocalDirectoryAdapterSource
+def _adapter_source(args: argparse.Namespace) -> tuple:
+    """(adapter source, adapter name) for --adapter DIR (its parent folder holds it), else (None, None)."""
+    if not args.adapter:
+        return None, None
+    from pathlib import Path
 
-        adapter_dir = Path(args.adapter).resolve()
-        if not adapter_dir.is_dir():
-            raise CLIError(f"--adapter {args.adapter}: not a directory")
-        source, version = LocalDirectoryAdapterSource(adapter_dir.parent), adapter_dir.name
+    from engine.lora.source import LocalDirectoryAdapterSource
+
+    adapter_dir = Path(args.adapter).resolve()
+    if not adapter_dir.is_dir():
+        _fail(f"--adapter {args.adapter}: not a directory")
+    return LocalDirectoryAdapterSource(adapter_dir.parent), adapter_dir.name
+
+
+def _load_engine(args: argparse.Namespace, source):
+    """The LLMEngine for --model; CLIError when the model cannot be found or read."""
+    from engine.llm_engine import LLMEngine
+
     try:
-        engine = LLMEngine(args.model, adapter_source=source)
+        return LLMEngine(args.model, adapter_source=source)
     except (FileNotFoundError, ValueError) as e:
-        raise CLIError(str(e)) from None
+        _fail(str(e))
+
+
+def _prompt(args: argparse.Namespace, engine) -> str:
+    """The prompt as sent: plain text with --raw, else the chat template over --system and the message."""
     if args.raw:
-        prompt = args.prompt
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
-    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt=prompt, params=params, adapter=version)
+        return args.prompt
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    return engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
+
+
+def _run_stream(engine, request) -> None:
+    """Generate `request`, writing its text to stdout as it comes and a summary line to stderr;
+    CLIError when the engine refuses the request or ends it with an error."""
+    from engine.async_engine import AsyncLLMEngine
+    from engine.sampling_params import InvalidRequestError
 
     async def stream() -> None:
         aengine = AsyncLLMEngine(engine)
@@ -73,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 if out.finished:
                     sys.stdout.write("\n")
                     if out.error:
-                        raise CLIError(out.error)
+                        _fail(out.error)
                     print(f"[{out.finish_reason}; prompt {out.prompt_tokens} tokens, "
                           f"completion {out.completion_tokens} tokens]", file=sys.stderr)
         finally:
@@ -82,5 +120,4 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(stream())
     except InvalidRequestError as e:
-        raise CLIError(str(e)) from None
-    return 0
+        _fail(str(e))
