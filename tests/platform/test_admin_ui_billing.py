@@ -17,17 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.requirements import CHROMIUM
+from .ui_browser import (  # noqa: F401 (chromium_browser: the browser fixture)
+    PIRATE, browser_context, chromium_browser, evidence, keep_texts, seen_texts, shot,
+    sign_in_on_the_way, watched_page)
 
-from .conftest import ADMIN_TOKEN
-from .test_admin_ui_browser import WIDE, evidence, shot
-
-try:
-    from playwright import sync_api
-except ImportError:  # the needs_chromium fixture says what is missing
-    sync_api = None
-
-PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"
 # The same book prices, from the same day, as test_billing_api.py sets: the book is shared by the
 # session's tests, so whichever runs first, both see the same prices. Realtime stays unpriced
 # (its usage is held), which test_billing_api.py relies on too.
@@ -37,20 +30,10 @@ EFFECTIVE_FROM = "2020-01-01"
 pytestmark = pytest.mark.usefixtures("needs_chromium")  # missing: skip, or fail under CI=true
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        yield b
-        b.close()
-
-
 @pytest.fixture()
 def context(browser, platform):
-    ctx = browser.new_context(base_url=platform.url, viewport=WIDE, accept_downloads=True)
-    ctx.set_default_timeout(60_000)  # a busy 2-core machine; waits end as soon as the page is there
-    yield ctx
-    ctx.close()
+    with browser_context(browser, platform, accept_downloads=True) as ctx:
+        yield ctx
 
 
 def money(micros: int) -> str:
@@ -74,18 +57,10 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
     month = datetime.now(timezone.utc).strftime("%Y-%m")
     month_name = datetime.now(timezone.utc).strftime("%B %Y")
 
-    script_errors = []
-    page = context.new_page()
-    page.on("pageerror", lambda e: script_errors.append(str(e)))
-    page.on("console", lambda m: script_errors.append(m.text)
-            if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
+    page, script_errors = watched_page(context)
     with evidence(page, "billing"):
         # Sign in on the way to the page (keyboard only); the sign-in page sends the admin on to it.
-        page.goto(f"/admin/billing?tenant={t.name}")
-        page.wait_for_url("**/admin/login?next=**")
-        sync_api.expect(page.get_by_label("Admin password")).to_be_focused()
-        page.keyboard.type(ADMIN_TOKEN)
-        page.keyboard.press("Enter")
+        sign_in_on_the_way(page, f"/admin/billing?tenant={t.name}")
         page.get_by_role("heading", name=f"Billing periods of {t.name}").wait_for()
         assert page.url.endswith(f"/admin/billing?tenant={t.name}")
         page.get_by_text("No usage billed yet").wait_for()  # the tenant has sent nothing yet
@@ -197,15 +172,11 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
             assert platform.admin.post(route.request.url, json={"format": "jsonl"}).status_code == 201
 
         page.route(f"**/billing/periods/{month}/exports", queued)
-        page.evaluate("""() => {
-            window.__seen = [];
-            const box = document.getElementById('period');
-            new MutationObserver(() => window.__seen.push(box.textContent)).observe(box, {childList: true, subtree: true});
-        }""")
+        keep_texts(page, "#period")
         detail.get_by_label("Export format").select_option("jsonl")
         detail.get_by_role("button", name="Generate export").click()
         page.get_by_role("link", name=f"Download {t.name}-{month}-usage-events.jsonl").wait_for()
-        assert any("export of " + month_name + " is queued" in s for s in page.evaluate("window.__seen"))
+        assert any("export of " + month_name + " is queued" in s for s in seen_texts(page))
         page.unroute(f"**/billing/periods/{month}/exports")
 
         shot(page, "billing-month")

@@ -10,79 +10,31 @@ from __future__ import annotations
 
 import re
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from tests.requirements import CHROMIUM
-
 from .conftest import ADMIN_TOKEN
+from .ui_browser import (  # noqa: F401 (chromium_browser: the browser fixture)
+    PIRATE, ROOT, browser_context, chromium_browser, evidence, keep_texts, seen_texts, shot,
+    sign_in_on_the_way, watched_page)
 
-try:
-    from playwright import sync_api
-except ImportError:  # the needs_chromium fixture says what is missing
-    sync_api = None
-
-ROOT = Path(__file__).resolve().parents[2]
-PIRATE = ROOT / "platform" / "tessera" / "demo_adapters" / "pirate"
 UPPER = ROOT / "platform" / "tessera" / "demo_adapters" / "upper"
-SHOTS = ROOT / "test-artifacts" / "ui-screenshots"
-WIDE, NARROW = {"width": 1280, "height": 900}, {"width": 390, "height": 844}
 
 pytestmark = pytest.mark.usefixtures("needs_chromium")  # missing: skip, or fail under CI=true
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        yield b
-        b.close()
-
-
 @pytest.fixture()
 def context(browser, platform):
-    ctx = browser.new_context(base_url=platform.url, viewport=WIDE)
-    ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=platform.url)
-    ctx.set_default_timeout(60_000)  # a busy 2-core machine; waits end as soon as the page is there
-    yield ctx
-    ctx.close()
-
-
-@contextmanager
-def evidence(page, name: str):
-    """On a failure, keep what the page showed (screenshot + text) next to the other screenshots."""
-    try:
-        yield
-    except BaseException:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"FAILED-{name}.png"), full_page=True)
-        print(f"the page at {page.url} showed:\n{page.locator('body').inner_text()}")
-        raise
-
-
-def shot(page, name: str) -> None:
-    """Screenshots of the page as it is, at 1280 and at 390 px wide."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.wait_for_load_state("networkidle")
-    page.evaluate("document.getElementById('toasts')?.replaceChildren()")  # passing messages
-    for size, tag in ((WIDE, "1280"), (NARROW, "390")):
-        page.set_viewport_size(size)
-        page.wait_for_timeout(150)  # let charts re-lay themselves out; not an assertion
-        page.screenshot(path=str(SHOTS / f"{name}-{tag}.png"), full_page=True)
-    page.set_viewport_size(WIDE)
+    with browser_context(browser, platform) as ctx:
+        ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=platform.url)
+        yield ctx
 
 
 def sign_in(page) -> None:
-    page.goto("/admin/tenants")
-    page.wait_for_url("**/admin/login**")
-    password = page.get_by_label("Admin password")
-    sync_api.expect(password).to_be_focused()  # the page puts the focus there: keyboard only
-    page.keyboard.type(ADMIN_TOKEN)
-    page.keyboard.press("Enter")
+    sign_in_on_the_way(page, "/admin/tenants")
     # The login page's own URL ends in "next=/admin/tenants": wait for the path, not the suffix.
     page.wait_for_url(re.compile(r"^[^?]*/admin/tenants$"))
 
@@ -145,11 +97,7 @@ def test_pages_without_a_session_show_sign_in(context):
 def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
     if not (PIRATE.is_dir() and UPPER.is_dir()):
         pytest.skip("the demo adapters 'pirate' and 'upper' are not there")
-    script_errors = []  # uncaught exceptions and errors the scripts log (refused requests are expected)
-    page = context.new_page()
-    page.on("pageerror", lambda e: script_errors.append(str(e)))
-    page.on("console", lambda m: script_errors.append(m.text)
-            if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
+    page, script_errors = watched_page(context)
     with evidence(page, "end-to-end"):
         page.goto("/admin/login")
         shot(page, "sign-in")
@@ -187,18 +135,14 @@ def test_admin_runs_a_tenant_end_to_end(context, platform, tmp_path):
         # Upload the trained PEFT adapter through the page; the status goes validating -> ready.
         page.get_by_role("link", name="Adapters", exact=True).click()  # opens on the tenant just edited
         page.get_by_role("heading", name=f"Upload an adapter for {tenant}").wait_for()
-        page.evaluate("""() => {
-            window.__seen = [];
-            const box = document.querySelector('.upload-status');
-            new MutationObserver(() => window.__seen.push(box.textContent)).observe(box, {childList: true, subtree: true});
-        }""")
+        keep_texts(page, ".upload-status")
         page.get_by_label("Adapter name").fill("pirate")
         page.set_input_files("#adapter-files", [str(PIRATE / "adapter_config.json"), str(PIRATE / "adapter_model.safetensors")])
         page.get_by_role("button", name="Upload").click()
         status = page.locator(".upload-status")
         status.get_by_text("is ready").wait_for()
         assert "pirate@1 is ready" in status.inner_text()
-        seen = page.evaluate("window.__seen")
+        seen = seen_texts(page)
         assert any("validating" in s for s in seen), seen
         assert page.locator("progress").get_attribute("value") == "100"
         card = page.get_by_role("region", name="Adapter pirate")
