@@ -28,36 +28,21 @@ def s3_endpoint():
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def needs_postgres():
-    requirements.require_postgres()
+def _requirement(check, *args):
+    """A session fixture that runs check(*args) (tests/requirements.py) once for the run."""
+
+    @pytest.fixture(scope="session")
+    def fixture():
+        """What its tests need: missing, they skip, or fail under CI=true."""
+        check(*args)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def needs_redis():
-    requirements.require_redis()
-
-
-@pytest.fixture(scope="session")
-def needs_chromium():
-    requirements.require_chromium()
-
-
-@pytest.fixture(scope="session")
-def needs_promtool():
-    requirements.require_tool("promtool")
-
-
-@pytest.fixture(scope="session")
-def needs_prometheus():
-    requirements.require_tool("prometheus")
-
-
-@pytest.fixture(scope="session")
-def needs_amtool():
-    requirements.require_tool("amtool")
-
-
-@pytest.fixture(scope="session")
-def needs_c_compiler():
-    requirements.require_c_compiler()
+needs_postgres = _requirement(requirements.require_postgres)
+needs_redis = _requirement(requirements.require_redis)
+needs_chromium = _requirement(requirements.require_chromium)
+needs_promtool = _requirement(requirements.require_tool, "promtool")
+needs_prometheus = _requirement(requirements.require_tool, "prometheus")
+needs_amtool = _requirement(requirements.require_tool, "amtool")
+needs_c_compiler = _requirement(requirements.require_c_compiler)
