@@ -105,6 +105,8 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
         done = re.compile(r"Rollup done: ([\d,]+ new usage events? billed|no new usage events)")
         page.locator(".rollup-status").get_by_text(done).wait_for()
         held = page.get_by_role("region", name="Usage without a price is held")
+        # The page announces the rollup, then refreshes its data: wait for the refreshed list.
+        held.get_by_text(f"{model}, realtime priority").first.wait_for()
         assert "not billed until a price exists" in held.inner_text()
         assert f"{model}, realtime priority" in held.inner_text()
 
