@@ -121,6 +121,8 @@ def test_the_printed_commands_work_as_pasted_and_ctrl_c_stops_the_demo(demo):
     admin_token = re.search(r'Authorization: Bearer (\S+)"', admin_call).group(1)
     model = re.search(r'"model": "([^"]+)"', chat_curl).group(1)
     assert re.search(r"Admin web UI: (\S+)/admin ", out).group(1) == url
+    # The admin API's line in the form it has always had (scripts read the token from it).
+    assert f"Admin API: {url}/admin/v1 with header 'Authorization: Bearer {admin_token}'." in out
 
     # The streamed curl: SSE chunks with text, then [DONE].
     sse = [line for line in sh(chat_curl, cwd).splitlines() if line]

@@ -125,7 +125,7 @@ def admin_examples(url: str, admin: str, adapters: list[str]) -> str:
     """The admin side: an admin API call, an adapter upload (curl) and the web UI's address."""
     folder = ADAPTERS_DIR / (adapters[0] if adapters else "pirate")
     return f"""
-admin API (the admin token is the Bearer; demo adapters: {', '.join(adapters) or 'none'}):
+Admin API: {url}/admin/v1 with header 'Authorization: Bearer {admin}'. Demo adapters: {', '.join(adapters) or 'none'}.
   curl {url}/admin/v1/tenants/{DEMO_TENANT}/adapters -H "Authorization: Bearer {admin}"
 
 upload an adapter for tenant {DEMO_TENANT!r} (adapter_config.json + adapter_model.safetensors, or one .zip of them):
