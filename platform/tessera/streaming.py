@@ -31,7 +31,8 @@ async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]
     read). If the client leaves first, `work` is cancelled (its cleanup sees the cancellation,
     e.g. to abort the engine request) and ClientDisconnected is raised. Starlette does not cancel
     a plain (non-streaming) endpoint when its client disconnects, so without this a long
-    generation nobody will read runs to the end and is billed as completed."""
+    generation nobody will read runs to the end and is billed as completed. An exception `work`
+    raises reaches the caller as itself, not wrapped in the task group's exception group."""
     result: list[T] = []
     left = False
 
@@ -44,10 +45,15 @@ async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]
                 cancel.cancel()
                 return
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch, tg.cancel_scope)
-        result.append(await work())
-        tg.cancel_scope.cancel()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            result.append(await work())
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     if left and not result:
         raise ClientDisconnected()
     return result[0]

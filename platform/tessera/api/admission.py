@@ -58,24 +58,14 @@ async def refuse_early(*, gw: Gateway, caller: Caller, body: Body) -> None:
     """Raise the 429 `admit` would answer a tenant already over a limit, for the least this
     request can reserve (one prompt token + max_tokens, or + 1 when max_tokens is left to the
     server); return None otherwise. Counts nothing."""
-    peek = getattr(gw.quota, "peek", None)
-    if peek is None:
-        return
     # Past the context the request is a 400 anyway; never let an absurd max_tokens decide a 429.
     tokens = 1 + min(requested_max_tokens(body) or 1, gw.engine.max_model_len - 1)
     try:
-        d = await peek(tenant=str(caller.tenant_id), limits=caller.policy.limits, tokens=tokens)
+        d = await gw.quota.peek(tenant=str(caller.tenant_id), limits=caller.policy.limits, tokens=tokens)
     except QuotaUnavailable as e:
         raise ApiError(503, f"{e}; try again", type="server_error", code="quota_unavailable") from None
-    if d is None:
-        return
-    metrics = getattr(gw.quota, "metrics", None)  # RefusalCountingQuota counts reserve's refusals only
-    if metrics is not None:
-        try:
-            await metrics.refused(str(caller.tenant_id), d.reason)
-        except Exception:  # noqa: BLE001 - a metric must never fail a request
-            log.warning("metrics: could not count a quota refusal", exc_info=True)
-    raise refusal(d, tokens)
+    if d is not None:
+        raise refusal(d, tokens)
 
 
 async def admit(*, gw: Gateway, caller: Caller, job: Job) -> Decision:

@@ -114,16 +114,8 @@ async def respond(gen: Generation, http: Request) -> Response:
         return DisconnectAwareStream(_events(gen), media_type="text/event-stream",
                                      headers=gen.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
 
-    async def collect() -> Response:
-        # An error answer is returned, not raised: raised inside cancel_on_disconnect's task
-        # group it would reach the app wrapped in an exception group, as a 500.
-        try:
-            return await _collect(gen)
-        except ApiError as e:
-            return e.response()
-
     try:
-        return await cancel_on_disconnect(http.receive, collect)
+        return await cancel_on_disconnect(http.receive, lambda: _collect(gen))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
 

@@ -183,7 +183,7 @@ class GatewayMetrics:
 
 class RefusalCountingQuota:
     """A QuotaBackend that counts refusals of the backend it wraps (the quota refusal path's hook:
-    every refusal is a `reserve` answer that is not admitted)."""
+    every refusal is a `reserve` answer that is not admitted, or a `peek` that finds one)."""
 
     def __init__(self, inner, metrics: GatewayMetrics):
         self.inner = inner
@@ -192,11 +192,20 @@ class RefusalCountingQuota:
     async def reserve(self, **kw):
         decision = await self.inner.reserve(**kw)
         if not decision.admitted:
-            try:
-                await self.metrics.refused(kw["tenant"], decision.reason)
-            except Exception:  # noqa: BLE001 - a metric must never fail a request
-                log.warning("metrics: could not count a quota refusal", exc_info=True)
+            await self._count(kw["tenant"], decision.reason)
         return decision
+
+    async def peek(self, **kw):
+        refusal = await self.inner.peek(**kw)
+        if refusal is not None:
+            await self._count(kw["tenant"], refusal.reason)
+        return refusal
+
+    async def _count(self, tenant: str, reason: str) -> None:
+        try:
+            await self.metrics.refused(tenant, reason)
+        except Exception:  # noqa: BLE001 - a metric must never fail a request
+            log.warning("metrics: could not count a quota refusal", exc_info=True)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
