@@ -59,7 +59,6 @@ CHUNK_BYTES = 8 * 1024 * 1024
 _EXPONENT = {"F16": (2, np.uint16, 0x7C00), "BF16": (2, np.uint16, 0x7F80), "F32": (4, np.uint32, 0x7F800000)}
 # Largest finite fp16 value: the narrowest float the engine may store adapters or compute in.
 FP16_MAX = 65504.0
-DEFAULT_ACTIVATION_BOUND = 64.0
 
 
 class AdapterRejected(Exception):
@@ -81,14 +80,13 @@ class ValidationLimits:
     served_base_models: list[str]
     max_rank: int
     allowed_dtypes: list[str]
-    validation_activation_bound: float = DEFAULT_ACTIVATION_BOUND
+    validation_activation_bound: float
 
     @classmethod
     def of(cls, settings: "RegistrySettings | ValidationLimits") -> "ValidationLimits":
         return cls(served_base_models=list(settings.served_base_models), max_rank=settings.max_rank,
                    allowed_dtypes=list(settings.allowed_dtypes),
-                   validation_activation_bound=getattr(settings, "validation_activation_bound",
-                                                       DEFAULT_ACTIVATION_BOUND))
+                   validation_activation_bound=settings.validation_activation_bound)
 
 
 def resolve_base_model(name: str | None, served: list[str]) -> BaseModelShape:
@@ -279,7 +277,7 @@ def validate_adapter_files(*, config_path: Path, weights_path: Path,
         raise AdapterRejected(f"{len(missing)} LoRA tensors are missing, e.g. {missing[0]!r}")
 
     stats = _scan_values(weights_path, header)
-    _check_overflow(stats, base, config, ValidationLimits.of(settings).validation_activation_bound)
+    _check_overflow(stats, base, config, settings.validation_activation_bound)
     return ValidatedAdapter(config=config, base=base, dtype=dtypes[0])
 
 
