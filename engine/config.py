@@ -87,7 +87,12 @@ class EngineConfig:
     lora_cpu_cache_bytes: int = 1 << 30
     #: Torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
-    #: Where the model runs ("cpu"; CUDA serving is the GPU issue's work).
+    #: Which kernels run the model (engine.backends): "cpu" (the hand-written C kernels of
+    #: engine/backends/cpu, torch where they cannot take a call) or "triton" (punica_kernels'
+    #: Triton SGMV/BGMV for LoRA, torch ops for the rest; on CPU tensors only under
+    #: TRITON_INTERPRET=1, which is how it is tested without a GPU).
+    backend: str = "cpu"
+    #: Where weights, KV cache, LoRA slots and sampling live: "cpu", "cuda" or "cuda:N".
     device: str = "cpu"
 
     def __post_init__(self) -> None:
