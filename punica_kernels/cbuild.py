@@ -1,7 +1,7 @@
 """Build a C source of this project with the machine's compiler and load it with ctypes.
 
-Used by the hand-written CPU kernels (punica_kernels.cpu_native, engine.model.cpu_int8, cpu_q4 and
-cpu_ops); one place for how they are built, loaded and given their C signatures.
+Used by the hand-written CPU kernels (punica_kernels.cpu_native, and the engine's CPU backend:
+engine.backends.cpu.int8, q4 and decode_ops); one place for how they are built, loaded and given their C signatures.
 A library is compiled once per source, flags and CPU (`-march=native`) into a cache directory
 and reused by every later process; concurrent builders each write a temporary file and rename
 it into place, so a reader never sees half a library.
@@ -76,15 +76,15 @@ def build(source: Path, march: str = "native") -> Path:
 C_TYPES = {"i64": ctypes.c_int64, "int": ctypes.c_int, "f32": ctypes.c_float, "ptr": ctypes.c_void_p}
 
 
-def load(source: Path, switch: str, signatures: dict[str, tuple[str, ...]] | None = None,
+def load(source: Path, switch: str | None, signatures: dict[str, tuple[str, ...]] | None = None,
          returns: dict[str, str] | None = None, march: str = "native") -> ctypes.CDLL | None:
-    """The loaded library of `source`, or None when the environment variable `switch` is "0" or
-    the library cannot be built (logged once per caller; callers cache the answer). Load it after
+    """The loaded library of `source`, or None when the environment variable `switch` (if named)
+    is "0" or the library cannot be built (logged once per caller; callers cache the answer). Load it after
     torch: its OpenMP runtime (same soname) then serves both, one thread pool.
 
     signatures: {function: argument type names (C_TYPES)}; returns: {function: return type name},
     functions not named there return nothing."""
-    if os.environ.get(switch, "1") == "0":
+    if switch and os.environ.get(switch, "1") == "0":
         return None
     try:
         lib = ctypes.CDLL(str(build(source, march)))
