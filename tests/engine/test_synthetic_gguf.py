@@ -1,0 +1,108 @@
+"""Synthetic GGUF checkpoints (engine/loader/synthetic.py): the file loads at its named shape,
+its blocks are the seeded bytes, its tokenizer works, and the engine serves it on CPU."""
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_checkpoint
+from engine.loader.gguf_loader import Q4_1_SUFFIX, _unpermute_rope
+from engine.loader.synthetic import (BOS_ID, EOS_ID, SHAPES, dequantize_blocks, random_blocks, tensor_plan,
+                                     write_synthetic_gguf)
+from engine.sampling_params import GenerationRequest, SamplingParams
+from engine.tokenizer import TextTokenizer
+
+HF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("synthetic") / "tiny.gguf", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return load_checkpoint(tiny_path)
+
+
+def test_tiny_loads_at_its_named_shape(tiny):
+    cfg, tensors, _ = tiny
+    s = SHAPES["tiny"]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (s.num_layers, s.hidden_size, s.intermediate_size)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (s.num_heads, s.num_kv_heads, s.head_dim)
+    assert cfg.num_kv_heads < cfg.num_heads  # grouped-query attention
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rope_theta) == (s.vocab_size, s.context_length, s.rope_theta)
+    assert cfg.tie_word_embeddings is False and "lm_head.weight" in tensors
+    assert cfg.bos_token_id == BOS_ID and cfg.eos_token_ids == (EOS_ID,)
+    assert tensors["model.layers.1.mlp.down_proj.weight"].shape == (s.hidden_size, s.intermediate_size)
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (s.num_kv_heads * s.head_dim, s.hidden_size)
+
+
+def test_blocks_dequantize_to_the_seeded_bytes(tiny):
+    """Every tensor the loader returns is what random_blocks drew for (seed, index), read by
+    ggml's formulas independently of gguf's dequantizer; Q4_1 layers also keep those bytes."""
+    cfg, tensors, _ = tiny
+    for index, (name, (rows, cols), qtype, std) in enumerate(tensor_plan(SHAPES["tiny"])):
+        data = random_blocks(qtype, rows, cols, std, 0, index)
+        expected = dequantize_blocks(qtype, data, cols)
+        if name.startswith("blk."):
+            _, layer, kind, _ = name.split(".")
+            if kind not in HF_LAYER:
+                continue  # the norms: ones
+            hf = f"model.layers.{layer}.{HF_LAYER[kind]}.weight"
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
+            if heads:  # the loader un-permutes llama.cpp's Q/K rows, bytes and weights alike
+                expected, data = _unpermute_rope(expected, heads), _unpermute_rope(data, heads)
+            assert np.array_equal(tensors[hf + Q4_1_SUFFIX].numpy(), data), name
+            # The scale keeps each layer's output at about its input's size.
+            assert 0.8 < float(tensors[hf].std()) * cols ** 0.5 < 1.2, name
+        else:
+            hf = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+                  "output_norm.weight": "model.norm.weight"}[name]
+        np.testing.assert_array_equal(tensors[hf].numpy(), expected.reshape(tensors[hf].shape), err_msg=name)
+
+
+def test_same_seed_same_bytes_other_seed_or_quant_differs(tmp_path, tiny_path):
+    again = write_synthetic_gguf(tmp_path / "again.gguf", "tiny", seed=0)
+    other = write_synthetic_gguf(tmp_path / "other.gguf", "tiny", seed=1)
+    q4_0 = write_synthetic_gguf(tmp_path / "q4_0.gguf", "tiny", seed=0, quant="q4_0")
+    assert again.read_bytes() == tiny_path.read_bytes()
+    assert other.stat().st_size == tiny_path.stat().st_size and other.read_bytes() != tiny_path.read_bytes()
+    cfg, tensors, _ = load_checkpoint(q4_0)
+    assert cfg.hidden_size == SHAPES["tiny"].hidden_size
+    assert not any(k.endswith(Q4_1_SUFFIX) for k in tensors)  # Q4_0 layers: no Q4_1 blocks kept
+    w = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert torch.isfinite(w).all() and 0.8 < float(w.std()) * w.shape[1] ** 0.5 < 1.2
+
+
+def test_tokenizer_round_trips_and_renders_chat(tiny):
+    tok = TextTokenizer.from_gguf_metadata(tiny[2])
+    assert tok.vocab_size == SHAPES["tiny"].vocab_size
+    text = "The capital of France is Paris. 42 ünïcödé, 日本語!\n"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode())  # the learned merges shorten English text
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == BOS_ID and ids.count(EOS_ID) == 1  # control tokens as single ids
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == EOS_ID
+
+
+def test_engine_generates_greedy_tokens_deterministically(tiny_path, tiny):
+    def run():
+        eng = LLMEngine(tiny_path, EngineConfig(weight_format="fp32", kv_cache_bytes=4 << 20))
+        prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        reqs = [GenerationRequest(f"r{i}", prompt=prompt if i == 0 else "Once upon a time",
+                                  params=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i in range(2)]
+        return {k: o.token_ids for k, o in eng.generate(reqs).items()}
+
+    first, second = run(), run()
+    assert first == second
+    vocab = tiny[0].vocab_size
+    assert all(len(ids) == 12 and all(0 <= t < vocab for t in ids) for ids in first.values())
+    assert first["r0"] != first["r1"]  # the prompt matters
