@@ -22,6 +22,47 @@ PROMPTS = [
 ]
 
 
+def add_model_args(ap) -> None:
+    """The flags every engine benchmark takes: which checkpoint, which backend, which device."""
+    ap.add_argument("--model", default=None,
+                    help="a .gguf file or HF safetensors directory (default: the embedded SmolLM2 GGUF)")
+    ap.add_argument("--backend", default="cpu", choices=("cpu", "triton"), help="EngineConfig.backend")
+    ap.add_argument("--device", default="cpu", help="EngineConfig.device: cpu, cuda or cuda:N")
+
+
+def is_default_run(args) -> bool:
+    """Whether the run is the embedded model on the CPU backend and device (the figures
+    bench/RESULTS.md compares over time): its printed keys stay as they were."""
+    return args.model is None and args.backend == "cpu" and args.device == "cpu"
+
+
+def run_info(args, load_s: float) -> dict:
+    """What a non-default run adds to its JSON: the model file, backend, device, load seconds."""
+    info = {"model": str(args.model) if args.model else "default", "backend": args.backend, "device": args.device,
+            "load_s": round(load_s, 1)}
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    return info
+
+
+def load_model(path=None):
+    """(checkpoint triple, TextTokenizer) of `path` (default: the embedded SmolLM2 GGUF)."""
+    from engine.loader import default_model_path, load_checkpoint
+    from engine.tokenizer import TextTokenizer
+
+    path = default_model_path() if path is None else path
+    checkpoint = load_checkpoint(path)
+    tokenizer = (TextTokenizer.from_gguf_metadata(checkpoint[2]) if checkpoint[2]
+                 else TextTokenizer.from_hf_directory(path))
+    return checkpoint, tokenizer
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously; CPU: nothing)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -46,23 +87,35 @@ def fixed_requests(tokenizer, n: int, new_tokens: int, prefix: str = "r", adapte
 
 def engine_tok_s(engine, reqs) -> float:
     """Aggregate completion tokens per second for running `reqs` concurrently to the end
-    (wall time from submission, prefill included)."""
+    (wall time from submission, prefill included). On CUDA the device is synchronized at both
+    ends: the figure is end-to-end wall time, host work between launches included, which
+    CUDA events on one stream would not count."""
+    device = engine.config.device
+    sync(device)
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
+    sync(device)
     dt = time.perf_counter() - t0
     return sum(o.completion_tokens for o in outs.values()) / dt
 
 
-def hf_baseline():
-    """The default GGUF model through Hugging Face transformers (the baseline the benchmarks
-    compare against): (fp32 model in eval mode, its tokenizer padding on the left for batches).
-    transformers is imported here: only the baseline runs need it."""
+def hf_baseline(path=None, device: str = "cpu"):
+    """A GGUF model (default: the embedded one) through Hugging Face transformers (the baseline
+    the benchmarks compare against): (model in eval mode, its tokenizer padding on the left for
+    batches). fp32 on the CPU; bf16 on CUDA, where it is the usual serving dtype.
+    transformers (and gguf, which it reads the file with) are imported here: only the baseline
+    runs need them, and a caller on a machine without them skips the baseline."""
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.loader import default_model_path
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    path = default_model_path() if path is None else Path(path)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    if device != "cpu":
+        model = model.to(device)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -70,11 +123,13 @@ def hf_baseline():
     return model, tok
 
 
-def hf_chat_batch(tok, n: int):
-    """n chat prompts (PROMPTS in turn) through `tok`'s chat template, as one left-padded batch."""
+def hf_chat_batch(tok, n: int, device: str = "cpu"):
+    """n chat prompts (PROMPTS in turn) through `tok`'s chat template, as one left-padded batch
+    on `device`."""
     texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                      add_generation_prompt=True, tokenize=False) for i in range(n)]
-    return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch if device == "cpu" else batch.to(device)
 
 
 def median(xs):

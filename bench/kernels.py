@@ -5,6 +5,7 @@
                                        # (fp32, bf16 and int8 stacks), and one decode step's int8 base weights
                                        # (C kernel vs torch at 1-4 rows; AMX kernel vs bf16 dense at 8-64)
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
+    python bench/kernels.py --device cuda [--quick]   # the same; --quick: hidden 4096, rank 16, fewer batches
 
 Workloads (Punica's): distinct (every token its own adapter), uniform (ceil(sqrt(n)) adapters),
 skewed (Zipf 1.5 over adapters), identical (one adapter).
@@ -14,7 +15,9 @@ CUDA: each timing is a CUDA-graph replay of `iters` launches, timed with CUDA ev
 iteration's bytes. Reported: microseconds per call, GB/s on the unique bytes moved (x, the
 weights of the distinct adapters actually used up to their rank, v, y read + write), the ratio
 to a measured device-to-device copy bandwidth, and the speedup over torch gather+bmm and over
-a Python loop of one matmul per adapter.
+a Python loop of one matmul per adapter. BGMV (decode: one token per row, any slot) at Punica's
+batch sizes 1-256 over the four workloads; SGMV (prefill: 512 tokens in 1, 4, 16 or 64 segments,
+each segment its own adapter) against the same gather+bmm baseline on the segments' tokens.
 """
 
 from __future__ import annotations
@@ -181,8 +184,8 @@ def run_cpu(args) -> None:
 def decode_step_int8(layers: int = 30) -> None:
     """The base weights of one SmolLM2 decode step in the int8 format (30 layers x q/k/v, o,
     gate/up, down; 104 MB, each layer its own) at 1, 2 and 4 rows: the engine's C kernel on its
-    blocked copy (engine.model.cpu_int8) against torch's `_weight_int8pack_mm`."""
-    from engine.model import cpu_int8
+    blocked copy (engine.backends.cpu.int8) against torch's `_weight_int8pack_mm`."""
+    from engine.backends.cpu import int8 as cpu_int8
 
     if cpu_int8.library() is None:
         return
@@ -349,24 +352,28 @@ def cuda_time_eager(fn_per_buffer, rotate: int, iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def run_cuda(args) -> None:
+def run_cuda(args) -> float:
+    """BGMV at Punica's decode shapes; returns the measured device copy GB/s."""
     dev = "cuda"
     dtype = torch.float16
     elem = 2
     copy_gbps = cuda_copy_bandwidth()
-    print(json.dumps({"device": torch.cuda.get_device_name(), "d2d_copy_GBps": round(copy_gbps, 1)}), flush=True)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "d2d_copy_GBps": round(copy_gbps, 1),
+                      "torch": torch.__version__, "triton": _triton_version()}), flush=True)
     gen = torch.Generator().manual_seed(0)
     S = 256
     rotate = args.rotate
-    for hidden in (4096, 11008):
-        for rank in (8, 16, 32, 64):
+    hiddens, ranks_grid = ((4096,), (16,)) if args.quick else ((4096, 11008), (8, 16, 32, 64))
+    batches = (1, 8, 32, 64, 256) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    for hidden in hiddens:
+        for rank in ranks_grid:
             # rotate copies of the stacks: each copy is S * R * hidden * 2 bytes, far past L2 together
             a = [torch.randn(S, rank, 4096, device=dev, dtype=dtype) / 64 for _ in range(rotate)]
             b = [torch.randn(S, hidden, rank, device=dev, dtype=dtype) / rank ** 0.5 for _ in range(rotate)]
             ranks = torch.full((S,), rank, dtype=torch.int32, device=dev)
             scales = torch.ones(S, device=dev)
             for workload in WORKLOADS:
-                for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                for T in batches:
                     slots_cpu = make_slots(workload, T, S, gen)
                     meta = pk.build_lora_metadata(slots_cpu, num_slots=S, device=dev)
                     ts, sl = meta.token_slots, slots_cpu.tolist()
@@ -405,20 +412,83 @@ def run_cuda(args) -> None:
                             "frac_of_copy_bw": round(gbps / copy_gbps, 3),
                             "speedup_vs_gather_bmm": round(us_bmm / us, 2), "speedup_vs_loop": round(us_loop / us, 2),
                         }), flush=True)
+    return copy_gbps
+
+
+def run_cuda_sgmv(args, copy_gbps: float) -> None:
+    """SGMV at prefill shapes: 512 tokens in `n_seg` equal segments, each its own adapter (slot),
+    hidden 4096 (rank 16 with --quick, else 8-64), shrink and expand, against gather+bmm over the
+    same tokens (which copies each token's adapter matrix) and a loop of one matmul per segment."""
+    dev, dtype, elem, S, T = "cuda", torch.float16, 2, 256, 512
+    gen = torch.Generator().manual_seed(3)
+    rotate = args.rotate
+    for rank in ((16,) if args.quick else (8, 16, 32, 64)):
+        a = [torch.randn(S, rank, 4096, device=dev, dtype=dtype) / 64 for _ in range(rotate)]
+        b = [torch.randn(S, 4096, rank, device=dev, dtype=dtype) / rank ** 0.5 for _ in range(rotate)]
+        ranks = torch.full((S,), rank, dtype=torch.int32, device=dev)
+        scales = torch.ones(S, device=dev)
+        for n_seg in (1, 4, 16, 64):
+            seg_slots_cpu = torch.randperm(S, generator=gen)[:n_seg]
+            slots_cpu = seg_slots_cpu.repeat_interleave(T // n_seg)
+            meta = pk.build_lora_metadata(slots_cpu, num_slots=S, device=dev)
+            slots_dev, sl, rl, scl = slots_cpu.to(dev), slots_cpu.tolist(), [rank] * S, [1.0] * S
+            x = [torch.randn(T, 4096, device=dev, dtype=dtype) for _ in range(rotate)]
+            v = [torch.randn(T, rank, device=dev) for _ in range(rotate)]
+            y = [torch.zeros(T, 4096, device=dev, dtype=dtype) for _ in range(rotate)]
+            vout = [torch.zeros(T, rank, device=dev) for _ in range(rotate)]
+            seg = (meta.seg_starts, meta.seg_slots)
+            cases = {
+                "shrink": (lambda i: pk.sgmv_shrink(x[i], a[i], *seg, scales, ranks,
+                                                    max_segment_len=meta.max_segment_len, out=vout[i]),
+                           lambda i: baseline_gather_bmm_shrink(x[i], a[i], slots_dev, scales),
+                           lambda i: baseline_loop_shrink(x[i], a[i], sl, scl, rl, vout[i])),
+                "expand": (lambda i: pk.sgmv_expand(v[i], b[i], *seg, ranks, y[i],
+                                                    max_segment_len=meta.max_segment_len),
+                           lambda i: baseline_gather_bmm_expand(v[i], b[i], slots_dev, y[i]),
+                           lambda i: baseline_loop_expand(v[i], b[i], sl, rl, y[i])),
+            }
+            for op, (ours, bmm, loop) in cases.items():
+                us = cuda_time(ours, rotate, args.iters)
+                us_bmm = cuda_time(bmm, rotate, args.iters)
+                us_loop = cuda_time_eager(loop, rotate, max(3, args.iters // 10))
+                gbps = unique_bytes(op, T, 4096, 4096, rank, slots_cpu, rl, elem) / (us * 1e-6) / 1e9
+                print(json.dumps({
+                    "device": "cuda", "op": f"sgmv_{op}", "workload": f"prefill_{n_seg}x{T // n_seg}", "tokens": T,
+                    "distinct_adapters": n_seg, "hidden": 4096, "rank": rank, "dtype": "float16",
+                    "us": round(us, 2), "GBps": round(gbps, 1), "frac_of_copy_bw": round(gbps / copy_gbps, 3),
+                    "gather_bmm_us": round(us_bmm, 2), "loop_us": round(us_loop, 2),
+                    "speedup_vs_gather_bmm": round(us_bmm / us, 2), "speedup_vs_loop": round(us_loop / us, 2),
+                }), flush=True)
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cuda", action="store_true", default=None, help="run the CUDA benchmark (default: if available)")
     p.add_argument("--cpu", action="store_true", help="run the CPU benchmark even when a GPU is present")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cpu: the same as --cpu; cuda: the same as --cuda")
+    p.add_argument("--quick", action="store_true",
+                   help="CUDA: hidden 4096, rank 16, batches 1/8/32/64/256 only (minutes, not tens of minutes)")
     p.add_argument("--rotate", type=int, default=4, help="input buffer copies cycled to defeat L2")
     p.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
     args = p.parse_args()
+    if args.device == "cpu":
+        args.cpu = True
+    elif args.device == "cuda":
+        args.cuda = True
     use_cuda = torch.cuda.is_available() if args.cuda is None else args.cuda
     if args.cpu or not use_cuda:
         run_cpu(args)
     if use_cuda and not args.cpu:
-        run_cuda(args)
+        run_cuda_sgmv(args, run_cuda(args))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 rank-16 adapters (all seven targets), against transformers + PEFT's mixed-adapter batch.
 
     python bench/multi_lora.py [--format auto] [--lora-dtype default] [--skip-peft] [--rounds 5]
+    python bench/multi_lora.py --model /tmp/smollm2.gguf --backend triton --device cuda --format bf16 \
+        --skip-peft --rounds 3               # a GPU machine (bench/gpu.sh)
 
 Prints one JSON object: `base_tok_s`, `lora1_tok_s`, `lora8_tok_s`, `lora32_tok_s` (aggregate
 completion tokens/s, 32 concurrent requests, 64 new tokens each, greedy, prefill included; the
@@ -10,6 +12,12 @@ median of `--rounds` interleaved passes), `lora32_over_base` (and per round),
 `cold_load_ms` (one rank-16 adapter from local disk to a filled device slot: read, checks,
 conversion to the slots' dtype (int8: quantization), slot copy; median of 5). `lora_dtype` is
 the adapters' storage: the engine's default for the format, or `--lora-dtype`.
+
+`--model`, `--backend`, `--device` go to the checkpoint loader and EngineConfig (random adapters
+are written at the model's shape); a run other than the default (embedded model, CPU backend and
+device) adds `run` (model, backend, device, GPU, load seconds). On CUDA, timings synchronize the
+device at both ends and PEFT runs in bf16 on the same device; PEFT is skipped with `--skip-peft`,
+or reported as `peft_skipped` (the reason) where transformers/peft are missing or fail.
 """
 from __future__ import annotations
 
@@ -24,18 +32,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import engine_tok_s, fixed_requests, hf_baseline, hf_chat_batch, machine, median  # noqa: E402
+from bench.common import (add_model_args, engine_tok_s, fixed_requests, hf_baseline, hf_chat_batch,  # noqa: E402
+                          is_default_run, load_model, machine, median, run_info, sync)
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import default_model_path, load_gguf  # noqa: E402
+from engine.lora.peft_format import tensor_name  # noqa: E402
 from engine.lora.source import LocalDirectoryAdapterSource  # noqa: E402
-from engine.lora.weights import load_lora_weights  # noqa: E402
-from engine.tokenizer import TextTokenizer  # noqa: E402
-from tests.engine.lora_fixtures import write_random_adapter  # noqa: E402
+from engine.lora.weights import base_shape_of, load_lora_weights  # noqa: E402
+from tests.engine.lora_fixtures import ALL_TARGETS, write_random_adapter  # noqa: E402
 
 N_REQ, NEW_TOKENS, RANK = 32, 64, 16
 DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 LORA_DTYPES = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def write_adapter_for(path: Path, cfg, rank: int, seed: int) -> None:
+    """A random rank-`rank` PEFT adapter on all seven targets at the shape of the model `cfg`
+    (the same tensors and config as tests.engine.lora_fixtures.write_random_adapter, which is
+    SmolLM2's shape only)."""
+    from safetensors.torch import save_file
+
+    canon = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+             "down_proj": "down"}
+    base = base_shape_of(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(base.num_layers):
+        for t in ALL_TARGETS:
+            fan_in, fan_out = base.module_dims(canon[t])
+            tensors[tensor_name(layer, canon[t], "A")] = torch.randn(rank, fan_in, generator=g) * 0.02
+            tensors[tensor_name(layer, canon[t], "B")] = torch.randn(fan_out, rank, generator=g) * 0.02
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(ALL_TARGETS),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": cfg.name,
+        "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}))
 
 
 def main() -> None:
@@ -45,18 +77,27 @@ def main() -> None:
                     help="adapter storage (default: the engine's choice for the format)")
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--rounds", type=int, default=5, help="passes over the four workloads (median reported)")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="completion tokens per request")
+    add_model_args(ap)
     args = ap.parse_args()
+    new_tokens = args.new_tokens
+    t0 = time.perf_counter()
+    checkpoint, tokenizer = load_model(args.model)
+    load_s = time.perf_counter() - t0
     root = Path(tempfile.mkdtemp(prefix="tessera-bench-lora-"))
     names = [f"a{i:02d}" for i in range(N_REQ)]
     for i, n in enumerate(names):
-        write_random_adapter(root / n, RANK, seed=i)
+        if args.model is None:
+            write_random_adapter(root / n, RANK, seed=i)
+        else:
+            write_adapter_for(root / n, checkpoint[0], RANK, seed=i)
 
-    checkpoint = load_gguf(default_model_path())
-    tokenizer = TextTokenizer.from_gguf_metadata(checkpoint[2])
     eng = LLMEngine(config=EngineConfig(dtype=DTYPES[args.format], weight_format=args.format,
                                         lora_dtype=LORA_DTYPES[args.lora_dtype],
-                                        kv_cache_bytes=256 << 20, max_loras=N_REQ, max_lora_rank=RANK),
+                                        kv_cache_bytes=256 << 20, max_loras=N_REQ, max_lora_rank=RANK,
+                                        backend=args.backend, device=args.device),
                     checkpoint=checkpoint, tokenizer=tokenizer, adapter_source=LocalDirectoryAdapterSource(root))
+    del checkpoint  # the engine is built; PEFT loads its own copy
     for n in names:  # load every adapter into the CPU tier first: this measures steady state
         eng.lora_manager.request_adapter(n)
     for n in names:
@@ -75,7 +116,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {k: [] for k in workloads}
     for r in range(args.rounds):
         for key, adapters in workloads.items():
-            runs[key].append(engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, NEW_TOKENS, f"{key}{r}-", adapters)))
+            runs[key].append(engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, new_tokens, f"{key}{r}-", adapters)))
     for key, xs in runs.items():
         res[f"{key}_tok_s"] = round(median(xs), 2)
     res["lora32_over_base"] = round(res["lora32_tok_s"] / res["base_tok_s"], 3)
@@ -83,36 +124,46 @@ def main() -> None:
 
     loads = []
     for i in range(5):
+        sync(args.device)
         t0 = time.perf_counter()
         w = load_lora_weights(root / names[i], names[i], eng.model_config, max_rank=RANK, dtype=eng.lora_manager.dtype)
         eng.lora_manager.slots.write(i, w)
+        sync(args.device)
         loads.append((time.perf_counter() - t0) * 1000)
     res["cold_load_ms"] = round(median(loads), 1)
 
     if not args.skip_peft:
-        res["peft32_tok_s"] = round(run_peft(root, names), 2)
-        res["lora32_over_peft32"] = round(res["lora32_tok_s"] / res["peft32_tok_s"], 2)
-    if eng.int8_max_rows is not None:
+        try:
+            res["peft32_tok_s"] = round(run_peft(root, names, args), 2)
+            res["lora32_over_peft32"] = round(res["lora32_tok_s"] / res["peft32_tok_s"], 2)
+        except Exception as e:  # no transformers/peft/gguf here, or a model they cannot load
+            res["peft_skipped"] = f"{type(e).__name__}: {e}"[:300]
+    if getattr(eng, "int8_max_rows", None) is not None:
         res["int8_max_rows"] = list(eng.int8_max_rows)
         res["dense_ms"] = eng.format_timings
     res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."),
-                "rank": RANK, "requests": N_REQ, "new_tokens": NEW_TOKENS, "machine": machine()})
+                "rank": RANK, "requests": N_REQ, "new_tokens": new_tokens})
+    if not is_default_run(args):
+        res["run"] = run_info(args, load_s)
+    res["machine"] = machine()
     print(json.dumps(res))
 
 
-def run_peft(root: Path, names: list[str]) -> float:
+def run_peft(root: Path, names: list[str], args) -> float:
     from peft import PeftModel
 
-    model, tok = hf_baseline()
+    model, tok = hf_baseline(args.model, args.device)
     model = PeftModel.from_pretrained(model, str(root / names[0]), adapter_name=names[0])
     for n in names[1:]:
         model.load_adapter(str(root / n), adapter_name=n)
-    batch = hf_chat_batch(tok, len(names))
+    batch = hf_chat_batch(tok, len(names), args.device)
     with torch.no_grad():
         model.generate(**batch, adapter_names=names, max_new_tokens=2, do_sample=False)
+        sync(args.device)
         t0 = time.perf_counter()
-        out = model.generate(**batch, adapter_names=names, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False)
+        out = model.generate(**batch, adapter_names=names, max_new_tokens=args.new_tokens,
+                             min_new_tokens=args.new_tokens, do_sample=False)
+        sync(args.device)
         dt = time.perf_counter() - t0
     return (out.shape[1] - batch["input_ids"].shape[1]) * len(names) / dt
 
