@@ -1,6 +1,12 @@
-"""Device-side tables the launchers pass to the kernels.
+"""What every launcher shares: the device-side slice tables, and where the kernels can run.
 
-Several slices (q, k, v stacks) are separate tensors, so one launch reaches them through a
+Where: `triton.jit` builds each kernel either for the GPU or for the interpreter, by
+TRITON_INTERPRET at the moment the kernel modules are imported (not at call time). Compiled
+kernels take CUDA tensors only; interpreted ones take CPU tensors only (the slice tables hold raw
+data pointers, which the interpreter dereferences on the host). `check_runnable` turns a mismatch
+into a RuntimeError rather than a crash.
+
+Tables: several slices (q, k, v stacks) are separate tensors, so one launch reaches them through a
 small int64 table of data pointers, plus a table of each slice's width and output column
 offset. The tables are cached by (device, pointers, widths, offsets): the engine's slot stacks
 live for the whole run, so after the first step no host-to-device copy happens, which CUDA
@@ -9,9 +15,38 @@ graph capture requires.
 
 from __future__ import annotations
 
-import os
-
 import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+#: Whether this process's kernels were built for the Triton interpreter (TRITON_INTERPRET=1 when
+#: the kernel modules were imported): the kernels beside this module are decorated in the same
+#: import, so this probe was built the same way.
+INTERPRETED: bool = not isinstance(_probe, JITFunction)
+
+
+def check_runnable(device: torch.device) -> None:
+    """Raise RuntimeError unless this process's kernels can run on tensors of `device`."""
+    if device.type == "cuda":
+        if INTERPRETED:
+            raise RuntimeError(
+                "punica_kernels' Triton kernels were built for the interpreter (TRITON_INTERPRET=1 was set "
+                "when they were imported), which runs on CPU tensors only; for CUDA tensors start the "
+                "process without TRITON_INTERPRET")
+    elif device.type == "cpu":
+        if not INTERPRETED:
+            raise RuntimeError(
+                "punica_kernels' Triton kernels on CPU tensors need the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before punica_kernels.kernels (or triton.jit code) is imported, "
+                "or use impl='cpu'")
+    else:
+        raise ValueError(f"punica_kernels runs on CUDA or CPU tensors, not {device.type}")
 
 _TABLE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _TABLE_CACHE_MAX = 4096
@@ -35,13 +70,29 @@ def slice_tables(slices: list[torch.Tensor], widths: list[int], offsets: list[in
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether a kernel's tl.dot runs on fp32 tiles (IEEE products) for inputs of `dtype`.
 
-    fp32 inputs always do (TF32 would keep only 10 mantissa bits). bf16 does only under
-    TRITON_INTERPRET=1: the interpreter's bf16 tl.dot returns garbage (fp16 is fine), so there
-    the tiles are widened first; on a GPU, bf16 tiles go to the tensor cores as they are.
+    fp32 inputs always do (TF32 would keep only 10 mantissa bits). bf16 does only in the
+    interpreter: its bf16 tl.dot returns garbage (fp16 is fine), so there the tiles are widened
+    first; on a GPU, bf16 tiles go to the tensor cores as they are. The kernels' build decides,
+    not the environment at call time.
     """
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return dtype == torch.bfloat16 and INTERPRETED
+
+
+def check_dot_blocks(**blocks: int) -> None:
+    """tl.dot tiles: every side a power of two >= 16 (what the GPU's MMA needs; the interpreter
+    would accept less, so a bad size would pass the CPU tests and fail to compile on the GPU)."""
+    for name, b in blocks.items():
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name}={b}: tl.dot tiles must be powers of two >= 16")
+
+
+def overlapping(widths: list[int], offsets: list[int]) -> bool:
+    """Whether two slices write the same columns of y: then one launch over all slices would have
+    two programs read-modify-write the same elements, so the launchers run one slice at a time."""
+    spans = sorted((o, o + n) for o, n in zip(offsets, widths) if n > 0)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
 def next_pow2(n: int) -> int:

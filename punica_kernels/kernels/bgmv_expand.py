@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_expand, check_token_slots
-from ._common import next_pow2, slice_tables
+from ._common import check_runnable, next_pow2, overlapping, slice_tables
 
 
 @triton.jit
@@ -72,21 +72,30 @@ def bgmv_expand_triton(v, lora_b, token_slots, ranks, y, *, offsets=None,
     Returns:
         y.
     Raises:
-        TypeError / ValueError on a bad dtype, shape, device, contiguity, slot or rank.
+        TypeError / ValueError on a bad dtype, shape, device, contiguity, slot or rank;
+        RuntimeError where this process's kernels cannot run on y's device (_common.check_runnable).
     """
     args = check_expand(v, lora_b, ranks, y, offsets)
     check_token_slots(token_slots, args.num_tokens, args.num_slots, y.device)
+    check_runnable(y.device)
     T, R, L = args.num_tokens, args.max_rank, len(args.slices)
     if T == 0 or R == 0 or max(args.widths) == 0:
         return y
     if block_r is None:
         block_r = min(64, max(16, next_pow2(R)))
-    ptrs, geo = slice_tables(args.slices, args.widths, args.offsets)
-    vv = args.v
-    grid = (T, triton.cdiv(max(args.widths), block_n), L)
-    _bgmv_expand_kernel[grid](
-        vv, ptrs, args.slices[0], geo, token_slots, ranks, y,
-        R, L, vv.stride(0), vv.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_R=block_r,
-    )
+    # Slices sharing columns of y run one launch each (ordered on the stream), so no two
+    # programs of one launch read-modify-write the same elements.
+    groups = [range(i, i + 1) for i in range(L)] if overlapping(args.widths, args.offsets) else [range(L)]
+    for g in groups:
+        widths = args.widths[g.start:g.stop]
+        if max(widths) == 0:
+            continue
+        ptrs, geo = slice_tables(args.slices[g.start:g.stop], widths, args.offsets[g.start:g.stop])
+        vv = args.v[g.start:g.stop]
+        grid = (T, triton.cdiv(max(widths), block_n), len(g))
+        _bgmv_expand_kernel[grid](
+            vv, ptrs, args.slices[g.start], geo, token_slots, ranks, y,
+            R, len(g), vv.stride(0), vv.stride(1), y.stride(0),
+            BLOCK_N=block_n, BLOCK_R=block_r,
+        )
     return y

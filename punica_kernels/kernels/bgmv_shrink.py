@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_shrink, check_token_slots
-from ._common import slice_tables
+from ._common import check_runnable, slice_tables
 
 
 @triton.jit
@@ -84,10 +84,12 @@ def bgmv_shrink_triton(x, lora_a, token_slots, scales, ranks, *, out=None,
     Returns:
         v: fp32 [T, R] for one stack, [L, T, R] for a sequence of L stacks.
     Raises:
-        TypeError / ValueError on a bad dtype, shape, device, contiguity, slot or rank.
+        TypeError / ValueError on a bad dtype, shape, device, contiguity, slot or rank;
+        RuntimeError where this process's kernels cannot run on x's device (_common.check_runnable).
     """
     args = check_shrink(x, lora_a, scales, ranks, out)
     check_token_slots(token_slots, args.num_tokens, args.num_slots, x.device)
+    check_runnable(x.device)
     v = args.out
     T, R, K, L = args.num_tokens, args.max_rank, args.hidden, len(args.slices)
     if T == 0 or R == 0 or K == 0:

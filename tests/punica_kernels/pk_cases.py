@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from punica_kernels import reference as ref
+
+#: Where the Triton tests run: CPU tensors (through the interpreter) always, CUDA where present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def triton_devices() -> list[str]:
+    """The DEVICES this process's Triton kernels run on: "cpu" when they were built for the
+    interpreter (TRITON_INTERPRET=1 at import), else "cuda" (see conftest.py beside this file)."""
+    from punica_kernels.kernels._common import INTERPRETED
+
+    return [d for d in DEVICES if (d == "cpu") == INTERPRETED]
+
 
 TOL = {  # (rtol, atol) of a result against the float64 reference, by input dtype
     torch.float32: (1e-5, 1e-5),
@@ -31,6 +43,16 @@ class Batch:
     y: torch.Tensor  # [T, width] output buffer with random contents
     offsets: list[int]
     max_segment_len: int
+
+    def to(self, device) -> Batch:
+        """A copy with every tensor on `device` (the references run on the CPU original)."""
+        def move(val):
+            if isinstance(val, torch.Tensor):
+                return val.to(device)
+            if isinstance(val, list) and val and isinstance(val[0], torch.Tensor):
+                return [t.to(device) for t in val]
+            return val
+        return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
 def make_batch(*, T: int, K: int, S: int, R: int, widths=(None,), dtype=torch.float32, mode="mixed",
@@ -84,7 +106,7 @@ def _slots(n: int, mode: str, S: int, g: torch.Generator) -> torch.Tensor:
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(got.cpu().double(), want.cpu().double(), rtol=rtol, atol=atol)
 
 
 def reference_v(bt: Batch, op: str, single: bool) -> torch.Tensor:
@@ -126,10 +148,12 @@ def run_expand(fns: dict, bt: Batch, op: str, single: bool, **kw) -> torch.Tenso
 
 
 def check_shrink_and_expand(shrink: dict, expand: dict, bt: Batch, op: str, single: bool,
-                            dtype=torch.float32) -> None:
-    """Shrink and expand of bt (fns as in run_shrink and run_expand) against the float64 reference."""
-    assert_close(run_shrink(shrink, bt, op, single), reference_v(bt, op, single), dtype)
-    assert_close(run_expand(expand, bt, op, single), reference_y(bt, op, single), dtype)
+                            dtype=torch.float32, device="cpu") -> None:
+    """Shrink and expand of bt (fns as in run_shrink and run_expand), run on `device`, against
+    the float64 reference."""
+    dbt = bt.to(device)
+    assert_close(run_shrink(shrink, dbt, op, single), reference_v(bt, op, single), dtype)
+    assert_close(run_expand(expand, dbt, op, single), reference_y(bt, op, single), dtype)
 
 
 @dataclass(frozen=True)
@@ -144,11 +168,11 @@ class Case:
     mode: str
     seed: int
 
-    def check(self, shrink: dict, expand: dict) -> None:
+    def check(self, shrink: dict, expand: dict, device="cpu") -> None:
         """Its batch (expand widths K, K/2, K/3 for 1 to 3 slices) through check_shrink_and_expand."""
         widths = tuple(max(1, self.K // (i + 1)) for i in range(self.n_slices))
         bt = make_batch(T=self.T, K=self.K, S=self.S, R=self.R, widths=widths, mode=self.mode, seed=self.seed)
-        check_shrink_and_expand(shrink, expand, bt, self.op, single=self.n_slices == 1)
+        check_shrink_and_expand(shrink, expand, bt, self.op, single=self.n_slices == 1, device=device)
 
 
 def random_cases(*, max_T: int, max_K: int, max_S: int, max_R: int, examples: int):

@@ -113,3 +113,11 @@ def test_wrong_offsets_count_and_device():
         call_expand(pk.bgmv_expand, "bgmv", g, offsets=[0, 4])
     with pytest.raises(ValueError, match="runs on CUDA or CPU"):
         pk.bgmv_shrink(g["x"].to("meta"), g["a"], g["slots"], g["scales"], g["ranks"])
+
+
+@pytest.mark.parametrize("kw", [dict(block_m=8), dict(block_r=24), dict(block_k=0)])
+def test_tl_dot_tiles_below_the_gpu_minimum_are_refused(kw):
+    # The interpreter would run a tile of 8; the GPU compiler would not: refused everywhere.
+    g = good()
+    with pytest.raises(ValueError, match="powers of two >= 16"):
+        sgmv_shrink_triton(g["x"], g["a"], g["starts"], g["seg_slots"], g["scales"], g["ranks"], **kw)
