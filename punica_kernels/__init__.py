@@ -57,34 +57,48 @@ __all__ = [
 ]
 
 
-def _use_triton(t) -> bool:
+IMPLS = (None, "triton", "cpu")
+
+
+def _use_triton(t, impl: str | None = None) -> bool:
+    """Which path a call on tensor `t` takes: impl None by device (CUDA: Triton, CPU: the CPU
+    path), "triton" always (CPU tensors then need the interpreter: kernels._common.check_runnable
+    raises RuntimeError otherwise), "cpu" for CPU tensors only."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type == "cuda":
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"punica_kernels runs on CUDA or CPU tensors, not {t.device.type}")
+    if impl is None:
+        return t.device.type == "cuda"
+    if impl == "triton":
         return True
-    if t.device.type == "cpu":
+    if impl == "cpu":
+        if t.device.type != "cpu":
+            raise ValueError(f"impl='cpu' runs on CPU tensors; these are on {t.device}")
         return False
-    raise ValueError(f"punica_kernels runs on CUDA or CPU tensors, not {t.device.type}")
+    raise ValueError(f"impl must be None, 'triton' or 'cpu'; got {impl!r}")
 
 
-def bgmv_shrink(x, lora_a, token_slots, scales, ranks, *, meta: LoRAMetadata | None = None, out=None):
+def bgmv_shrink(x, lora_a, token_slots, scales, ranks, *, meta: LoRAMetadata | None = None, out=None,
+                impl: str | None = None):
     """Decode shrink: v[t] = scales[s] * x[t] @ A[s, :ranks[s]].T with s = token_slots[t] (0 if s == -1).
 
     Returns fp32 v: [T, R] for one stack, [L, T, R] for a sequence of L stacks.
     """
-    if _use_triton(x):
+    if _use_triton(x, impl):
         from .kernels import bgmv_shrink_triton
 
         return bgmv_shrink_triton(x, lora_a, token_slots, scales, ranks, out=out)
     return cpu.bgmv_shrink(x, lora_a, token_slots, scales, ranks, meta=meta, out=out)
 
 
-def bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta: LoRAMetadata | None = None):
+def bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta: LoRAMetadata | None = None,
+                impl: str | None = None):
     """Decode expand: y[t, off:off+N] += v[t, :r] @ B[s, :, :r].T with s = token_slots[t], r = ranks[s].
 
     Skips tokens with slot -1. Updates y in place and returns it.
     """
-    if _use_triton(y):
+    if _use_triton(y, impl):
         from .kernels import bgmv_expand_triton
 
         return bgmv_expand_triton(v, lora_b, token_slots, ranks, y, offsets=offsets)
@@ -92,12 +106,12 @@ def bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta: LoRAMet
 
 
 def sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None,
-                meta: LoRAMetadata | None = None, out=None):
+                meta: LoRAMetadata | None = None, out=None, impl: str | None = None):
     """Prefill shrink: as bgmv_shrink, with one slot per segment [seg_starts[i], seg_starts[i+1]).
 
     max_segment_len (host int, e.g. meta.max_segment_len) bounds the Triton grid; None means T.
     """
-    if _use_triton(x):
+    if _use_triton(x, impl):
         from .kernels import sgmv_shrink_triton
 
         return sgmv_shrink_triton(x, lora_a, seg_starts, seg_slots, scales, ranks,
@@ -106,9 +120,9 @@ def sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_
 
 
 def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None,
-                meta: LoRAMetadata | None = None):
+                meta: LoRAMetadata | None = None, impl: str | None = None):
     """Prefill expand: as bgmv_expand, with one slot per segment. Updates y in place and returns it."""
-    if _use_triton(y):
+    if _use_triton(y, impl):
         from .kernels import sgmv_expand_triton
 
         return sgmv_expand_triton(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=offsets,
@@ -116,7 +130,8 @@ def sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max
     return cpu.sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, offsets=offsets, meta=meta)
 
 
-def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta: LoRAMetadata, offsets=None):
+def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta: LoRAMetadata, offsets=None,
+             impl: str | None = None):
     """The whole adapter term of one layer: for every token t with slot s = meta.token_slots[t]
     (s != -1) and every slice l, y[t, off_l:off_l+N_l] += scales[s] * x[t] @ A_l[s, :r].T @ B_l[s, :, :r].T
     with r = ranks[s]; same as bgmv_shrink then bgmv_expand. `lora_a` / `lora_b`: one stack each,
@@ -126,17 +141,41 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta: LoRAMe
     checked once), with lora_b, scales, ranks and offsets left out: a caller making the same call
     every step (the engine) then pays only the activations' and rank values' checks.
 
-    CUDA: the two Triton BGMV launches with an fp32 intermediate. CPU: one fused pass over the
-    step's cached slot-major plan (punica_kernels.cpu.add_lora), the engine's decode path there.
+    impl: None picks by device (CUDA: Triton, CPU: the CPU path); "triton" or "cpu" forces one
+    (see `_use_triton`). Triton: with meta.num_decode = d given, BGMV shrink + expand over rows
+    [0, d) and SGMV shrink + expand over the rest's segments (views of x and y; each part skipped
+    when empty); with meta.num_decode None, BGMV over every token. Each part is two launches with
+    an fp32 intermediate, and nothing reads a device value back. int8 stacks are CPU-only
+    (TypeError). CPU: one fused pass over the step's cached slot-major plan
+    (punica_kernels.cpu.add_lora), the engine's decode path there; it ignores num_decode.
     """
-    if _use_triton(x):
-        if isinstance(lora_a, LoRAStack):
-            if lora_b is not None or scales is not None or ranks is not None or offsets is not None:
-                raise TypeError("with a LoRAStack, pass no lora_b, scales, ranks or offsets (the stack holds them)")
-            st = lora_a
-            if st.quantized:
-                raise TypeError("int8 LoRA stacks are a CPU form; CUDA stacks are fp16, bf16 or fp32")
-            lora_a, lora_b, scales, ranks, offsets = st.a_slices, st.b_slices, st.scales, st.ranks, st.offsets
-        v = bgmv_shrink(x, lora_a, meta.token_slots, scales, ranks, meta=meta)
-        return bgmv_expand(v, lora_b, meta.token_slots, ranks, y, offsets=offsets, meta=meta)
-    return cpu.add_lora(y, x, lora_a, lora_b, scales, ranks, meta=meta, offsets=offsets)
+    if not _use_triton(x, impl):
+        return cpu.add_lora(y, x, lora_a, lora_b, scales, ranks, meta=meta, offsets=offsets)
+    from .kernels import bgmv_expand_triton, bgmv_shrink_triton, sgmv_expand_triton, sgmv_shrink_triton
+    from .kernels._common import check_runnable
+
+    check_runnable(x.device)
+    if isinstance(lora_a, LoRAStack):
+        if lora_b is not None or scales is not None or ranks is not None or offsets is not None:
+            raise TypeError("with a LoRAStack, pass no lora_b, scales, ranks or offsets (the stack holds them)")
+        st = lora_a
+        if st.quantized:
+            raise TypeError("int8 LoRA stacks are a CPU form (impl='cpu'); Triton stacks are fp16, bf16 or fp32")
+        lora_a, lora_b, scales, ranks, offsets = st.a_slices, st.b_slices, st.scales, st.ranks, st.offsets
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    if x.dim() != 2 or y.dim() != 2 or not x.shape[0] == y.shape[0] == meta.num_tokens:
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must be 2-D with one row per token "
+                         f"of the metadata ({meta.num_tokens})")
+    nd = meta.num_decode
+    if nd is None:
+        v = bgmv_shrink_triton(x, lora_a, meta.token_slots, scales, ranks)
+        return bgmv_expand_triton(v, lora_b, meta.token_slots, ranks, y, offsets=offsets)
+    if nd > 0:
+        v = bgmv_shrink_triton(x[:nd], lora_a, meta.decode_slots, scales, ranks)
+        bgmv_expand_triton(v, lora_b, meta.decode_slots, ranks, y[:nd], offsets=offsets)
+    if nd < meta.num_tokens:
+        starts, slots, max_len = meta.prefill_seg_starts, meta.prefill_seg_slots, meta.prefill_max_segment_len
+        v = sgmv_shrink_triton(x[nd:], lora_a, starts, slots, scales, ranks, max_segment_len=max_len)
+        sgmv_expand_triton(v, lora_b, starts, slots, ranks, y[nd:], offsets=offsets, max_segment_len=max_len)
+    return y

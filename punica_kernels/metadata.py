@@ -5,6 +5,12 @@ Tokens are never permuted: segments are runs of equal slots in the batch's own t
 read each token's slot directly. The tensors' shapes depend only on the token count and the
 run structure; a decode step captured in a CUDA graph copies `token_slots` (shape [T], fixed
 for the batch size) into its static buffer and the BGMV launch shape stays the same.
+
+A mixed batch puts its decode tokens first (`num_decode`, one per sequence) and its prefill
+chunks after them; the Triton `add_lora` then runs BGMV over the decode rows and SGMV over the
+prefill rows' own segments (`prefill_seg_starts`, relative to row `num_decode`). Everything a
+launch needs on the host (`max_segment_len`, `prefill_max_segment_len`, `num_decode`) is a host
+int computed here, so no launch reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -28,8 +34,21 @@ class LoRAMetadata:
     distinct_slots_list: tuple[int, ...]  # the same on the host (for loaders and the scheduler)
     num_tokens: int  # T
     num_slots: int | None  # size of the slot stack the slots were checked against, if given
+    # Tokens [0, num_decode) are decode tokens, the rest prefill chunks. None: not given, and the
+    # Triton add_lora runs BGMV over every token (a launch shape fixed by T alone).
+    num_decode: int | None = None
+    # Runs of equal slots among the prefill tokens alone, boundaries relative to row num_decode
+    # (SGMV input for x[num_decode:]); [0] and [] when there are none.
+    prefill_seg_starts: torch.Tensor | None = None  # [m+1] int32
+    prefill_seg_slots: torch.Tensor | None = None  # [m] int32
+    prefill_max_segment_len: int = 0  # longest prefill run, host int
     _cpu_plans: dict = field(default_factory=dict, repr=False, compare=False)
     _max_adapter_run: int | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def decode_slots(self) -> torch.Tensor:
+        """token_slots[:num_decode] (a view): the BGMV input for the decode rows."""
+        return self.token_slots[: self.num_decode or 0]
 
     def max_adapter_run(self) -> int:
         """Longest run of consecutive tokens on one adapter slot (runs of -1 not counted); cached.
@@ -52,15 +71,21 @@ class LoRAMetadata:
 
 
 def build_lora_metadata(slot_per_token: Sequence[int] | torch.Tensor, *, num_slots: int | None = None,
-                        device: torch.device | str | None = None) -> LoRAMetadata:
+                        device: torch.device | str | None = None, num_decode: int | None = None) -> LoRAMetadata:
     """Turn a per-token slot list into the kernels' metadata, without permuting tokens.
 
     Args:
         slot_per_token: [T] ints (list or 1-D integer tensor); -1 = no adapter.
         num_slots: size S of the weight stacks; when given, every slot must be in [-1, S).
         device: where the tensors go (default: the input tensor's device, else CPU).
+        num_decode: how many leading tokens are decode tokens (one per sequence); the rest are
+            prefill chunks, each sequence's tokens contiguous. The Triton `add_lora` runs BGMV
+            over the first num_decode rows and SGMV over the rest's runs of equal slots
+            (num_decode=0: all prefill, SGMV only; num_decode=T: BGMV only). None (the default):
+            BGMV over every token, a launch shape that depends on T alone. The CPU path ignores it.
     Raises:
-        TypeError if the slots are not integers; ValueError if a slot is out of range.
+        TypeError if the slots or num_decode are not integers; ValueError if a slot is out of
+        range or num_decode is outside [0, T].
     """
     if isinstance(slot_per_token, torch.Tensor):
         if slot_per_token.dtype.is_floating_point or slot_per_token.dtype == torch.bool or slot_per_token.dim() != 1:
@@ -75,18 +100,19 @@ def build_lora_metadata(slot_per_token: Sequence[int] | torch.Tensor, *, num_slo
         slots = torch.tensor(vals, dtype=torch.int64)
     device = torch.device(device if device is not None else "cpu")
     T = slots.shape[0]
+    if num_decode is not None:
+        if not isinstance(num_decode, int) or isinstance(num_decode, bool):
+            raise TypeError(f"num_decode must be an int, got {type(num_decode).__name__}")
+        if not 0 <= num_decode <= T:
+            raise ValueError(f"num_decode={num_decode} is outside [0, {T}] (the token count)")
     if T:
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1:
             raise ValueError(f"slot {lo} is invalid: slots are >= 0, or -1 for no adapter")
         if num_slots is not None and hi >= num_slots:
             raise ValueError(f"slot {hi} is out of range for {num_slots} slots")
-    if T:
-        run_slots, run_lens = torch.unique_consecutive(slots, return_counts=True)
-    else:
-        run_slots = run_lens = torch.zeros(0, dtype=torch.int64)
-    starts = torch.zeros(run_lens.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(run_lens, 0, out=starts[1:])
+    starts, run_slots, max_len = _runs(slots)
+    p_starts, p_slots, p_max = _runs(slots[num_decode or 0:])
     has = (slots >= 0).nonzero().squeeze(1)
     sorted_tokens = has[torch.argsort(slots[has], stable=True)]
     distinct = torch.unique(slots[has])
@@ -94,10 +120,24 @@ def build_lora_metadata(slot_per_token: Sequence[int] | torch.Tensor, *, num_slo
         token_slots=slots.to(device=device, dtype=torch.int32),
         seg_starts=starts.to(device=device, dtype=torch.int32),
         seg_slots=run_slots.to(device=device, dtype=torch.int32),
-        max_segment_len=int(run_lens.max()) if T else 0,
+        max_segment_len=max_len,
         sorted_tokens=sorted_tokens.to(device),
         distinct_slots=distinct.to(device=device, dtype=torch.int32),
         distinct_slots_list=tuple(distinct.tolist()),
         num_tokens=T,
         num_slots=num_slots,
+        num_decode=num_decode,
+        prefill_seg_starts=p_starts.to(device=device, dtype=torch.int32),
+        prefill_seg_slots=p_slots.to(device=device, dtype=torch.int32),
+        prefill_max_segment_len=p_max,
     )
+
+
+def _runs(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Runs of equal slots (CPU int64): (boundaries [n+1] from 0, slot of each run [n], longest run)."""
+    if not slots.numel():
+        return torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 0
+    run_slots, run_lens = torch.unique_consecutive(slots, return_counts=True)
+    starts = torch.zeros(run_lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(run_lens, 0, out=starts[1:])
+    return starts, run_slots, int(run_lens.max())

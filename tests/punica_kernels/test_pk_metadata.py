@@ -55,3 +55,34 @@ def test_metadata_drives_both_kernel_families_to_the_same_answer():
 def test_bad_slot_lists_raise(bad, err, match):
     with pytest.raises(err, match=match):
         pk.build_lora_metadata(bad, num_slots=6)
+
+
+def test_num_decode_splits_off_the_prefill_runs_relative_to_their_first_row():
+    # 3 decode tokens, then chunks of slots 2, 2 (two sequences on one adapter: one run), -1, 0.
+    m = pk.build_lora_metadata([2, -1, 2, 2, 2, 2, -1, 0, 0, 0], num_slots=3, num_decode=3)
+    assert m.num_decode == 3 and m.decode_slots.tolist() == [2, -1, 2]
+    assert m.prefill_seg_starts.tolist() == [0, 3, 4, 7]
+    assert m.prefill_seg_slots.tolist() == [2, -1, 0]
+    assert m.prefill_max_segment_len == 3 and isinstance(m.prefill_max_segment_len, int)
+    assert m.prefill_seg_starts.dtype == m.prefill_seg_slots.dtype == torch.int32
+    # The whole batch's runs are unchanged by the split (the CPU path and SGMV callers read them).
+    assert m.seg_starts.tolist() == [0, 1, 2, 6, 7, 10]
+
+
+@pytest.mark.parametrize("num_decode, starts, slots, longest", [
+    (None, [0, 2, 3], [1, 0], 2),  # not given: the prefill fields cover every token
+    (0, [0, 2, 3], [1, 0], 2),
+    (3, [0], [], 0),
+])
+def test_num_decode_edges(num_decode, starts, slots, longest):
+    m = pk.build_lora_metadata([1, 1, 0], num_decode=num_decode)
+    assert m.num_decode == num_decode
+    assert m.prefill_seg_starts.tolist() == starts and m.prefill_seg_slots.tolist() == slots
+    assert m.prefill_max_segment_len == longest
+    assert m.decode_slots.numel() == (num_decode or 0)
+
+
+@pytest.mark.parametrize("num_decode, err", [(4, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_bad_num_decode_raises(num_decode, err):
+    with pytest.raises(err, match="num_decode"):
+        pk.build_lora_metadata([0, 1, 2], num_decode=num_decode)
