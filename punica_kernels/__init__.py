@@ -14,13 +14,13 @@ expand stacks may differ in N) and, for expand, the first output column of each 
 (`offsets`, default: packed side by side from column 0). With a sequence, shrink returns the
 fp32 intermediate v as [L, T, R] and expand takes it as such; with a single tensor, v is [T, R].
 
-    v = bgmv_shrink(x, lora_a, token_slots, scales, ranks, *, meta=None, out=None)
-    bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta=None) -> y
-    v = sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None, meta=None, out=None)
-    sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None, meta=None) -> y
-    add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None) -> y   (shrink + expand fused)
+    v = bgmv_shrink(x, lora_a, token_slots, scales, ranks, *, meta=None, out=None, impl=None)
+    bgmv_expand(v, lora_b, token_slots, ranks, y, *, offsets=None, meta=None, impl=None) -> y
+    v = sgmv_shrink(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_segment_len=None, meta=None, out=None, impl=None)
+    sgmv_expand(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=None, max_segment_len=None, meta=None, impl=None) -> y
+    add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None, impl=None) -> y   (shrink + expand)
     stack = lora_stack(lora_a, lora_b, scales, ranks, offsets=None); add_lora(y, x, stack, meta=meta)
-    meta = build_lora_metadata(slot_per_token, *, num_slots=None, device=None)
+    meta = build_lora_metadata(slot_per_token, *, num_slots=None, device=None, num_decode=None)
 
 BGMV (decode) takes a slot per token; SGMV (prefill) takes segments: `seg_starts` [n+1]
 (0 ... T, empty segments allowed) and `seg_slots` [n]. `build_lora_metadata` produces both from
@@ -32,9 +32,22 @@ the bytes; the C kernel widens them in registers) and int8 stacks with fp32 row 
 In int8 stacks a slot's B rows are packed at the slot's rank (`int8_b_view`), so a rank-16
 adapter in a rank-64 stack reads a quarter of the bytes [N, R] rows would pull in.
 
-Dispatch: CUDA tensors run the Triton kernels (punica_kernels.kernels); CPU tensors run the torch
-path (punica_kernels.cpu). `meta` is optional: the CPU path reuses its token grouping across the
-many layers of one step. `punica_kernels.reference` is a slow float64 reference for tests.
+Dispatch (`impl`): None (the default) picks by device: CUDA tensors run the Triton kernels
+(punica_kernels.kernels), CPU tensors the torch/C path (punica_kernels.cpu). impl="triton" runs
+the Triton kernels whatever the device: on CPU tensors through the Triton interpreter, which
+needs TRITON_INTERPRET=1 set before the kernels are imported (Triton builds each kernel for the
+interpreter or the GPU at import, so one process runs one of the two; a mismatch raises
+RuntimeError saying so). impl="cpu" runs the CPU path and takes CPU tensors only. `meta` is
+optional for the four ops: the CPU path reuses its token grouping across the many layers of one
+step. `punica_kernels.reference` is a slow float64 reference for tests.
+
+Mixed batches (`build_lora_metadata(..., num_decode=d)`): tokens [0, d) are decode tokens, one
+per sequence, the rest prefill chunks. The Triton add_lora then runs BGMV shrink + expand over
+rows [0, d) and SGMV shrink + expand over the prefill rows' runs of equal slots (views of x and
+y), each skipped when empty; d = 0 is an all-prefill batch (SGMV only). num_decode=None (not
+given) runs BGMV over every token, a launch shape fixed by T alone. Every launch size is a host
+int from the metadata, so the Triton path never reads a device value back. The CPU path ignores
+num_decode (it groups tokens by slot whatever their kind).
 
 Bad calls raise TypeError (dtype) or ValueError (shape, device, contiguity, slot or rank value).
 Checks that read tensor values run for CPU tensors only; on CUDA they would sync the device and
