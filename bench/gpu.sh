@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The one command a bare GPU machine runs, from the repository root: the punica kernel tests on
+# CUDA, then the engine and kernel benchmarks on synthetic checkpoints (no model hub there).
+#
+# Before it, here: `bash bench/device_wheels.sh` (the wheels the machine lacks, into .whl/).
+# The device call:  command `bash bench/gpu.sh`, carry [".whl"]  (.whl/ is ignored by git, so it
+# travels only when the call names it). Results land in $OUT (at most 8 files come back):
+#   env.txt                nvidia-smi, Python, torch, triton, the GPU torch sees
+#   steps.log              each step's command, exit code, seconds, and its stderr's last lines
+#   pytest.log             python -m pytest -q tests/punica_kernels
+#   kernels.json           bench/kernels.py --device cuda --quick (JSON lines: BGMV, SGMV)
+#   engine_smollm2.json    bench/engine.py on a synthetic SmolLM2-135M (+ transformers on CUDA)
+#   multi_lora.json        bench/multi_lora.py on the same (+ PEFT on CUDA)
+#   engine_llama3_8b.json  bench/engine.py on a synthetic Llama-3-8B (modest concurrency, no peer)
+# A failing or timed-out step is logged and the next one runs; the whole script stays within
+# TOTAL_S seconds (default 530, inside the device's 10-minute command limit): each step gets its
+# own budget, cut to what is left. ENGINE_FORMAT (default bf16) is the --formats/--format given to
+# the engine benchmarks; BACKEND (default triton) their --backend.
+set -u
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+TOTAL_S="${TOTAL_S:-530}"
+ENGINE_FORMAT="${ENGINE_FORMAT:-bf16}"
+BACKEND="${BACKEND:-triton}"
+START=$(date +%s)
+STEPS="$OUT/steps.log"
+export PYTHONUNBUFFERED=1
+: >"$STEPS"
+
+log() { echo "$(date -u +%H:%M:%S) $*" >>"$STEPS"; }
+
+# step NAME BUDGET_S STDOUT_FILE CMD...: runs CMD with stdout to STDOUT_FILE ("-": into
+# steps.log), at most BUDGET_S seconds (or what is left of TOTAL_S); records the exit code, the
+# time, and the stderr's tail.
+step() {
+  local name=$1 budget=$2 out=$3
+  shift 3
+  [[ $out == - ]] && out=/tmp/gpu_step.out
+  local left=$((START + TOTAL_S - $(date +%s)))
+  if ((left < 10)); then
+    log "== $name: skipped, ${left}s left of ${TOTAL_S}s"
+    return
+  fi
+  ((budget > left)) && budget=$left
+  log "== $name (budget ${budget}s): $*"
+  local t0=$(date +%s) rc
+  timeout --kill-after=10 "$budget" "$@" >"$out" 2>/tmp/gpu_step.err
+  rc=$?
+  ((rc == 124 || rc == 137)) && log "   timed out"
+  log "   rc=$rc in $(($(date +%s) - t0))s; stderr's last lines:"
+  tail -n 25 /tmp/gpu_step.err | sed 's/^/   | /' >>"$STEPS"
+  [[ $out == /tmp/gpu_step.out ]] && sed 's/^/   > /' /tmp/gpu_step.out >>"$STEPS"
+  return 0
+}
+
+# The carried wheels (bench/device_wheels.sh), installed beside the image's packages.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl >>"$STEPS" 2>&1; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    log "wheels installed: $(ls .whl | tr '\n' ' ')"
+  else
+    log "wheel install FAILED (continuing without them)"
+  fi
+else
+  log "no .whl/*.whl: run bench/device_wheels.sh here and name .whl in the call's carry"
+fi
+
+{
+  echo "## date"; date -u
+  echo "## nvidia-smi"; nvidia-smi 2>&1
+  echo "## python"; "$PY" -V 2>&1; command -v "$PY"
+  echo "## packages"
+  "$PY" - <<'EOF' 2>&1
+import importlib
+for name in ("torch", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "transformers", "peft", "gguf",
+             "pydantic", "prometheus_client", "pytest", "hypothesis"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name} {getattr(m, '__version__', '?')} {getattr(m, '__file__', '')}")
+    except Exception as e:
+        print(f"{name} MISSING ({type(e).__name__}: {e})")
+import torch
+print("cuda available:", torch.cuda.is_available(), "| torch cuda:", torch.version.cuda)
+if torch.cuda.is_available():
+    print("device:", torch.cuda.get_device_name(), "| capability:", torch.cuda.get_device_capability())
+EOF
+  echo "## imports the benchmarks need"
+  "$PY" -c "import engine.llm_engine, engine.loader.synthetic, punica_kernels, bench.common; print('ok')" 2>&1
+  echo "## cpu"; nproc; grep -m1 "model name" /proc/cpuinfo
+} >"$OUT/env.txt" 2>&1
+log "env.txt written"
+
+# The kernel tests (they include CUDA cases where torch sees a GPU). Third-party pytest plugins
+# of the image are not loaded: they may not match the carried pytest.
+step pytest 120 "$OUT/pytest.log" \
+  env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/punica_kernels
+cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
+
+step synthetic_smollm2 60 - "$PY" -m engine.loader.synthetic --shape smollm2 --out /tmp/synthetic/smollm2.gguf
+step synthetic_llama3_8b 90 - "$PY" -m engine.loader.synthetic --shape llama3-8b --out /tmp/synthetic/llama3-8b.gguf
+
+step kernels 75 "$OUT/kernels.json" "$PY" bench/kernels.py --device cuda --quick
+
+step engine_smollm2 90 "$OUT/engine_smollm2.json" "$PY" bench/engine.py --model /tmp/synthetic/smollm2.gguf \
+  --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" --concurrency 1,8,32
+
+step multi_lora 100 "$OUT/multi_lora.json" "$PY" bench/multi_lora.py --model /tmp/synthetic/smollm2.gguf \
+  --backend "$BACKEND" --device cuda --format "$ENGINE_FORMAT" --rounds 3
+
+# Last: the largest load; it gets whatever time is left, up to its budget.
+step engine_llama3_8b 240 "$OUT/engine_llama3_8b.json" "$PY" bench/engine.py --model /tmp/synthetic/llama3-8b.gguf \
+  --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" --concurrency 1,8 --new-tokens 32 \
+  --kv-cache-mb 1024 --skip-hf
+
+log "done in $(($(date +%s) - START))s"
+cat "$STEPS"
