@@ -9,11 +9,11 @@ PROMPT ?= What is the capital of France?
 
 setup: $(VENV)/.installed tools browser admin-ui kernels
 
-# The CPU kernels (punica_kernels/csrc: LoRA; engine/model/csrc: int8 linear, int8 on AMX, Q4_1,
+# The CPU kernels (punica_kernels/csrc: LoRA; engine/backends/cpu/csrc: int8 linear, int8 on AMX, Q4_1,
 # decode ops; C + OpenMP, -march=native) are compiled on first use; building them here keeps that ~1 s out
 # of the first request. No compiler (or no AMX, for that kernel): the torch paths serve.
 kernels: $(VENV)/.installed
-	@$(PY) -c "from punica_kernels import cpu_native; from engine.model import cpu_int8, cpu_ops, cpu_q4; ok = lambda lib: 'built' if lib else 'unavailable'; print('CPU kernels: LoRA', ok(cpu_native.library()), '/ int8', ok(cpu_int8.library()), '/ int8 AMX', ok(cpu_int8.amx_library()), '/ Q4_1', ok(cpu_q4.library()), '/ decode ops', ok(cpu_ops.library()))"
+	@$(PY) -c "from punica_kernels import cpu_native; from engine.backends.cpu import int8 as cpu_int8, decode_ops as cpu_ops, q4 as cpu_q4; ok = lambda lib: 'built' if lib else 'unavailable'; print('CPU kernels: LoRA', ok(cpu_native.library()), '/ int8', ok(cpu_int8.library()), '/ int8 AMX', ok(cpu_int8.amx_library()), '/ Q4_1', ok(cpu_q4.library()), '/ decode ops', ok(cpu_ops.library()))"
 
 # promtool + prometheus (Debian's prometheus package) for the SLO rule tests and the Prometheus
 # integration test, amtool (prometheus-alertmanager) for the routing test; installed only when

@@ -39,6 +39,7 @@ class ModelConfig:
 
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8")
+BACKENDS = ("cpu", "triton")
 
 
 @dataclass
@@ -49,27 +50,32 @@ class EngineConfig:
     block_size: int = 16
     #: Number of KV blocks; None sizes the cache from `kv_cache_bytes`.
     num_kv_blocks: int | None = None
-    #: Memory for the KV cache when `num_kv_blocks` is None.
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    #: Memory for the KV cache when `num_kv_blocks` is None; None: on CUDA
+    #: `kv_cache_memory_fraction` of the device memory free once weights and LoRA slots are
+    #: loaded (less an activation reserve), elsewhere 512 MiB (Backend.kv_cache_bytes).
+    kv_cache_bytes: int | None = None
+    #: Share of free device memory the KV cache takes when sized from it (CUDA).
+    kv_cache_memory_fraction: float = 0.9
     #: Token budget of one step (decode tokens + prefill chunk tokens).
     max_num_batched_tokens: int = 512
     #: Most sequences running at once.
     max_num_seqs: int = 64
     #: Longest prompt + completion; None takes the model's context length.
     max_model_len: int | None = None
-    #: Activation, KV-cache and LoRA-slot dtype. fp32 is exact (and the fastest on CPU:
-    #: the base matmuls cast to bf16 inside BaseLinear where that is faster; bf16 elementwise
+    #: Activation, KV-cache and LoRA-slot dtype (on CUDA, bf16: the CLI and settings choose it
+    #: for --device cuda). fp32 is exact (and the fastest on CPU:
+    #: the base matmuls cast to bf16 inside the CPU backend's linears where that is faster; bf16 elementwise
     #: ops, attention and small batched matmuls are slower than fp32 on CPU).
     dtype: torch.dtype = torch.float32
     #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only up to a
     #: measured batch size, fp32 dense for steps that prefill, bf16 dense for wider decode-only
-    #: batches where it measured faster at start; see llm_engine.pick_weight_format and
-    #: model.layers.BaseLinear), "fp32" (exact), "bf16", "int8" (same as "auto" on CPU).
+    #: batches where it measured faster at start; see engine.backends.cpu), "fp32" (exact),
+    #: "bf16", "int8" (same as "auto" on CPU). The triton backend keeps dense weights in `dtype`.
     weight_format: str = "auto"
     #: Whether steps that prefill use the int8 format's exact fp32 dense copy (True) or its decode
     #: path (False: the AMX kernel, else the bf16 copy); None: the decode path where the bf16 copy's
     #: GEMMs measure >= FAST_PREFILL_MIN_SPEEDUP times fp32's at prefill width at start
-    #: (model.layers.measure_prefill_speedup), else fp32.
+    #: (engine.backends.cpu.calibration.measure_prefill_speedup), else fp32.
     exact_prefill: bool | None = None
     #: Seconds a waiting request needs to be promoted one priority class (prevents starvation).
     aging_seconds: float = 10.0
@@ -94,12 +100,32 @@ class EngineConfig:
     backend: str = "cpu"
     #: Where weights, KV cache, LoRA slots and sampling live: "cpu", "cuda" or "cuda:N".
     device: str = "cpu"
+    #: CPU backend: the C decode-step ops (RMSNorm, residual + RMSNorm, SwiGLU gate, decode
+    #: attention); off: their torch paths (same results). TESSERA_CPU_DECODE_OPS=0 at the CLI.
+    cpu_decode_ops: bool = True
+    #: CPU backend: the C int8 weight-only kernel for decode batches; off: torch's
+    #: `_weight_int8pack_mm` (bf16 activations). TESSERA_CPU_INT8_KERNEL=0 at the CLI.
+    cpu_int8_kernel: bool = True
+    #: CPU backend: the C kernel on the checkpoint's own Q4_1 blocks for the smallest batches
+    #: (needs cpu_int8_kernel); off: the int8 kernel. TESSERA_CPU_Q4_KERNEL=0 at the CLI.
+    cpu_q4_kernel: bool = True
+    #: CPU backend: the AMX int8 kernel for wide decode batches where the CPU has AMX (needs
+    #: cpu_int8_kernel); off: the dense copies. TESSERA_CPU_AMX_KERNEL=0 at the CLI.
+    cpu_amx_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError("device must be cpu, cuda or cuda:N")
+        if self.device != "cpu" and self.backend == "cpu":
+            raise ValueError("the cpu backend runs on device cpu; use backend triton for cuda")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -107,5 +133,5 @@ class EngineConfig:
         if self.lora_dtype is not None and self.lora_dtype not in (torch.float32, torch.bfloat16, torch.float16,
                                                                    torch.int8):
             raise ValueError("lora_dtype must be float32, bfloat16, float16 or int8")
-        if self.lora_dtype == torch.int8 and (self.dtype != torch.float32 or self.device != "cpu"):
-            raise ValueError("lora_dtype int8 needs float32 activations on the CPU (dtype float32, device cpu)")
+        if self.lora_dtype == torch.int8 and (self.dtype != torch.float32 or self.backend != "cpu"):
+            raise ValueError("lora_dtype int8 needs float32 activations on the cpu backend (dtype float32)")

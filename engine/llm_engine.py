@@ -31,33 +31,20 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import default_model_path, load_checkpoint
+from engine.backends import create_backend
 from engine.model.attention import KVCache
-from engine.model.layers import (FAST_PREFILL_MIN_SPEEDUP, BaseLinear, calibrate_int8_rows, calibrate_q4_rows,
-                                 choose_dense_dtype, measure_prefill_speedup)
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.request_checks import check_prompt
-from engine.sampler import sample
+from engine.sampler import sample, sample_tokens
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import TextTokenizer
-from punica_kernels import cpu_native
 
 log = logging.getLogger(__name__)
 
 NON_FINITE_MESSAGE = "the model produced non-finite values for this request"
-
-
-def pick_weight_format(cfg: EngineConfig) -> str:
-    """"auto" on CPU: "int8", i.e. int8 weight-only for decode-sized batches and dense copies for
-    wider ones (fp32 in steps that prefill; fp32 or bf16 in decode-only steps), with fp32
-    activations; the fast dense dtype and the int8 crossover are measured on the loaded weights
-    at start (LLMEngine.__init__), because both differ by CPU (bench/RESULTS.md). Exactness
-    checks ask for "fp32"."""
-    if cfg.weight_format != "auto":
-        return cfg.weight_format
-    return "int8" if cfg.device == "cpu" else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(cfg.dtype, "fp32")
 
 
 class LLMEngine:
@@ -79,71 +66,53 @@ class LLMEngine:
             tokenizer = (TextTokenizer.from_gguf_metadata(meta) if meta
                          else TextTokenizer.from_hf_directory(path))
         self.tokenizer = tokenizer
-        self.weight_format = pick_weight_format(self.config)
-        self.model = LlamaModel(model_cfg, weights, fmt=self.weight_format, dtype=self.config.dtype)
+        self.backend = create_backend(self.config)
+        self.device = self.backend.device
+        self.weight_format = self.backend.weight_format()
+        self.model = LlamaModel(model_cfg, weights, backend=self.backend)
         del weights
-        self.int8_max_rows: tuple[int, int] | None = None
-        self.format_timings: dict = {}
-        if self.weight_format == "int8":
-            # Both the dense dtype for decode-only wide batches (bf16 beats fp32 with avx512_bf16
-            # and loses to it with AVX2 only) and the int8-vs-dense crossover differ by CPU: time
-            # them on the loaded weights rather than assume them.
-            layers = [m for m in self.model.layers.modules() if isinstance(m, BaseLinear)]
-            dense, self.format_timings = choose_dense_dtype(layers)
-            self.model.lm_head.set_fast_dtype(dense)
-            packed = all([layer.pack_dense() for layer in layers + [self.model.lm_head]])
-            self.format_timings["onednn_packed"] = packed
-            self.format_timings["int8_kernel"] = all([layer.pack_int8() for layer in layers + [self.model.lm_head]])
-            self.format_timings["q4_1_max_rows"] = calibrate_q4_rows(layers)
-            self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([self.model.lm_head]))
-            if self.config.exact_prefill is None:
-                speedup = measure_prefill_speedup(layers)
-                self.format_timings["prefill_fast_speedup"] = round(speedup, 2)
-                self.model.exact_prefill = speedup < FAST_PREFILL_MIN_SPEEDUP
-            else:
-                self.model.exact_prefill = self.config.exact_prefill
-            log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
-                     "steps, %s in steps that prefill (%s ms)", *self.int8_max_rows, dense,
-                     "fp32" if self.model.exact_prefill else dense, self.format_timings)
-
+        #: What the backend measured or chose at start (CPU: the weight formats' crossovers).
+        self.format_timings: dict = self.backend.prepare_model(self.model)
+        #: (layers, lm_head) rows up to which the CPU int8 kernels serve; None unless int8 on CPU.
+        self.int8_max_rows: tuple[int, int] | None = getattr(self.backend, "int8_max_rows", None)
         ec = self.config
         self.max_model_len = min(ec.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        num_blocks = ec.num_kv_blocks or max(
-            1, ec.kv_cache_bytes // (model_cfg.kv_bytes_per_token(ec.dtype) * ec.block_size))
+        self.lora_manager = None
+        if adapter_source is not None:
+            from engine.lora.manager import LoRAManager
+
+            # Before the KV cache: on CUDA the cache takes a share of the memory left after them.
+            self.lora_manager = LoRAManager(adapter_source, model_cfg, num_slots=ec.max_loras,
+                                            max_rank=ec.max_lora_rank, cpu_budget_bytes=ec.lora_cpu_cache_bytes,
+                                            backend=self.backend)
+        num_blocks = ec.num_kv_blocks or max(1, self.backend.kv_cache_bytes(self._activation_reserve_bytes())
+                                             // (model_cfg.kv_bytes_per_token(ec.dtype) * ec.block_size))
         self.kv = KVCache(model_cfg.num_layers, num_blocks, ec.block_size, model_cfg.num_kv_heads,
-                          model_cfg.head_dim, ec.dtype)
+                          model_cfg.head_dim, ec.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, ec.block_size)
         # A sequence must fit the cache on its own, or it could never be scheduled.
         self.max_model_len = min(self.max_model_len, num_blocks * ec.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=ec.max_num_batched_tokens,
                                    max_num_seqs=ec.max_num_seqs, aging_seconds=ec.aging_seconds,
                                    max_loras=ec.max_loras, adapter_ready=self._adapter_ready)
-        self.runner = ModelRunner(self.model, self.kv, ec.block_size)
+        self.runner = ModelRunner(self.model, self.kv, ec.block_size, self.backend)
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, Sequence] = {}
-        self.lora_manager = None
-        if adapter_source is not None:
-            from engine.lora.manager import LoRAManager
-
-            self.lora_manager = LoRAManager(adapter_source, model_cfg, num_slots=ec.max_loras,
-                                            max_rank=ec.max_lora_rank, cpu_budget_bytes=ec.lora_cpu_cache_bytes,
-                                            dtype=self._lora_dtype())
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
         engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
 
-    def _lora_dtype(self) -> torch.dtype:
-        """EngineConfig.lora_dtype, or its default: int8 stacks (rows with fp32 scales) where the
-        C LoRA kernel reads them (the exact "fp32" format keeps fp32 adapters)."""
-        ec = self.config
-        if ec.lora_dtype is not None:
-            return ec.lora_dtype
-        if (self.weight_format == "int8" and ec.dtype == torch.float32 and ec.device == "cpu"
-                and ec.max_lora_rank <= cpu_native.MAX_RANK and cpu_native.library() is not None):
-            return torch.int8
-        return ec.dtype
+    def _activation_reserve_bytes(self) -> int:
+        """Device memory a step's activations may take beside the KV cache (the widest step: the
+        token budget through the fused projections, attention and the sampled logits), doubled
+        for the allocator's slack, plus 256 MiB for kernels' workspaces."""
+        mc, ec = self.model_config, self.config
+        itemsize = torch.tensor([], dtype=ec.dtype).element_size()
+        per_token = (3 * mc.hidden_size + mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size) * itemsize
+        logits = min(ec.max_num_seqs, ec.max_num_batched_tokens) * mc.vocab_size * 4 * 2
+        return 2 * (ec.max_num_batched_tokens * per_token + logits) + (256 << 20)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -167,7 +136,7 @@ class LLMEngine:
         if request.adapter is not None and self.lora_manager is None:
             raise InvalidRequestError("this engine serves no adapters", "model")
         seq = Sequence(request.request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
-                       tenant_id=request.tenant_id, priority=priority, adapter=request.adapter)
+                       tenant_id=request.tenant_id, priority=priority, adapter=request.adapter, device=self.device)
         if request.adapter is not None:
             self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
         self.requests[seq.request_id] = seq
@@ -222,7 +191,10 @@ class LLMEngine:
             logits, seqs = self._forward_isolating(sched, e, outputs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-        if seqs:
+        if seqs and self.device.type != "cpu":
+            tokens = self._sample_on_device(logits, seqs, outputs)
+            outputs.extend(self._postprocess(seqs, tokens))
+        elif seqs:
             # A row's sum is finite exactly when every logit is (NaN and inf propagate; finite
             # logits never come near fp32's range), and one sum per row is far cheaper than an
             # elementwise isfinite over the whole vocabulary. Flagged rows are checked exactly.
@@ -280,7 +252,8 @@ class LLMEngine:
         sched.decodes[:] = [s for s in sched.decodes if not s.seq.is_finished]
         sched.prefills[:] = [s for s in sched.prefills if not s.seq.is_finished]
         seqs = [q for _, sq in ran for q in sq]
-        logits = torch.cat([lg for lg, _ in ran]) if seqs else torch.empty(0, self.model_config.vocab_size)
+        logits = (torch.cat([lg for lg, _ in ran]) if seqs
+                  else torch.empty(0, self.model_config.vocab_size, device=self.device))
         return logits, seqs
 
     def _fail_non_finite(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -294,6 +267,31 @@ class LLMEngine:
                 outputs.append(self._fail(seq, NON_FINITE_MESSAGE, "non_finite",
                                           adapter_cause="the model produced non-finite values with it"))
         return logits[ok], [q for q, good in zip(seqs, keep) if good]
+
+    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                          outputs: list[RequestOutput]) -> list[int | None]:
+        """Sampling where the logits live off the host: rows that are not finite (one row sum) are
+        zeroed before sampling (a NaN probability would stop the device, not just raise), and
+        the tokens and the finite flags come back in one device-to-host copy. Rows that were not
+        finite, or whose sampling raised, fail their sequences (token None)."""
+        finite = torch.isfinite(logits.sum(dim=1))
+        safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        errors: dict[int, Exception] = {}
+        tokens_dev = sample_tokens(safe, seqs, errors)
+        n = len(seqs)
+        host = self.backend.to_host(torch.cat([tokens_dev, finite.to(torch.int64)]))
+        tokens: list[int | None] = list(host[:n])
+        for i, (seq, ok) in enumerate(zip(seqs, host[n:])):
+            if not ok:
+                outputs.append(self._fail(seq, NON_FINITE_MESSAGE, "non_finite",
+                                          adapter_cause="the model produced non-finite values with it"))
+                tokens[i] = None
+            elif i in errors:
+                log.warning("sampling failed for request %s", seq.request_id, exc_info=errors[i])
+                outputs.append(self._fail(seq, f"sampling failed for this request ({type(errors[i]).__name__})",
+                                          "exception"))
+                tokens[i] = None
+        return tokens
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling raises fails (its token is None).

@@ -1,4 +1,8 @@
-"""Turns a SchedulerOutput into model inputs, runs the model, returns last-token logits."""
+"""Turns a SchedulerOutput into model inputs, runs the model, returns last-token logits.
+
+The step's index tensors (token ids, positions, cache slots, masks, logit rows, the LoRA batch's
+metadata) are built on the host and reach the device in one transfer (Backend.upload); on the
+CPU they are used as built."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +14,12 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, block_size: int, device: str = "cpu"):
+    def __init__(self, model: LlamaModel, kv: KVCache, block_size: int, backend):
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        self.device = device
+        self.backend = backend
+        self.device = backend.device
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of positions [start, end) of a sequence."""
@@ -87,6 +92,33 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.int64), torch.cat(pos), meta, logit_rows, sampled
 
+    def _upload(self, ids, pos, meta: AttentionMetadata, rows: list[int], lora):
+        """The step's host tensors on the device, in one transfer (nothing moves on the CPU)."""
+        if self.device.type == "cpu":
+            return ids, pos, meta, rows
+        chunk_tensors = [t for p in meta.prefills for t in (p.context_slots, p.mask) if t is not None]
+        head = [ids, pos, torch.tensor(rows, dtype=torch.int64), meta.slot_mapping]
+        head += [t for t in (meta.decode_slots, meta.decode_mask, meta.decode_lens) if t is not None]
+        lora_host = lora.host_tensors() if lora is not None else []
+        dev = self.backend.upload(head + chunk_tensors + lora_host)
+        ids, pos, rows_t, slot_mapping = dev[:4]
+        it = iter(dev[4:])
+        meta.slot_mapping = slot_mapping
+        if meta.decode_slots is not None:
+            meta.decode_slots = next(it)
+        if meta.decode_mask is not None:
+            meta.decode_mask = next(it)
+        if meta.decode_lens is not None:
+            meta.decode_lens = next(it)
+        for p in meta.prefills:
+            if p.context_slots is not None:
+                p.context_slots = next(it)
+            if p.mask is not None:
+                p.mask = next(it)
+        if lora is not None:
+            lora.bind_device_tensors(list(it))
+        return ids, pos, meta, rows_t
+
     @torch.inference_mode()
     def clear_blocks(self, blocks: list[int]) -> None:
         """Zero the K/V of `blocks` in every layer. Called for a sequence that failed in a step:
@@ -95,7 +127,7 @@ class ModelRunner:
         if not blocks:
             return
         bs = self.block_size
-        slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).reshape(-1)
+        slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).reshape(-1).to(self.device)
         for k, v in zip(self.kv.k, self.kv.v):
             k.index_fill_(0, slots, 0.0)
             v.index_fill_(0, slots, 0.0)
@@ -109,9 +141,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, lora=None) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step. Returns (fp32 logits [N, V] for `seqs` that sample, seqs)."""
+        """Run one step. Returns (fp32 logits [N, V] on the device for `seqs` that sample, seqs)."""
         ids, pos, meta, rows, sampled = self.prepare(sched)
+        ids, pos, meta, rows_idx = self._upload(ids, pos, meta, rows, lora)
         hidden = self.model(ids, pos, self.kv, meta, lora)
         if not rows:
-            return torch.empty(0, self.model.cfg.vocab_size), []
-        return self.model.compute_logits(hidden[rows], exact=self.model.exact_step(meta)), sampled
+            return torch.empty(0, self.model.cfg.vocab_size, device=self.device), []
+        return self.model.compute_logits(hidden[rows_idx], exact=self.backend.exact_step(meta)), sampled

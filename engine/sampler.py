@@ -14,18 +14,20 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           errors: dict[int, Exception] | None = None) -> list[int | None]:
-    """logits: [N, V] fp32, finite, row i for seqs[i] -> one token id per row.
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence],
+                  errors: dict[int, Exception] | None = None) -> torch.Tensor:
+    """logits: [N, V] fp32, finite, row i for seqs[i] -> the next token of every row, an int64
+    tensor [N] on the logits' device (the caller copies it to the host once).
 
     Greedy rows take argmax. Other rows are sampled from their own torch.Generator (seeded from
-    the request's seed), so a request's tokens do not depend on what else is in the batch. With
-    `errors`, a row whose sampling raises gets None and its exception in errors[i], and the
-    other rows are sampled as usual; without it the exception propagates.
+    the request's seed, on the logits' device), so a request's tokens do not depend on what else
+    is in the batch. With `errors`, a row whose sampling raises keeps its argmax, its exception
+    goes to errors[i], and the other rows are sampled as usual; without it the exception
+    propagates.
     """
     # max(dim).indices is argmax (first index of the maximum) and cheaper than torch.argmax on
     # CPU over a large vocabulary (bench/RESULTS.md).
-    tokens = logits.max(dim=-1).indices.tolist()
+    tokens = logits.max(dim=-1).indices
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             try:
@@ -34,12 +36,22 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
                 if errors is None:
                     raise
                 errors[i] = e
-                tokens[i] = None
     return tokens
 
 
-def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from finite logits `row` [V] under non-greedy params `p` (see the module doc)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           errors: dict[int, Exception] | None = None) -> list[int | None]:
+    """`sample_tokens` as a host list; with `errors`, a row whose sampling raised is None."""
+    errs: dict[int, Exception] = {} if errors is None else errors
+    tokens: list[int | None] = sample_tokens(logits, seqs, errs if errors is not None else None).tolist()
+    for i in errs:
+        tokens[i] = None
+    return tokens
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token (a 0-d tensor on row's device) from finite logits `row` [V] under non-greedy
+    params `p` (see the module doc)."""
     if p.temperature < torch.finfo(row.dtype).tiny:
         # Below the smallest normal fp32 the temperature would round to 0 in row's dtype (0 / 0
         # is NaN at the maximum); float64 holds every accepted value, subnormals included.
@@ -58,4 +70,4 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
         drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -49,7 +49,9 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, *, tenant_id: str = "default",
-                 priority: Priority = Priority.standard, adapter: str | None = None):
+                 priority: Priority = Priority.standard, adapter: str | None = None,
+                 device: torch.device | str = "cpu"):
+        """`device`: where the engine samples (a non-greedy request's generator lives there)."""
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.tenant_id = tenant_id
@@ -71,7 +73,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if not params.greedy:
-            self.generator = torch.Generator()
+            self.generator = torch.Generator(device=device)
             self.generator.manual_seed(generator_seed(params.seed))
 
     @property

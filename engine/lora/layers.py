@@ -1,4 +1,5 @@
-"""Device slots for adapters and the per-step LoRA batch the model's layers call.
+"""Device slots for adapters (the step's LoRA batch that reads them is the backend's:
+engine.backends.base.LoRABatch).
 
 The slot stacks hold, per (layer, fused group), one zero-padded A and B stack per slice:
     qkv:     A q/k/v [S, R, hidden]      B q [S, q, R], k/v [S, kv, R]
@@ -100,21 +101,3 @@ class LoRASlots:
     def clear(self, slot: int) -> None:
         self.ranks[slot] = 0
         self.scales[slot] = 0.0
-
-
-class LoRABatch:
-    """The adapter term of one step: `apply(layer, group, x, y)` adds, for every token t with
-    slot s = token_slots[t] != -1, `scale[s] * x[t] @ A[s].T @ B[s].T` into y[t] (per slice).
-
-    One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole mixed batch; tokens without
-    an adapter (slot -1) cost nothing in the CPU path. The step's metadata (and the CPU path's
-    slot-major token plan, cached in it) is built once and shared by every layer.
-    """
-
-    def __init__(self, slots: LoRASlots, token_slots: list[int]):
-        self.slots = slots
-        self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
-
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        x = x if x.is_contiguous() else x.contiguous()
-        punica_kernels.add_lora(y, x, self.slots.stacks[(layer, group)], meta=self.meta)

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.config import ModelConfig
-from engine.lora.layers import LoRABatch, LoRASlots
+from engine.lora.layers import LoRASlots
 from engine.lora.source import AdapterFetchError, AdapterSource
 from engine.lora.weights import AdapterLoadError, LoRAWeights, load_lora_weights
 
@@ -38,13 +38,17 @@ _ERROR_TTL_S = 30.0
 
 class LoRAManager:
     def __init__(self, source: AdapterSource, cfg: ModelConfig, *, num_slots: int, max_rank: int,
-                 cpu_budget_bytes: int, dtype: torch.dtype, device: str = "cpu", load_workers: int = 2):
+                 cpu_budget_bytes: int, backend, dtype: torch.dtype | None = None, load_workers: int = 2):
+        """`backend` (engine.backends) holds the slots on its device and builds the step's batch;
+        `dtype`: adapter storage (default: the backend's lora_dtype())."""
+        dtype = dtype or backend.lora_dtype()
         self.source = source
+        self.backend = backend
         self.cfg = cfg
         self.max_rank = max_rank
         self.dtype = dtype
         self.cpu_budget_bytes = cpu_budget_bytes
-        self.slots = LoRASlots(cfg, num_slots, max_rank, dtype, device)
+        self.slots = LoRASlots(cfg, num_slots, max_rank, dtype, backend.device)
         self._lock = threading.Lock()
         self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU: oldest first
         self._loading: dict[str, Future] = {}
@@ -177,12 +181,9 @@ class LoRAManager:
 
     # -- per step -----------------------------------------------------------------------------
 
-    def batch_for(self, sched) -> LoRABatch | None:
-        """Slots for this step's adapters and the LoRABatch for the model; None if no token has one.
-
-        Reorders `sched.decodes` by slot (no adapter first; stable otherwise), so that each
-        adapter's decode tokens are one contiguous run of the batch and the CPU LoRA path reads
-        and writes them through views instead of a gather and a scatter per layer. The
+    def batch_for(self, sched):
+        """Slots for this step's adapters and the backend's LoRABatch for the model (which may
+        reorder `sched.decodes`, see Backend.lora_batch); None if no token has one. The
         scheduler guarantees at most `num_slots` distinct adapters among running sequences.
         """
         seqs = [s.seq for s in sched.decodes] + [s.seq for s in sched.prefills]
@@ -193,14 +194,7 @@ class LoRAManager:
         slot_of = {v: self._slot_for(v, needed, now) for v in dict.fromkeys(
             seq.adapter for seq in seqs if seq.adapter is not None)}
 
-        def slot(seq) -> int:
-            return -1 if seq.adapter is None else slot_of[seq.adapter]
-
-        sched.decodes.sort(key=lambda s: slot(s.seq))
-        token_slots = [slot(s.seq) for s in sched.decodes]
-        for s in sched.prefills:
-            token_slots.extend([slot(s.seq)] * s.num_tokens)
-        return LoRABatch(self.slots, token_slots)
+        return self.backend.lora_batch(self.slots, sched, slot_of)
 
     def _slot_for(self, version: str, needed: set[str], now: float) -> int:
         slot = self._slot_of.get(version)

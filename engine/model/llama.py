@@ -1,21 +1,20 @@
 """Llama-family decoder (SmolLM2, Llama 2/3 shapes) over a paged KV cache.
 
 Weights come in HF layout from engine.loader; q/k/v and gate/up are fused into one matmul each.
-LoRA is added by an optional `lora` object passed to forward (engine.lora.layers), whose
-`apply(layer, group, x, y)` adds each token's adapter term into y in place for the fused groups
-"qkv", "o", "gate_up" and "down".
+Every op runs on the engine's backend (engine.backends: norms, linears, attention, SiLU*mul),
+which also placed the weights on its device. LoRA is added by an optional `lora` object passed
+to forward (the backend's LoRABatch), whose `apply(layer, group, x, y)` adds each token's
+adapter term into y in place for the fused groups "qkv", "o", "gate_up" and "down".
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.loader.gguf_loader import Q4_1_SUFFIX
-from engine.model import cpu_ops
-from engine.model.attention import AttentionMetadata, KVCache, attention
-from engine.model.layers import BaseLinear, RMSNorm, RotaryEmbedding
+from engine.model.attention import AttentionMetadata, KVCache
+from engine.model.layers import RMSNorm, RotaryEmbedding
 
 
 def _raw_q4_1(w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -26,42 +25,42 @@ def _raw_q4_1(w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | No
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor], backend):
         super().__init__()
         p = f"model.layers.{idx}."
         self.idx = idx
         self.cfg = cfg
-        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
-        self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
+        self.backend = backend
+        dt, dev = backend.dtype, backend.device
+        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(device=dev, dtype=dt), cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(device=dev, dtype=dt),
+                                      cfg.rms_norm_eps)
         qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         o, down = [p + "self_attn.o_proj.weight"], [p + "mlp.down_proj.weight"]
-        self.qkv_proj = BaseLinear(torch.cat([w[n] for n in qkv]), fmt, q4_1=_raw_q4_1(w, qkv))
-        self.o_proj = BaseLinear(w[o[0]], fmt, q4_1=_raw_q4_1(w, o))
-        self.gate_up_proj = BaseLinear(torch.cat([w[n] for n in gate_up]), fmt, q4_1=_raw_q4_1(w, gate_up))
-        self.down_proj = BaseLinear(w[down[0]], fmt, q4_1=_raw_q4_1(w, down))
+        self.qkv_proj = backend.linear(torch.cat([w[n] for n in qkv]), q4_1=_raw_q4_1(w, qkv))
+        self.o_proj = backend.linear(w[o[0]], q4_1=_raw_q4_1(w, o))
+        self.gate_up_proj = backend.linear(torch.cat([w[n] for n in gate_up]), q4_1=_raw_q4_1(w, gate_up))
+        self.down_proj = backend.linear(w[down[0]], q4_1=_raw_q4_1(w, down))
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
         """x: [T, H] the residual stream (updated in place and returned)."""
-        cfg = self.cfg
-        h = self.input_norm(x)
+        cfg, be = self.cfg, self.backend
+        h = be.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         qkv = self.qkv_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "qkv", h, qkv)
-        o = attention(qkv, cos_sin, kv.k[self.idx], kv.v[self.idx], attn, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, self.scale)
+        o = be.attention(qkv, cos_sin, kv.k[self.idx], kv.v[self.idx], attn, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, self.scale)
         out = self.o_proj(o, exact)
         if lora is not None:
             lora.apply(self.idx, "o", o, out)
-        x, h = self.post_attn_norm.add_and_norm(x, out)
+        x, h = be.add_rms_norm(x, out, self.post_attn_norm.weight, self.post_attn_norm.eps)
         gu = self.gate_up_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "gate_up", h, gu)
-        m = cpu_ops.silu_mul(gu)
-        if m is None:
-            g, u = gu.split(cfg.intermediate_size, dim=-1)
-            m = F.silu(g).mul_(u)
+        m = be.silu_mul(gu)
         d = self.down_proj(m, exact)
         if lora is not None:
             lora.apply(self.idx, "down", m, d)
@@ -70,41 +69,32 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], kv, attn, lora) -> hidden [T, H];
-    compute_logits(hidden [N, H], exact) -> fp32 logits [N, V].
+    compute_logits(hidden [N, H], exact) -> fp32 logits [N, V]. `exact` is the backend's
+    `exact_step(attn)` (a backend with an exact weight copy uses it for steps that prefill)."""
 
-    A step that prefills (attn.prefills non-empty) runs wide matmuls on the exact fp32 weights if
-    `exact_prefill` (set by the engine from a measurement, see EngineConfig.exact_prefill); every
-    other step takes the fastest measured path (BaseLinear), bf16 activations in wide batches where
-    the CPU makes them faster."""
-
-    #: Whether steps that prefill take the exact fp32 copies of int8 layers (see above).
-    exact_prefill = True
-
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, fmt: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, backend):
         super().__init__()
         self.cfg = cfg
-        self.dtype = dtype
-        embed = weights["model.embed_tokens.weight"].to(dtype)
+        self.backend = backend
+        self.dtype = backend.dtype
+        dt, dev = backend.dtype, backend.device
+        embed = weights["model.embed_tokens.weight"].to(device=dev, dtype=dt)
         self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, weights, fmt, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(weights["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, weights, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(weights["model.norm.weight"].to(device=dev, dtype=dt), cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = BaseLinear(head, fmt)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
+        self.lm_head = backend.linear(head)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dt).to(dev)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 attn: AttentionMetadata, lora=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions)
-        exact = self.exact_step(attn)
+        exact = self.backend.exact_step(attn)
         for layer in self.layers:
             x = layer(x, cos_sin, kv, attn, lora, exact)
-        return self.norm(x)
-
-    def exact_step(self, attn: AttentionMetadata) -> bool:
-        """Whether this step's int8 layers take their exact fp32 dense copies."""
-        return self.exact_prefill and bool(attn.prefills)
+        return self.backend.rms_norm(x, self.norm.weight, self.norm.eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""The C decode-step ops (engine.model.cpu_ops) against float64 references and against the torch
+"""The C decode-step ops (engine.backends.cpu.decode_ops) against float64 references and against the torch
 path they replace: RMSNorm, residual + RMSNorm, SwiGLU gate, and decode attention over a paged
 cache (RoPE, cache write, GQA attention reading only each sequence's own slots)."""
 import pytest
 import torch
 
-from engine.model import cpu_ops
-from engine.model.attention import AttentionMetadata, attention
+from engine.backends.cpu import decode_ops as cpu_ops
+from engine.backends.cpu import CpuBackend
+from engine.config import EngineConfig
+from engine.model.attention import AttentionMetadata
 from engine.model.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("needs_c_compiler")  # missing: skip, or fail under CI=true
@@ -106,7 +108,7 @@ def test_decode_attention_matches_float64_and_writes_the_cache(lens):
     assert torch.equal(v_cache[meta.slot_mapping], v_new.float())
 
 
-def test_attention_with_and_without_the_kernel_agree(monkeypatch):
+def test_attention_with_and_without_the_kernel_agree():
     """The layer entry point gives the same output and cache through the C kernel and through
     torch's RoPE + gathers + SDPA (the fallback when the kernel is unavailable)."""
     hq, hkv, d, scale = 9, 3, 64, 64 ** -0.5
@@ -114,8 +116,7 @@ def test_attention_with_and_without_the_kernel_agree(monkeypatch):
     qkv, cos_sin, k_cache, v_cache, meta = _paged_case(lens, seed=3)
     nan_free = torch.nan_to_num  # SDPA's masked gathers still read (and multiply by 0) the NaN padding
     k2, v2 = nan_free(k_cache.clone()), nan_free(v_cache.clone())
-    fast = attention(qkv, cos_sin, k_cache, v_cache, meta, hq, hkv, d, scale)
-    monkeypatch.setattr(cpu_ops, "library", lambda: None)
-    slow = attention(qkv, cos_sin, k2, v2, meta, hq, hkv, d, scale)
+    fast = CpuBackend(EngineConfig()).attention(qkv, cos_sin, k_cache, v_cache, meta, hq, hkv, d, scale)
+    slow = CpuBackend(EngineConfig(cpu_decode_ops=False)).attention(qkv, cos_sin, k2, v2, meta, hq, hkv, d, scale)
     assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
     assert torch.allclose(k_cache[meta.slot_mapping], k2[meta.slot_mapping], rtol=1e-6, atol=1e-6)

@@ -2,6 +2,8 @@
 import torch
 
 from engine.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from engine.backends.cpu import CpuBackend
+from engine.config import EngineConfig
 from engine.model.llama import LlamaModel
 
 from .conftest import chat
@@ -20,7 +22,7 @@ def _our_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 def test_logits_match_transformers_fp32(smollm_checkpoint, tokenizer, hf_model):
     cfg, weights, _ = smollm_checkpoint
-    model = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
+    model = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="fp32")))
     for text in PROMPTS:
         ids = tokenizer.encode(chat(tokenizer, text))
         ours = _our_logits(model, ids)

@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import pick_weight_format
-from engine.model import cpu_int8
-from engine.model.layers import BaseLinear, calibrate_int8_rows, calibrate_q4_rows, choose_dense_dtype
+from engine.backends.cpu import CpuBackend
+from engine.backends.cpu import int8 as cpu_int8
+from engine.backends.cpu.calibration import calibrate_int8_rows, calibrate_q4_rows, choose_dense_dtype
+from engine.backends.cpu.linear import CpuLinear
 from tests.requirements import require_c_compiler
 
 
 def _layers(g):
-    return [BaseLinear(torch.randn(256, 128, generator=g), "int8"),
-            BaseLinear(torch.randn(128, 256, generator=g), "int8")]
+    return [CpuLinear(torch.randn(256, 128, generator=g), "int8"),
+            CpuLinear(torch.randn(128, 256, generator=g), "int8")]
 
 
 @pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16], ids=str)
@@ -69,7 +70,7 @@ def test_packed_dense_copies_give_the_plain_weights_results(dense):
         tol = dict(rtol=1e-5, atol=1e-4) if dense == torch.float32 else dict(rtol=1e-2, atol=2e-2)
         torch.testing.assert_close(layer(x), plain[False][i], **tol)
         assert layer(x).dtype == torch.float32
-    assert not BaseLinear(torch.randn(8, 8), "fp32").pack_dense()  # only the int8 format keeps dense copies
+    assert not CpuLinear(torch.randn(8, 8), "fp32").pack_dense()  # only the int8 format keeps dense copies
 
 
 def test_int8_kernel_gives_the_quantized_weights_product_and_forward_takes_it():
@@ -77,7 +78,7 @@ def test_int8_kernel_gives_the_quantized_weights_product_and_forward_takes_it():
     scales) in fp32, where torch's kernel rounds the activations to bf16; forward takes it for
     batches up to the crossover. Shapes that are not multiples of 16 keep torch's kernel."""
     g = torch.Generator().manual_seed(4)
-    layer = BaseLinear(torch.randn(96, 160, generator=g), "int8")
+    layer = CpuLinear(torch.randn(96, 160, generator=g), "int8")
     xs = [torch.randn(m, 160, generator=g) for m in (1, 2, 4)]
     torch_path = [layer.int8_linear(x) for x in xs]
     require_c_compiler()
@@ -93,7 +94,7 @@ def test_int8_kernel_gives_the_quantized_weights_product_and_forward_takes_it():
         # torch's kernel (bf16 activations) agrees to bf16 rounding, and is less exact.
         torch.testing.assert_close(tp.double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
         assert (got.double() - want).abs().max() <= (tp.double() - want).abs().max()
-    assert not BaseLinear(torch.randn(40, 24), "int8").pack_int8()  # 40 x 24: not 16-aligned
+    assert not CpuLinear(torch.randn(40, 24), "int8").pack_int8()  # 40 x 24: not 16-aligned
 
 
 @pytest.mark.skipif(cpu_int8.amx_library() is None, reason="no AMX on this CPU (or no C compiler)")
@@ -102,7 +103,7 @@ def test_amx_kernel_gives_the_quantized_weights_product_for_wide_decode_batches(
     themselves on the tile unit: bf16 activations (as the bf16 dense copy rounds them), exact int8
     weights and fp32 scales, fp32 accumulation. Steps that prefill (exact) keep the fp32 copy."""
     g = torch.Generator().manual_seed(6)
-    layer = BaseLinear(torch.randn(96, 160, generator=g), "int8")
+    layer = CpuLinear(torch.randn(96, 160, generator=g), "int8")
     assert layer.pack_int8() and layer.int8_tiled is not None
     assert layer.int8_tiled.numel() == layer.weight.numel()
     layer.set_fast_dtype(torch.bfloat16)
@@ -118,7 +119,7 @@ def test_amx_kernel_gives_the_quantized_weights_product_for_wide_decode_batches(
         exact = x.double() @ w.T
         assert (got.double() - exact).abs().max() < (layer.dense_linear(x, exact=False).double() - exact).abs().max()
         torch.testing.assert_close(layer(x, exact=True), x @ layer.dense.T, rtol=1e-5, atol=1e-4)
-    narrow = BaseLinear(torch.randn(32, 48), "int8")
+    narrow = CpuLinear(torch.randn(32, 48), "int8")
     assert narrow.pack_int8() and narrow.int8_tiled is None  # 48 inputs: the FMA kernel's, not AMX's
 
 
@@ -143,23 +144,23 @@ def test_a_forced_candidate_list_decides_the_dtype():
     dtype, _ = choose_dense_dtype(layers, rows=8, reps=1, candidates=(torch.bfloat16,))
     assert dtype == torch.bfloat16 and all(layer.dense_fast.dtype == torch.bfloat16 for layer in layers)
     with pytest.raises(ValueError, match="int8"):
-        BaseLinear(torch.randn(8, 8), "fp32").set_fast_dtype(torch.bfloat16)
+        CpuLinear(torch.randn(8, 8), "fp32").set_fast_dtype(torch.bfloat16)
 
 
 def test_auto_is_int8_on_cpu_and_explicit_formats_are_kept():
-    assert pick_weight_format(EngineConfig()) == "int8"
+    assert CpuBackend(EngineConfig()).weight_format() == "int8"
     for fmt in ("fp32", "bf16", "int8"):
-        assert pick_weight_format(EngineConfig(weight_format=fmt)) == fmt
+        assert CpuBackend(EngineConfig(weight_format=fmt)).weight_format() == fmt
 
 
 def test_calibration_of_nothing_is_a_no_op():
     assert calibrate_int8_rows([]) == 0
-    assert calibrate_q4_rows([BaseLinear(torch.randn(32, 64), "int8")]) == 0  # no Q4_1 blocks kept
+    assert calibrate_q4_rows([CpuLinear(torch.randn(32, 64), "int8")]) == 0  # no Q4_1 blocks kept
     assert choose_dense_dtype([]) == (torch.float32, {})
 
 
 def _decode_forward(layer, x, exact=False):
-    return BaseLinear.forward(layer, x, exact=False)
+    return CpuLinear.forward(layer, x, exact=False)
 
 
 def _exact_and_fast(smollm_checkpoint, *, int8_max_rows: int, pack_dense=False, decode_only=False):
@@ -169,10 +170,10 @@ def _exact_and_fast(smollm_checkpoint, *, int8_max_rows: int, pack_dense=False, 
     from engine.model.llama import LlamaModel
 
     cfg, weights, _ = smollm_checkpoint
-    exact = LlamaModel(cfg, weights, fmt="fp32", dtype=torch.float32)
-    fast = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    exact = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="fp32")))
+    fast = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
     for m in fast.modules():
-        if isinstance(m, BaseLinear):
+        if isinstance(m, CpuLinear):
             m.set_fast_dtype(torch.bfloat16)
             if pack_dense:
                 m.pack_dense()
@@ -227,7 +228,7 @@ def test_fast_prefill_keeps_the_first_tokens_of_the_test_prompts(smollm_checkpoi
     from .test_model_vs_hf import _our_logits
 
     exact, fast = _exact_and_fast(smollm_checkpoint, int8_max_rows=16, pack_dense=True)
-    fast.exact_prefill = False
+    fast.backend.exact_prefill = False
     for text in ("What is the capital of France?", "What is the capital of Germany?", "2 + 2 ="):
         ids = tokenizer.encode(chat(tokenizer, text))
         ref, got = _our_logits(exact, ids), _our_logits(fast, ids)
@@ -238,7 +239,7 @@ def test_fast_prefill_keeps_the_first_tokens_of_the_test_prompts(smollm_checkpoi
 
 def test_engine_picks_the_prefill_copy_by_measurement_or_by_config(smollm_checkpoint, tokenizer):
     from engine.llm_engine import LLMEngine
-    from engine.model.layers import FAST_PREFILL_MIN_SPEEDUP
+    from engine.backends.cpu.calibration import FAST_PREFILL_MIN_SPEEDUP
 
     def make(**kw):
         return LLMEngine(config=EngineConfig(kv_cache_bytes=16 << 20, **kw), checkpoint=smollm_checkpoint,
@@ -247,16 +248,16 @@ def test_engine_picks_the_prefill_copy_by_measurement_or_by_config(smollm_checkp
     measured = make()
     speedup = measured.format_timings["prefill_fast_speedup"]
     assert speedup > 0
-    assert measured.model.exact_prefill == (speedup < FAST_PREFILL_MIN_SPEEDUP)
-    assert make(exact_prefill=True).model.exact_prefill is True
-    assert make(exact_prefill=False).model.exact_prefill is False
+    assert measured.backend.exact_prefill == (speedup < FAST_PREFILL_MIN_SPEEDUP)
+    assert make(exact_prefill=True).backend.exact_prefill is True
+    assert make(exact_prefill=False).backend.exact_prefill is False
 
 
 def test_gguf_q4_1_layers_keep_their_raw_blocks_in_the_weights_order(smollm_checkpoint):
     """The loader keeps each Q4_1 layer weight's raw blocks, rows permuted like the weights (Q/K
     un-permuted into HF's layout), so they dequantize to exactly the fp32 weights."""
     from engine.loader.gguf_loader import Q4_1_SUFFIX
-    from engine.model import cpu_q4
+    from engine.backends.cpu import q4 as cpu_q4
 
     _, weights, _ = smollm_checkpoint
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
@@ -271,14 +272,14 @@ def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it
     """Where the checkpoint is Q4_1, the int8 format's smallest batches read those 4-bit blocks:
     the product with exactly the fp32 weights (no int8 re-quantization), fused projections
     included; wider batches take the int8 kernel, and past its crossover the wide path."""
-    from engine.model import cpu_int8, cpu_q4
+    from engine.backends.cpu import int8 as cpu_int8, q4 as cpu_q4
     from engine.model.llama import LlamaModel
 
     require_c_compiler()
     if cpu_q4.library() is None:
         pytest.skip("no Q4_1 kernel on this CPU (neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
-    model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    model = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
     g = torch.Generator().manual_seed(9)
     for layer in (model.layers[0].qkv_proj, model.layers[5].gate_up_proj, model.layers[7].down_proj):
         assert layer.pack_int8() and layer.q4_blocked is not None and layer.q4_1_raw is None
@@ -299,14 +300,14 @@ def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it
 def test_q4_calibration_sets_a_measured_threshold_that_forward_follows(smollm_checkpoint):
     """Whether single rows (or a few) read the Q4_1 blocks is measured against the int8 kernel,
     and each batch then takes the kernel the measurement chose."""
-    from engine.model import cpu_q4
+    from engine.backends.cpu import q4 as cpu_q4
     from engine.model.llama import LlamaModel
 
     require_c_compiler()
     if cpu_q4.library() is None:
         pytest.skip("no Q4_1 kernel on this CPU (neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
-    model = LlamaModel(cfg, weights, fmt="int8", dtype=torch.float32)
+    model = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
     layers = [model.layers[0].qkv_proj, model.layers[0].down_proj]
     for layer in layers:
         assert layer.pack_int8()

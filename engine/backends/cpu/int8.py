@@ -5,8 +5,8 @@ csrc/int8_amx.c for wider ones on CPUs with AMX (int8 tiles widened to bf16 on t
 Built and loaded like the CPU LoRA kernel (punica_kernels.cbuild: the machine's compiler,
 -march=native, a cache keyed by source and CPU). It reads int8 weights in a blocked layout
 (`block_weight`) at about twice the rate of torch's `_weight_int8pack_mm` at 1-2 rows, with fp32
-activations. Where it is unavailable (no compiler, TESSERA_CPU_INT8_KERNEL=0) or the shape is not
-a multiple of 16, model.layers.BaseLinear keeps torch's kernel.
+activations. Where it is unavailable (no compiler, `EngineConfig.cpu_int8_kernel` off) or the shape is
+not a multiple of 16, engine.backends.cpu.linear.CpuLinear keeps torch's kernel.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ AMX_SOURCE = Path(__file__).parent / "csrc" / "int8_amx.c"
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (switched off, or it could not be built)."""
-    return cbuild.load(SOURCE, "TESSERA_CPU_INT8_KERNEL",
+    """The loaded kernel library, or None (it could not be built)."""
+    return cbuild.load(SOURCE, None,
                        {"tessera_int8_linear_f32": ("i64",) * 3 + ("ptr",) * 4})
 
 
@@ -54,9 +54,9 @@ def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) ->
 
 @functools.lru_cache(maxsize=1)
 def amx_library() -> ctypes.CDLL | None:
-    """The AMX kernel, or None: switched off (TESSERA_CPU_AMX_KERNEL=0), not built, built for a
-    CPU without AMX, or the OS refused the tile state."""
-    lib = cbuild.load(AMX_SOURCE, "TESSERA_CPU_AMX_KERNEL",
+    """The AMX kernel, or None: not built, built for a CPU without AMX, or the OS refused the tile
+    state."""
+    lib = cbuild.load(AMX_SOURCE, None,
                       {"tessera_amx_init": (), "tessera_int8_linear_amx": ("i64",) * 3 + ("ptr",) * 5},
                       returns={"tessera_amx_init": "int"})
     return lib if lib is not None and lib.tessera_amx_init() == 0 else None

@@ -1,8 +1,8 @@
 """The hand-written CPU kernel on a GGUF file's own Q4_1 blocks (csrc/q4_1_linear.c), for the
 int8 format's smallest batches where the checkpoint is Q4_1: the weights llama.cpp quantized,
 exactly, at 0.625 bytes a weight (int8: 1). Built and loaded like the other CPU kernels
-(punica_kernels.cbuild); unavailable (no compiler, neither AVX-512 nor AVX2, TESSERA_CPU_Q4_KERNEL=0):
-the int8 kernels serve.
+(punica_kernels.cbuild); unavailable (no compiler, neither AVX-512 nor AVX2, `EngineConfig.cpu_q4_kernel`
+off): the int8 kernels serve.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ BLOCK_BYTES = 20  # ggml's Q4_1 block: fp16 d, fp16 min, 16 bytes of nibbles (32
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (switched off, not built, or built without AVX-512 or AVX2)."""
-    lib = cbuild.load(SOURCE, "TESSERA_CPU_Q4_KERNEL",
+    """The loaded kernel, or None (not built, or built without AVX-512 or AVX2)."""
+    lib = cbuild.load(SOURCE, None,
                       {"tessera_q4_1_available": (), "tessera_q4_1_linear_f32": ("i64",) * 3 + ("ptr",) * 4},
                       returns={"tessera_q4_1_available": "int"})
     return lib if lib is not None and lib.tessera_q4_1_available() else None

@@ -3,8 +3,9 @@ residual add + RMSNorm, the SwiGLU gate, and decode attention over the paged KV 
 cache write and attention for every decode token in one call, reading cached rows in place).
 
 Built and loaded like the other CPU kernels (punica_kernels.cbuild). Each wrapper answers None
-(or False) where the kernel cannot take the call (not built, TESSERA_CPU_DECODE_OPS=0, not fp32,
-not on the CPU), and the caller keeps its torch path, which computes the same result.
+(or False) where the kernel cannot take the call (not built, not fp32, not on the CPU), and the
+caller keeps its torch path (engine.backends.torch_ops), which computes the same result. Whether
+they are used at all is `EngineConfig.cpu_decode_ops` (the CPU backend asks).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_ops.c"
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (switched off, or it could not be built)."""
-    return cbuild.load(SOURCE, "TESSERA_CPU_DECODE_OPS", {
+    """The loaded kernel library, or None (it could not be built)."""
+    return cbuild.load(SOURCE, None, {
         "tessera_rms_norm": ("i64", "i64", "ptr", "ptr", "f32", "ptr"),
         "tessera_add_rms_norm": ("i64", "i64", "ptr", "ptr", "ptr", "f32", "ptr"),
         "tessera_silu_mul": ("i64", "i64", "ptr", "ptr"),

@@ -1,0 +1,146 @@
+"""The seam between the model and its kernels.
+
+The model code (engine/model/llama.py, engine/lora) calls one `Backend` object, chosen once from
+`EngineConfig.backend` (engine.backends.create_backend), for every op whose implementation
+depends on the hardware: norms, RoPE + KV write + prefill/decode attention, the base linears
+(and their weight formats), SiLU*mul, the LoRA term, and how a step's inputs reach the device.
+It knows nothing of C, AVX or CUDA; backends keep their own state (calibrated weight formats,
+kernel plans) and never put it in the shared types (AttentionMetadata, LoRASlots, LoRAMetadata).
+
+Contract of every op: the same result as engine.backends.torch_ops within the backend's stated
+tolerance; inputs and outputs on `backend.device`; activations in `backend.dtype`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.model.attention import AttentionMetadata
+
+if TYPE_CHECKING:  # imported for annotations only: engine.lora imports nothing from here
+    from engine.lora.layers import LoRASlots
+    from engine.scheduler import SchedulerOutput
+
+
+class LoRABatch(ABC):
+    """The adapter term of one step: `apply(layer, group, x, y)` adds, for every token t with slot
+    s != -1, `scale[s] * x[t] @ A[s].T @ B[s].T` into y[t] for each slice of the fused group."""
+
+    @abstractmethod
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The batch's host-built index tensors, uploaded with the step's inputs (ModelRunner)."""
+        return []
+
+    def bind_device_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Take the device copies of `host_tensors()`, in the same order."""
+
+
+class Backend(ABC):
+    """One engine's kernels. Built from its EngineConfig; `device` and `dtype` are where and in
+    what the activations live."""
+
+    name: str = ""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.dtype
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def weight_format(self) -> str:
+        """The storage format of the base linears (EngineConfig.weight_format, "auto" resolved)."""
+        return self.config.weight_format
+
+    @abstractmethod
+    def linear(self, weight: torch.Tensor, *, q4_1: torch.Tensor | None = None) -> nn.Module:
+        """A frozen base linear for fp32 `weight` [out, in] (host): a module called as
+        `lin(x [T, in], exact: bool) -> [T, out]` in x's dtype. `q4_1`: the checkpoint's raw Q4_1
+        rows of the same weight where it has them (a backend may read them instead)."""
+
+    def prepare_model(self, model: nn.Module) -> dict:
+        """Called once after the model is built (weights on the device): measure or pack what the
+        backend needs. Returns what it chose, for logs and benchmarks."""
+        return {}
+
+    def exact_step(self, attn: AttentionMetadata) -> bool:
+        """Whether this step's linears take their exact path (a backend with several weight
+        copies may keep one exact copy for steps that prefill)."""
+        return False
+
+    # -- elementwise --------------------------------------------------------------------------
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def add_rms_norm(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, rms_norm(x + a)); x (the residual stream) may be updated in place."""
+
+    @abstractmethod
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+
+    # -- attention ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def attention(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                  head_dim: int, scale: float) -> torch.Tensor:
+        """RoPE on the unrotated q | k heads of qkv [T, (Hq + 2 Hkv) D], K/V written to their
+        slots, then attention over each sequence's cached keys -> [T, Hq * D] (see torch_ops)."""
+
+    # -- LoRA ---------------------------------------------------------------------------------
+
+    def lora_dtype(self) -> torch.dtype:
+        """Storage dtype of adapters (CPU tier and slots) when EngineConfig.lora_dtype is None."""
+        return self.config.lora_dtype or self.dtype
+
+    @abstractmethod
+    def lora_batch(self, slots: LoRASlots, sched: SchedulerOutput, slot_of: dict[str, int]) -> LoRABatch:
+        """The step's LoRA batch for `sched` (every adapter already has its slot in `slot_of`).
+        A backend may reorder `sched.decodes` (the runner lays tokens out in that order)."""
+
+    # -- memory and transfers -----------------------------------------------------------------
+
+    def kv_cache_bytes(self, reserved_bytes: int = 0) -> int:
+        """Bytes for the KV cache when EngineConfig.num_kv_blocks is None: kv_cache_bytes if set;
+        else on CUDA `kv_cache_memory_fraction` of the device memory free now (weights and LoRA
+        slots are loaded first) less `reserved_bytes` for the step's activations; else 512 MiB."""
+        ec = self.config
+        if ec.kv_cache_bytes is not None:
+            return ec.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return max(0, int((free - reserved_bytes) * ec.kv_cache_memory_fraction))
+        return 512 << 20
+
+    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host tensors -> the same tensors on the device. On CPU they are returned as they are;
+        elsewhere they are packed into one pinned host buffer and copied with one transfer, the
+        device tensors being views into it (8-byte aligned)."""
+        if self.device.type == "cpu":
+            return tensors
+        offsets, nbytes = [], 0
+        for t in tensors:
+            offsets.append(nbytes)
+            nbytes += -(-t.numel() * t.element_size() // 8) * 8
+        staging = torch.empty(max(nbytes, 8), dtype=torch.uint8, pin_memory=True)
+        for t, off in zip(tensors, offsets):
+            n = t.numel() * t.element_size()
+            if n:
+                staging[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+        dev = staging.to(self.device, non_blocking=True)
+        return [dev[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for t, off in zip(tensors, offsets)]
+
+    def to_host(self, t: torch.Tensor) -> list:
+        """One device-to-host copy of a small tensor, as a Python list."""
+        return t.tolist()

@@ -1,0 +1,172 @@
+"""The CPU backend: hand-written C kernels (csrc/, built on first use for this CPU by
+punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_ops) where not.
+
+- Linears (`linear.CpuLinear`): weight formats chosen by measurement when the engine starts
+  (`calibration`): int8 weight-only for decode-sized batches (the C int8 kernel, the Q4_1
+  kernel on the checkpoint's own blocks for the smallest, the AMX kernel for wide ones where the
+  CPU has AMX), dense fp32/bf16 copies packed for oneDNN for wider batches, the exact fp32
+  copy for steps that prefill unless the fast copy is far faster.
+- Norms, the SwiGLU gate and decode attention: one C call each (`decode_ops`), fp32 only.
+- LoRA: punica_kernels' CPU path (its own C kernel, or torch) over slot-major runs, so the
+  decode tokens are ordered by slot (`lora_batch`).
+Which kernels are used is EngineConfig's `cpu_*` fields; the outputs are the torch paths'
+within the tolerances ARCHITECTURE.md states.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+import punica_kernels
+from engine.backends import torch_ops
+from engine.backends.base import Backend, LoRABatch
+from engine.backends.cpu import decode_ops
+from engine.backends.cpu.calibration import (FAST_PREFILL_MIN_SPEEDUP, calibrate_int8_rows, calibrate_q4_rows,
+                                             choose_dense_dtype, measure_prefill_speedup)
+from engine.backends.cpu.linear import CpuLinear
+from engine.model.attention import AttentionMetadata
+from punica_kernels import cpu_native
+
+log = logging.getLogger(__name__)
+
+#: EngineConfig field -> the environment variable that may switch it off at the CLI edge.
+SWITCHES = {"cpu_decode_ops": "TESSERA_CPU_DECODE_OPS", "cpu_int8_kernel": "TESSERA_CPU_INT8_KERNEL",
+            "cpu_q4_kernel": "TESSERA_CPU_Q4_KERNEL", "cpu_amx_kernel": "TESSERA_CPU_AMX_KERNEL"}
+
+
+def switches_from_env(environ=os.environ) -> dict[str, bool]:
+    """The EngineConfig kernel switches the environment turns off ("0"), for the CLI edge."""
+    return {field: False for field, var in SWITCHES.items() if environ.get(var) == "0"}
+
+
+class CpuLoRABatch(LoRABatch):
+    """One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole
+    mixed batch; tokens without an adapter (slot -1) cost nothing. The metadata (and the CPU
+    path's slot-major token plan, cached in it) is built once per step and shared by every layer."""
+
+    def __init__(self, slots, token_slots: list[int]):
+        self.slots = slots
+        self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        x = x if x.is_contiguous() else x.contiguous()
+        punica_kernels.add_lora(y, x, self.slots.stacks[(layer, group)], meta=self.meta)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.decode_ops = config.cpu_decode_ops and decode_ops.library() is not None
+        #: Whether steps that prefill take the int8 layers' exact fp32 copies (prepare_model).
+        self.exact_prefill = True
+        #: (layers, lm_head) row counts up to which the int8 kernels serve; None unless int8.
+        self.int8_max_rows: tuple[int, int] | None = None
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def weight_format(self) -> str:
+        """"auto": "int8", i.e. int8 weight-only for decode-sized batches and dense copies for
+        wider ones (fp32 in steps that prefill; fp32 or bf16 in decode-only steps), with fp32
+        activations; the fast dense dtype and the int8 crossover are measured on the loaded
+        weights at start (prepare_model), because both differ by CPU (bench/RESULTS.md)."""
+        fmt = self.config.weight_format
+        return "int8" if fmt == "auto" else fmt
+
+    def linear(self, weight: torch.Tensor, *, q4_1: torch.Tensor | None = None) -> nn.Module:
+        return CpuLinear(weight, self.weight_format(), q4_1=q4_1)
+
+    def prepare_model(self, model: nn.Module) -> dict:
+        """For the int8 format: the dense dtype for decode-only wide batches (bf16 beats fp32 with
+        avx512_bf16 and loses to it with AVX2 only), oneDNN and C-kernel packing, the Q4_1 and
+        int8 crossovers, and whether prefill steps stay exact, all timed on the loaded weights."""
+        if self.weight_format() != "int8":
+            return {}
+        ec = self.config
+        layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
+        head = model.lm_head
+        dense, timings = choose_dense_dtype(layers)
+        head.set_fast_dtype(dense)
+        timings["onednn_packed"] = all([layer.pack_dense() for layer in layers + [head]])
+        if ec.cpu_int8_kernel:
+            timings["int8_kernel"] = all([layer.pack_int8(q4=ec.cpu_q4_kernel, amx=ec.cpu_amx_kernel)
+                                          for layer in layers + [head]])
+        else:
+            timings["int8_kernel"] = False
+        timings["q4_1_max_rows"] = calibrate_q4_rows(layers)
+        self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([head]))
+        if ec.exact_prefill is None:
+            speedup = measure_prefill_speedup(layers)
+            timings["prefill_fast_speedup"] = round(speedup, 2)
+            self.exact_prefill = speedup < FAST_PREFILL_MIN_SPEEDUP
+        else:
+            self.exact_prefill = ec.exact_prefill
+        timings["dense"] = str(dense).removeprefix("torch.")
+        log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
+                 "steps, %s in steps that prefill (%s ms)", *self.int8_max_rows, dense,
+                 "fp32" if self.exact_prefill else dense, timings)
+        return timings
+
+    def exact_step(self, attn: AttentionMetadata) -> bool:
+        """Steps that prefill run wide matmuls on the exact fp32 weights if `exact_prefill`."""
+        return self.exact_prefill and bool(attn.prefills)
+
+    # -- elementwise --------------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps):
+        h = decode_ops.rms_norm(x, weight, eps) if self.decode_ops else None
+        return h if h is not None else torch_ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, a, weight, eps):
+        h = decode_ops.add_rms_norm(x, a, weight, eps) if self.decode_ops else None
+        return (x, h) if h is not None else torch_ops.add_rms_norm(x, a, weight, eps)
+
+    def silu_mul(self, gu):
+        m = decode_ops.silu_mul(gu) if self.decode_ops else None
+        return m if m is not None else torch_ops.silu_mul(gu)
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def attention(self, qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale):
+        """Decode tokens through the C kernel (RoPE, cache write and GQA attention over each
+        sequence's own slots in one call, cached rows read in place) where it takes them;
+        prefill chunks, and decode tokens where it cannot, through torch_ops.attention."""
+        out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype)
+        nd, first = meta.num_decode, 0
+        if nd and self.decode_ops and meta.decode_lens is not None and decode_ops.decode_attention(
+                qkv, nd, num_heads, num_kv_heads, head_dim, cos_sin[0][:nd], cos_sin[1][:nd], k_cache, v_cache,
+                meta.decode_slots, meta.decode_lens, scale, out):
+            first = nd
+        return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale,
+                                   first=first, out=out)
+
+    # -- LoRA ---------------------------------------------------------------------------------
+
+    def lora_dtype(self) -> torch.dtype:
+        """EngineConfig.lora_dtype, or int8 stacks (rows with fp32 scales) where the C LoRA kernel
+        reads them: the int8 format with fp32 activations, max_lora_rank within the kernel's, the
+        kernel built (the exact "fp32" format keeps fp32 adapters)."""
+        ec = self.config
+        if ec.lora_dtype is not None:
+            return ec.lora_dtype
+        if (self.weight_format() == "int8" and ec.dtype == torch.float32
+                and ec.max_lora_rank <= cpu_native.MAX_RANK and cpu_native.library() is not None):
+            return torch.int8
+        return ec.dtype
+
+    def lora_batch(self, slots, sched, slot_of):
+        """Reorders `sched.decodes` by slot (no adapter first; stable otherwise), so that each
+        adapter's decode tokens are one contiguous run and the CPU LoRA path reads and writes
+        them through views instead of a gather and a scatter per layer."""
+        def slot(seq) -> int:
+            return -1 if seq.adapter is None else slot_of[seq.adapter]
+
+        sched.decodes.sort(key=lambda s: slot(s.seq))
+        token_slots = [slot(s.seq) for s in sched.decodes]
+        for s in sched.prefills:
+            token_slots.extend([slot(s.seq)] * s.num_tokens)
+        return CpuLoRABatch(slots, token_slots)
