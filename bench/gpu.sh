@@ -7,7 +7,7 @@
 # travels only when the call names it). Results land in $OUT (at most 8 files come back):
 #   env.txt                nvidia-smi, Python, torch, triton, the GPU torch sees
 #   steps.log              each step's command, exit code, seconds, and its stderr's last lines
-#   pytest.log             python -m pytest -q tests/punica_kernels
+#   pytest.log             TRITON_INTERPRET=0 python -m pytest -q tests/punica_kernels (CUDA cases)
 #   kernels.json           bench/kernels.py --device cuda --quick (JSON lines: BGMV, SGMV)
 #   engine_smollm2.json    bench/engine.py on a synthetic SmolLM2-135M (+ transformers on CUDA)
 #   multi_lora.json        bench/multi_lora.py on the same (+ PEFT on CUDA)
@@ -28,6 +28,7 @@ BACKEND="${BACKEND:-triton}"
 START=$(date +%s)
 STEPS="$OUT/steps.log"
 export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # the benchmarks run the kernels compiled for the GPU
 : >"$STEPS"
 
 log() { echo "$(date -u +%H:%M:%S) $*" >>"$STEPS"; }
@@ -94,10 +95,13 @@ EOF
 } >"$OUT/env.txt" 2>&1
 log "env.txt written"
 
-# The kernel tests (they include CUDA cases where torch sees a GPU). Third-party pytest plugins
-# of the image are not loaded: they may not match the carried pytest.
+# The kernel tests on CUDA tensors: TRITON_INTERPRET=0 builds the kernels for the GPU (one process
+# runs one of the two; the CPU-tensor cases skip here, CI runs them under the interpreter; see
+# tests/punica_kernels/conftest.py). Third-party pytest plugins of the image are not loaded: they
+# may not match the carried pytest.
 step pytest 120 "$OUT/pytest.log" \
-  env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/punica_kernels
+  env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+  tests/punica_kernels
 cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
 
 step synthetic_smollm2 60 - "$PY" -m engine.loader.synthetic --shape smollm2 --out /tmp/synthetic/smollm2.gguf
