@@ -80,12 +80,13 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and INTERPRETED
 
 
-def check_dot_blocks(**blocks: int) -> None:
-    """tl.dot tiles: every side a power of two >= 16 (what the GPU's MMA needs; the interpreter
-    would accept less, so a bad size would pass the CPU tests and fail to compile on the GPU)."""
+def check_blocks(*, minimum: int = 1, **blocks: int) -> None:
+    """Tile sizes: powers of two (tl.arange's rule) and, for tl.dot tiles (minimum=16), at least 16
+    (what the GPU's MMA needs). The interpreter accepts either mistake, so a bad size would pass
+    the CPU tests and fail to compile on the GPU: refused on both."""
     for name, b in blocks.items():
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"{name}={b}: tl.dot tiles must be powers of two >= 16")
+        if b < minimum or b & (b - 1):
+            raise ValueError(f"{name}={b}: tile sizes must be powers of two >= {minimum}")
 
 
 def overlapping(widths: list[int], offsets: list[int]) -> bool:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_expand, check_token_slots
-from ._common import check_runnable, next_pow2, overlapping, slice_tables
+from ._common import check_blocks, check_runnable, next_pow2, overlapping, slice_tables
 
 
 @triton.jit
@@ -77,6 +77,7 @@ def bgmv_expand_triton(v, lora_b, token_slots, ranks, y, *, offsets=None,
     """
     args = check_expand(v, lora_b, ranks, y, offsets)
     check_token_slots(token_slots, args.num_tokens, args.num_slots, y.device)
+    check_blocks(block_n=block_n, **({} if block_r is None else {"block_r": block_r}))
     check_runnable(y.device)
     T, R, L = args.num_tokens, args.max_rank, len(args.slices)
     if T == 0 or R == 0 or max(args.widths) == 0:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_shrink, check_token_slots
-from ._common import check_runnable, slice_tables
+from ._common import check_blocks, check_runnable, slice_tables
 
 
 @triton.jit
@@ -89,6 +89,7 @@ def bgmv_shrink_triton(x, lora_a, token_slots, scales, ranks, *, out=None,
     """
     args = check_shrink(x, lora_a, scales, ranks, out)
     check_token_slots(token_slots, args.num_tokens, args.num_slots, x.device)
+    check_blocks(block_r=block_r, block_k=block_k)
     check_runnable(x.device)
     v = args.out
     T, R, K, L = args.num_tokens, args.max_rank, args.hidden, len(args.slices)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_expand, check_segments
-from ._common import check_dot_blocks, check_runnable, dot_in_fp32, overlapping, slice_tables
+from ._common import check_blocks, check_runnable, dot_in_fp32, overlapping, slice_tables
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def sgmv_expand_triton(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=No
     """
     args = check_expand(v, lora_b, ranks, y, offsets)
     check_segments(seg_starts, seg_slots, args.num_tokens, args.num_slots, y.device)
-    check_dot_blocks(block_m=block_m, block_n=block_n, block_r=block_r)
+    check_blocks(minimum=16, block_m=block_m, block_n=block_n, block_r=block_r)
     check_runnable(y.device)
     T, R, L = args.num_tokens, args.max_rank, len(args.slices)
     n_seg = seg_slots.shape[0]

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_segments, check_shrink
-from ._common import check_dot_blocks, check_runnable, dot_in_fp32, slice_tables
+from ._common import check_blocks, check_runnable, dot_in_fp32, slice_tables
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def sgmv_shrink_triton(x, lora_a, seg_starts, seg_slots, scales, ranks, *, max_s
     """
     args = check_shrink(x, lora_a, scales, ranks, out)
     check_segments(seg_starts, seg_slots, args.num_tokens, args.num_slots, x.device)
-    check_dot_blocks(block_m=block_m, block_r=block_r, block_k=block_k)
+    check_blocks(minimum=16, block_m=block_m, block_r=block_r, block_k=block_k)
     check_runnable(x.device)
     v = args.out
     T, R, K, L = args.num_tokens, args.max_rank, args.hidden, len(args.slices)

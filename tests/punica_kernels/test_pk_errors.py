@@ -121,3 +121,11 @@ def test_tl_dot_tiles_below_the_gpu_minimum_are_refused(kw):
     g = good()
     with pytest.raises(ValueError, match="powers of two >= 16"):
         sgmv_shrink_triton(g["x"], g["a"], g["starts"], g["seg_slots"], g["scales"], g["ranks"], **kw)
+
+
+def test_bgmv_tiles_must_be_powers_of_two():
+    g = good()
+    with pytest.raises(ValueError, match="powers of two"):
+        bgmv_shrink_triton(g["x"], g["a"], g["slots"], g["scales"], g["ranks"], block_k=100)
+    with pytest.raises(ValueError, match="powers of two"):
+        bgmv_expand_triton(g["v"], g["b"], g["slots"], g["ranks"], g["y"], block_n=96)
