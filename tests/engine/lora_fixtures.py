@@ -1,4 +1,4 @@
-"""Random PEFT adapters for SmolLM2, written in the real PEFT file format."""
+"""Random PEFT adapters (SmolLM2 or any base shape), written in the real PEFT file format."""
 import json
 from pathlib import Path
 
@@ -12,9 +12,9 @@ _CANON = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj
 
 
 def write_random_adapter(path: Path, rank: int, *, targets=ALL_TARGETS, alpha=None, seed=0,
-                         std=0.02, extra_config=None) -> Path:
+                         std=0.02, extra_config=None, base=SMOLLM2_135M_INSTRUCT) -> Path:
+    """A random PEFT adapter for `base` (a peft_format.BaseModelShape; default SmolLM2)."""
     path.mkdir(parents=True, exist_ok=True)
-    base = SMOLLM2_135M_INSTRUCT
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(base.num_layers):
