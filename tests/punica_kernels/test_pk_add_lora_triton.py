@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from pk_cases import assert_close, make_batch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pk_cases import assert_close, make_batch, triton_devices
 
 import punica_kernels as pk
 from punica_kernels import reference as ref
@@ -185,3 +187,23 @@ for call in (lambda: pk.add_lora(y, x, a, b, s, r, meta=meta, impl="triton"),
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all("set TRITON_INTERPRET=1" in line for line in lines), out.stdout
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode=st.lists(st.integers(-1, len(RANKS) - 1), max_size=6),
+       chunks=st.lists(st.tuples(st.integers(-1, len(RANKS) - 1), st.integers(1, 40)), max_size=4),
+       n_slices=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_random_mixed_batches(decode, chunks, n_slices, seed):
+    # hypothesis forbids function-scoped fixtures in @given tests: the devices are looped here.
+    slots = decode + [s for s, n in chunks for _ in range(n)]
+    widths = (40, 16, 8)[:n_slices]
+    bt = _stack(widths, None, None, T=len(slots), K=24, seed=seed)
+    devices = triton_devices()
+    if not devices:
+        pytest.skip("the kernels were compiled for the GPU and no GPU is present")
+    for device in devices:
+        d = bt.to(device)
+        meta = pk.build_lora_metadata(slots, num_slots=len(RANKS), num_decode=len(decode), device=device)
+        y = d.y.clone()
+        pk.add_lora(y, d.x, pk.lora_stack(d.a, d.b, d.scales, d.ranks), meta=meta, impl="triton")
+        assert_close(y, _reference(bt, slots), torch.float32)
