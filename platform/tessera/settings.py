@@ -44,7 +44,9 @@ class PlatformSettings(RegistrySettings):
     engine_read_timeout_s: float = Field(120.0, gt=0, description="Longest silence from an engine worker mid-request.")
     model_path: Path | None = Field(None, description="Base model GGUF/safetensors; unset takes the embedded SmolLM2.")
     engine_threads: int | None = Field(None, ge=1, description="Torch threads of an in-process engine.")
-    engine_kv_cache_mib: int = Field(256, ge=16, description="KV cache of an in-process engine, in MiB.")
+    engine_kv_cache_mib: int | None = Field(None, ge=16, description="KV cache of an engine, in MiB (default: 256 on the CPU, a share of free memory on CUDA).")
+    engine_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where an engine runs: cpu, cuda or cuda:N.")
+    engine_backend: Literal["cpu", "triton"] | None = Field(None, description="The engine's kernels (default: cpu on the CPU, triton on CUDA).")
 
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 beyond).")
     max_upload_bytes: int = Field(512 << 20, ge=1024, description="Largest adapter upload (multipart) body at the admin API.")

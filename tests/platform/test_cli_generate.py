@@ -73,3 +73,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("tessera: error:"), out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_generate_on_the_triton_backend_under_the_interpreter_matches_the_cpu_backend(tmp_path):
+    """`TRITON_INTERPRET=1 tessera generate --backend triton --model <tiny gguf>` runs the whole
+    engine on the Triton backend from the command line and gives the CPU backend's greedy answer;
+    without the interpreter on a machine without CUDA it is one line and exit 2."""
+    import os
+
+    from engine.loader.synthetic import write_synthetic_gguf
+
+    model = write_synthetic_gguf(tmp_path / "tiny.gguf", "tiny", seed=5)
+    args = ("--model", str(model), "--raw", "--max-tokens", "12", "the quick brown fox")
+    cpu = _run(*args)
+    assert cpu.returncode == 0, cpu.stderr
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    triton = subprocess.run([*TESSERA, "generate", "--backend", "triton", *args], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, env=env)
+    assert triton.returncode == 0, triton.stderr
+    assert triton.stdout == cpu.stdout and cpu.stdout.strip()
+    assert "completion 12 tokens" in triton.stderr
+    env.pop("TRITON_INTERPRET")
+    refused = subprocess.run([*TESSERA, "generate", "--backend", "triton", *args], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT, env=env)
+    assert refused.returncode == 2 and "TRITON_INTERPRET=1" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    cuda = _run("--device", "cuda", *args)
+    assert cuda.returncode in (0, 2), cuda.stderr  # served on a GPU machine, else refused cleanly
+    if cuda.returncode == 2:  # no GPU here: a one-line refusal naming the device
+        assert "cuda" in cuda.stderr.lower() and len(cuda.stderr.strip().splitlines()) == 1, cuda.stderr

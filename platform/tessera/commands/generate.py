@@ -20,6 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--model", default=None, help="GGUF file or HF safetensors directory (default: embedded SmolLM2)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--backend", default=None, choices=["cpu", "triton"],
+                   help="the engine's kernels (default: cpu on the CPU, triton on CUDA; "
+                        "triton on the CPU runs only under TRITON_INTERPRET=1)")
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), "
                         "e.g. platform/tessera/demo_adapters/pirate")
@@ -81,9 +85,11 @@ def _adapter_source(args: argparse.Namespace) -> tuple:
 def _load_engine(args: argparse.Namespace, source):
     """The LLMEngine for --model; CLIError when the model cannot be found or read."""
     from engine.llm_engine import LLMEngine
+    from tessera.engine_config import engine_config
 
     try:
-        return LLMEngine(args.model, adapter_source=source)
+        config = engine_config(device=args.device, backend=args.backend)
+        return LLMEngine(args.model, config, adapter_source=source)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
 

@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8100)
     w.add_argument("--secret", default=None, help="shared secret (default: TESSERA_ENGINE_SECRET)")
+    w.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: TESSERA_ENGINE_DEVICE, else cpu)")
+    w.add_argument("--backend", default=None, choices=["cpu", "triton"],
+                   help="the engine's kernels (default: TESSERA_ENGINE_BACKEND, else cpu on the CPU, triton on CUDA)")
     w.set_defaults(func=_worker)
 
 
@@ -100,10 +103,10 @@ def _worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
-    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from tessera.cli import CLIError
     from tessera.engine_client.worker import create_worker_app
+    from tessera.engine_config import engine_config
 
     settings = load_settings()
     secret = args.secret or (settings.engine_secret.get_secret_value() if settings.engine_secret else None)
@@ -116,9 +119,9 @@ def _worker(args: argparse.Namespace) -> int:
     ctx = build_context(settings)
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
                                    cache_dir=settings.adapter_cache_dir)
-    engine = LLMEngine(settings.model_path, EngineConfig(kv_cache_bytes=settings.engine_kv_cache_mib << 20,
-                                                         num_threads=settings.engine_threads),
-                       adapter_source=source)
+    config = engine_config(device=args.device or settings.engine_device, backend=args.backend or settings.engine_backend,
+                           kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads)
+    engine = LLMEngine(settings.model_path, config, adapter_source=source)
     aengine = AsyncLLMEngine(engine)
     try:
         uvicorn.run(create_worker_app(aengine, secret=secret), host=args.host, port=args.port, log_level="warning")

@@ -45,9 +45,10 @@ class InProcessEngineClient:
 
 def build_inprocess_client(settings, adapter_source=None) -> InProcessEngineClient:
     """Load the base model from settings (default: embedded SmolLM2) into an owned engine."""
-    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
+    from tessera.engine_config import engine_config
 
-    config = EngineConfig(kv_cache_bytes=settings.engine_kv_cache_mib << 20, num_threads=settings.engine_threads)
+    config = engine_config(device=settings.engine_device, backend=settings.engine_backend,
+                           kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads)
     engine = LLMEngine(settings.model_path, config, adapter_source=adapter_source)
     return InProcessEngineClient(AsyncLLMEngine(engine), owns_engine=True)
