@@ -203,7 +203,7 @@ def check_segments(seg_starts, seg_slots, num_tokens: int, num_slots: int, devic
             raise ValueError(f"seg_starts must be non-decreasing from 0 to the token count {num_tokens}; got {st[:8]}{'...' if len(st) > 8 else ''}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoRAStack:
     """One layer's adapter weights for repeated `add_lora` calls, checked once: A slices
     [S, R, K], B slices [S, N_i, R], scales [S] fp32, ranks [S], and the columns of y each slice
@@ -227,8 +227,10 @@ class LoRAStack:
     #: int8 stacks only: fp32 row scales, [S, R] per A slice and [S, N_i] per B slice
     a_row_scales: list[torch.Tensor] | None = None
     b_row_scales: list[torch.Tensor] | None = None
-    #: backends' per-stack caches (punica_kernels.cpu_native: the C call's pointer arrays)
-    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    #: what the checks have already verified of this stack (rank values at a tensor version,
+    #: dtype combinations); a path's own per-stack state (the C kernel's argument struct) lives
+    #: with that path, keyed by the stack (compared and hashed by identity)
+    checked: dict = field(default_factory=dict, repr=False)
 
     # Cached: the stack's tensors are never reallocated, and a call reads these every time.
     @cached_property
@@ -354,9 +356,9 @@ def _check_stack_ranks(stack: LoRAStack) -> None:
     version counter on every in-place change (through any view), and the engine's calls (120 a
     decode step) see the same ranks until the next slot load."""
     version = stack.ranks._version
-    if stack.cache.get("ranks_checked") != version:
+    if stack.checked.get("ranks_checked") != version:
         _check_rank_values(stack.ranks, stack.max_rank)
-        stack.cache["ranks_checked"] = version
+        stack.checked["ranks_checked"] = version
 
 
 def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=None) -> AddLoRAArgs:
@@ -380,13 +382,13 @@ def check_add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, offsets=N
         raise ValueError(f"lora_a has shape {tuple(stack.a_slices[0].shape)}; expected "
                          f"[{stack.num_slots}, {stack.max_rank}, {x.shape[1]}] (x's width)")
     dtypes_ok = ("dtypes_ok", x.dtype, y.dtype, x.device.type)  # the answer depends on nothing else
-    if dtypes_ok not in stack.cache:
+    if dtypes_ok not in stack.checked:
         for i, (a, b) in enumerate(zip(stack.a_slices, stack.b_slices)):
             if (a.dtype != x.dtype or b.dtype != y.dtype) and not _compact_weights(x, y, a, b):
                 raise TypeError(f"slice {i}: lora_a must match x's dtype and lora_b y's (or, on CPU, both be "
                                 f"bfloat16 or int8 with float32 x and y); got {_dtype_name(a.dtype)}/"
                                 f"{_dtype_name(x.dtype)} and {_dtype_name(b.dtype)}/{_dtype_name(y.dtype)}")
-        stack.cache[dtypes_ok] = True
+        stack.checked[dtypes_ok] = True
     if stack.min_out_width > y.shape[1]:
         o, n = next((o, n) for o, n in zip(stack.offsets, stack.widths) if o + n > y.shape[1])
         raise ValueError(f"slice columns [{o}, {o + n}) fall outside y's width {y.shape[1]}")

@@ -27,6 +27,7 @@ ones scaled) per call.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -230,9 +231,26 @@ def _expand_grouped(args, groups) -> None:
                     y_l.index_add_(0, b.tokens, v_l.index_select(0, b.tokens).to(B.dtype) @ w_t)
 
 
+#: Per LoRAMetadata: its token plans by rank values (`plan_for`), dropped with the metadata.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_for(meta, ranks: torch.Tensor) -> list[RankGroup]:
+    """The token grouping of `meta`'s slots for `ranks`, cached per metadata object and rank
+    values: every layer of a step shares one."""
+    plans = _PLANS.get(meta)
+    if plans is None:
+        plans = _PLANS[meta] = {}
+    key = tuple(ranks.tolist())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = plan_tokens(meta.token_slots, ranks)
+    return plan
+
+
 def _plan(token_slots, ranks, meta):
     if meta is not None and meta.num_tokens == token_slots.shape[0]:
-        return meta.cpu_plan(ranks)
+        return plan_for(meta, ranks)
     return plan_tokens(token_slots, ranks)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -57,17 +58,33 @@ class StackArgs(ctypes.Structure):
                 ("off", ctypes.c_void_p), ("A_rs", ctypes.c_void_p), ("B_rs", ctypes.c_void_p)]
 
 
+#: Per LoRAStack: the kernel's view of it (`_stack_args`), dropped with the stack.
+_STACK_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per LoRAMetadata: its longest run of one adapter slot (`max_adapter_run`), dropped with it.
+_MAX_RUN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_adapter_run(meta) -> int:
+    """Longest run of consecutive tokens on one adapter slot (runs of -1 not counted), cached per
+    metadata object: the kernel takes decode-shaped fp32 batches by it."""
+    run = _MAX_RUN.get(meta)
+    if run is None:
+        lens = (meta.seg_starts[1:] - meta.seg_starts[:-1])[meta.seg_slots >= 0]
+        run = _MAX_RUN[meta] = int(lens.max()) if lens.numel() else 0
+    return run
+
+
 def _stack_args(stack) -> tuple[int, int, tuple] | None:
     """(weight type, address of the stack's StackArgs, what keeps it alive), built once per
-    `LoRAStack` and kept in its cache (the stacks are never reallocated, only written into); None
+    `LoRAStack` and kept beside it here (the stacks are never reallocated, only written into); None
     when the stack is not one the kernel takes (mixed or other dtypes, rank > MAX_RANK)."""
-    if "cpu_native" not in stack.cache:
+    if stack not in _STACK_ARGS:
         a0 = stack.a_slices[0]
         weights = stack.a_slices + stack.b_slices
         ok = (a0.device.type == "cpu" and a0.shape[1] <= MAX_RANK and a0.dtype in WEIGHT_TYPES
               and all(w.dtype == a0.dtype for w in weights))
         if not ok:
-            stack.cache["cpu_native"] = None
+            _STACK_ARGS[stack] = None
             return None
         n = len(stack.a_slices)
         ptrs, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
@@ -83,8 +100,8 @@ def _stack_args(stack) -> tuple[int, int, tuple] | None:
 
         st = StackArgs(stack.in_features, stack.max_rank, n, WEIGHT_TYPES[a0.dtype], stack.scales.data_ptr(),
                        *(address(arr) for arr in arrays))
-        stack.cache["cpu_native"] = (WEIGHT_TYPES[a0.dtype], ctypes.addressof(st), (st, arrays))
-    return stack.cache["cpu_native"]
+        _STACK_ARGS[stack] = (WEIGHT_TYPES[a0.dtype], ctypes.addressof(st), (st, arrays))
+    return _STACK_ARGS[stack]
 
 
 def add_lora_f32(args, meta) -> bool:
@@ -101,7 +118,7 @@ def add_lora_f32(args, meta) -> bool:
     if stack_args is None:
         return False
     wtype, stack_address, _ = stack_args
-    if wtype == WEIGHT_TYPES[torch.float32] and meta.max_adapter_run() > MAX_RUN:
+    if wtype == WEIGHT_TYPES[torch.float32] and max_adapter_run(meta) > MAX_RUN:
         return False
     lib = library()
     if lib is None:

@@ -16,14 +16,16 @@ int computed here, so no launch reads a device tensor back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
+@dataclass(eq=False)
 class LoRAMetadata:
-    """What the four ops need for one batch. All tensors live on `device`."""
+    """What the four ops need for one batch. All tensors live on `device`. Compared and hashed by
+    identity: a path's own per-batch caches (the CPU path's token plans) key on the object and
+    live with that path, not here."""
 
     token_slots: torch.Tensor  # [T] int32: slot of each token, -1 = no adapter (BGMV input)
     seg_starts: torch.Tensor  # [n+1] int32: boundaries of runs of equal slots (SGMV input)
@@ -42,32 +44,11 @@ class LoRAMetadata:
     prefill_seg_starts: torch.Tensor | None = None  # [m+1] int32
     prefill_seg_slots: torch.Tensor | None = None  # [m] int32
     prefill_max_segment_len: int = 0  # longest prefill run, host int
-    _cpu_plans: dict = field(default_factory=dict, repr=False, compare=False)
-    _max_adapter_run: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def decode_slots(self) -> torch.Tensor:
         """token_slots[:num_decode] (a view): the BGMV input for the decode rows."""
         return self.token_slots[: self.num_decode or 0]
-
-    def max_adapter_run(self) -> int:
-        """Longest run of consecutive tokens on one adapter slot (runs of -1 not counted); cached.
-        The CPU kernel takes decode-shaped batches by it (punica_kernels.cpu_native)."""
-        if self._max_adapter_run is None:
-            lens = (self.seg_starts[1:] - self.seg_starts[:-1])[self.seg_slots >= 0]
-            self._max_adapter_run = int(lens.max()) if lens.numel() else 0
-        return self._max_adapter_run
-
-    def cpu_plan(self, ranks: torch.Tensor):
-        """The CPU path's token grouping for these slots and `ranks`, cached by rank values."""
-        from .cpu import plan_tokens  # cpu imports this module; import late to avoid a cycle
-
-        key = tuple(ranks.tolist())
-        plan = self._cpu_plans.get(key)
-        if plan is None:
-            plan = plan_tokens(self.token_slots, ranks)
-            self._cpu_plans[key] = plan
-        return plan
 
 
 def build_lora_metadata(slot_per_token: Sequence[int] | torch.Tensor, *, num_slots: int | None = None,

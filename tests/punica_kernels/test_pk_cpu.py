@@ -182,7 +182,7 @@ def test_cpu_add_lora_slot_sorted_decode_reads_views(offsets):
                     ranks=[8] * S, seed=11)
     bt.token_slots = slots
     meta = pk.build_lora_metadata(slots, num_slots=S)
-    (group,) = meta.cpu_plan(bt.ranks)
+    (group,) = pk.cpu.plan_for(meta, bt.ranks)
     assert group.run == (3, slots.numel()) and group.pad_mask is None
     y = pk.add_lora(bt.y.clone(), bt.x, bt.a, bt.b, bt.scales, bt.ranks, meta=meta, offsets=offsets)
     want = _reference_add_lora(bt, single=False)

@@ -45,7 +45,8 @@ def switches_from_env(environ=os.environ) -> dict[str, bool]:
 class CpuLoRABatch(LoRABatch):
     """One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole
     mixed batch; tokens without an adapter (slot -1) cost nothing. The metadata (and the CPU
-    path's slot-major token plan, cached in it) is built once per step and shared by every layer."""
+    path's slot-major token plan, cached for it by punica_kernels.cpu) is built once per step and
+    shared by every layer."""
 
     def __init__(self, slots, token_slots: list[int]):
         self.slots = slots
