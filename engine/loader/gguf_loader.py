@@ -41,8 +41,12 @@ _GLOBAL_NAMES = {
 }
 
 
-#: Key suffix of a layer weight's raw Q4_1 blocks in load_gguf's tensors.
+#: Key suffix of a layer weight's raw Q4_1 blocks in load_gguf's tensors (20 bytes per 32 weights).
 Q4_1_SUFFIX = ".q4_1"
+#: Key suffix of a layer weight's raw Q4_0 blocks in load_gguf's tensors (18 bytes per 32 weights).
+Q4_0_SUFFIX = ".q4_0"
+#: The 4-bit layer types whose raw blocks load_gguf keeps, and the key suffix of each.
+_RAW_SUFFIXES = {GGMLQuantizationType.Q4_1: Q4_1_SUFFIX, GGMLQuantizationType.Q4_0: Q4_0_SUFFIX}
 
 
 def default_model_path() -> Path:
@@ -126,7 +130,8 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
     Returns (config, fp32 tensors in HF layout and names, raw metadata). Q/K projection rows are
     un-permuted into HF's layout so that HF-trained LoRA adapters apply unchanged. Layer weights
     stored as Q4_1 also come as their raw blocks under name + Q4_1_SUFFIX (uint8 [rows, 20 bytes
-    per 32 inputs], rows in the same order).
+    per 32 inputs], rows in the same order), and those stored as Q4_0 under name + Q4_0_SUFFIX
+    (uint8 [rows, 18 bytes per 32 inputs]); each dequantizes to exactly the fp32 weight beside it.
     """
     path = Path(path)
     reader = GGUFReader(str(path))
@@ -148,10 +153,11 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         else:
             continue
         arr = _tensor_to_numpy(t)
-        # Q4_1 layers also keep their raw blocks (rows permuted like the weights), so the int8
-        # format's single-stream kernel can read the file's own 4-bit weights (model.cpu_q4).
-        raw = (np.array(t.data, dtype=np.uint8, copy=True)
-               if GGMLQuantizationType(t.tensor_type) == GGMLQuantizationType.Q4_1 and gname.startswith("blk.") else None)
+        # 4-bit layers also keep their raw blocks (rows permuted like the weights), so a kernel can
+        # read the file's own 4-bit weights: the CPU int8 format's Q4_1 kernel (backends/cpu/q4.py),
+        # the Triton backend's W4A16 matmul (backends/triton/w4a16.py) for Q4_0 and Q4_1.
+        raw_suffix = _RAW_SUFFIXES.get(GGMLQuantizationType(t.tensor_type)) if gname.startswith("blk.") else None
+        raw = None if raw_suffix is None else np.array(t.data, dtype=np.uint8, copy=True)
         if rest_is(gname, "attn_q.weight"):
             arr = _unpermute_rope(arr, cfg.num_heads)
             raw = None if raw is None else _unpermute_rope(raw, cfg.num_heads)
@@ -160,7 +166,7 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
             raw = None if raw is None else _unpermute_rope(raw, cfg.num_kv_heads)
         tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
         if raw is not None:
-            tensors[hf + Q4_1_SUFFIX] = torch.from_numpy(np.ascontiguousarray(raw))
+            tensors[hf + raw_suffix] = torch.from_numpy(np.ascontiguousarray(raw))
 
     tied = "lm_head.weight" not in tensors
     cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied})

@@ -1,0 +1,520 @@
+"""W4A16: 4-bit base weights on the device, multiplied by 16-bit (or fp32) activations with the
+weights dequantized inside the Triton kernels, so a 4-bit checkpoint stays 4-bit on the GPU.
+
+Semantics:
+    # w: W4Weight of N x K weights, groups of G inputs along K (the last group may be shorter)
+    W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]      # fp32, q in 0..15
+    y[m, :] = x[m, :] @ W.T                                      # fp32 accumulation, y in x's dtype
+
+The format (`W4Weight`):
+- `qweight` uint8 [N, K/2], K % 32 == 0. Inputs are packed in blocks of 32, as in GGUF's Q4_0 and
+  Q4_1 blocks: byte j (0..15) of a block holds input j in its low nibble and input j + 16 in its
+  high nibble. A file's blocks therefore become this layout by dropping their scale bytes, no
+  nibble is moved, and the kernels read both nibbles of a byte against two 16-wide runs of x.
+  Each row is K/2 bytes, a multiple of 16, so every row starts 16-byte aligned when the tensor
+  does (the launchers check it) and a tile's bytes load as whole 16-byte vectors.
+- `scales`, `mins` fp16 [N, ceil(K / G)], G a multiple of 32 (a byte's two nibbles then always
+  share a group). GGUF blocks give G = 32: Q4_1's d and m as they are, Q4_0's d and -8 d (exact in
+  fp16: a power-of-two multiple). Quantization at load time defaults to G = 128: a decode GEMV is
+  bound by the bytes it reads, and 4 bytes of scale and min per 128 weights add 6% to the 4-bit
+  bytes where G = 32 adds 25%; the rounding error stays within half a group's step (`quantize`).
+
+Kernels (`w4a16_matmul`), chosen by the number of rows M:
+- M <= GEMV_MAX_M: split-K GEMV. Each program dequantizes a BLOCK_N x BLOCK_K tile once and
+  multiplies it by all M rows on the CUDA cores (fp32 products), over one of SPLIT_K chunks of K.
+  With SPLIT_K > 1 each program writes its partial sums to its own slice of an fp32 workspace
+  [SPLIT_K, M, N] and a second small kernel adds the slices in a fixed order and casts: no program
+  writes what another writes, no atomics, no zeroing launch, and the same input gives the same
+  bits on every run (atomic adds would sum in arrival order). The workspace is SPLIT_K x M x N x 4
+  bytes, written and read back at once, so it stays in L2.
+- wider: tiled GEMM on the tensor cores (tl.dot, BLOCK_M/N >= 16): tiles dequantized to x's dtype
+  (fp32 tiles with IEEE products for fp32 activations, for `exact=True`, and for bf16 under the
+  interpreter, whose bf16 tl.dot is wrong).
+Block sizes come from `CONFIGS` (data, keyed by device name, path, N, K; `pick_config`).
+
+Where the kernels run: Triton builds them for the GPU or for the interpreter by TRITON_INTERPRET
+when this module is imported: compiled kernels take CUDA tensors, interpreted ones CPU tensors
+(`check_runnable`); the torch `dequantize` is the reference and runs anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from triton.runtime.jit import JITFunction
+
+#: Inputs per packing block (byte j: input j low nibble, input j + 16 high nibble).
+PACK = 32
+#: Group size of load-time quantization (see the module docstring).
+DEFAULT_GROUP_SIZE = 128
+#: GGUF block bytes per type: fp16 d (Q4_1: then fp16 m), then 16 bytes of nibbles.
+GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20}
+#: Widest M the split-K GEMV path takes; wider goes to the tensor-core GEMM.
+GEMV_MAX_M = 16
+#: Most products one GEMV program holds at once (BLOCK_M x BLOCK_N x BLOCK_K / 2 per nibble);
+#: past it the tile shrinks so the fp32 products fit in registers (128 threads x 64 each).
+GEMV_TILE_BUDGET = 8192
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+#: Whether this module's kernels were built for the Triton interpreter (TRITON_INTERPRET=1 when it
+#: was imported): the probe above was decorated in the same import as the kernels.
+INTERPRETED: bool = not isinstance(_probe, JITFunction)
+
+
+def check_runnable(device: torch.device) -> None:
+    """Raise RuntimeError unless this module's kernels can run on tensors of `device`."""
+    if device.type == "cuda" and INTERPRETED:
+        raise RuntimeError("the W4A16 kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at "
+                           "import), which takes CPU tensors only; start the process without TRITON_INTERPRET "
+                           "for CUDA tensors")
+    if device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("the W4A16 kernels on CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
+                           "before triton code is imported")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the W4A16 kernels run on CUDA or CPU tensors, not {device.type}")
+
+
+# ----------------------------------------------------------------------------- the format
+
+
+@dataclasses.dataclass(frozen=True)
+class W4Weight:
+    """N x K 4-bit weights (see the module docstring for the layout)."""
+
+    qweight: torch.Tensor  # uint8 [N, K/2]: per 32 inputs, byte j = input j | input j + 16 << 4
+    scales: torch.Tensor  # fp16 [N, ceil(K / group_size)]
+    mins: torch.Tensor  # fp16 [N, ceil(K / group_size)]: W = q * scale + min
+    group_size: int  # inputs per (scale, min), a multiple of 32
+
+    def __post_init__(self):
+        q, s, m, g = self.qweight, self.scales, self.mins, self.group_size
+        if q.dtype != torch.uint8 or q.dim() != 2:
+            raise ValueError(f"qweight must be uint8 [N, K/2], not {q.dtype} {tuple(q.shape)}")
+        if g <= 0 or g % PACK:
+            raise ValueError(f"group_size must be a positive multiple of {PACK}, not {g}")
+        if q.shape[1] % (PACK // 2):
+            raise ValueError(f"K must be a multiple of {PACK}: qweight has {q.shape[1]} bytes a row")
+        groups = (self.K + g - 1) // g
+        for name, t in (("scales", s), ("mins", m)):
+            if t.dtype != torch.float16 or tuple(t.shape) != (self.N, groups):
+                raise ValueError(f"{name} must be float16 [{self.N}, {groups}], not {t.dtype} {tuple(t.shape)}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device}, qweight on {q.device}")
+        if not (q.is_contiguous() and s.is_contiguous() and m.is_contiguous()):
+            raise ValueError("qweight, scales and mins must be contiguous")
+
+    @property
+    def N(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.qweight.shape[1] * 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def nbytes(self) -> int:
+        """Bytes the kernels read for the weights: nibbles, scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def to(self, device: torch.device | str) -> W4Weight:
+        return W4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
+
+
+def pack_gguf(raw: torch.Tensor, qtype: str) -> W4Weight:
+    """GGUF Q4_0 / Q4_1 rows (uint8 [N, K/32 * block bytes], as gguf_loader keeps them) -> W4Weight
+    with group size 32, dequantizing to exactly what gguf.quants.dequantize gives."""
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)}, not {qtype!r}")
+    bb = GGUF_BLOCK_BYTES[qtype]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % bb:
+        raise ValueError(f"{qtype} rows must be uint8 [N, K/32 * {bb}], not {raw.dtype} {tuple(raw.shape)}")
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, bb)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
+    if qtype == "q4_1":
+        mins = blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
+    else:
+        # Q4_0: d * (q - 8) = q * d + (-8 d); -8 d is exact in fp16 unless it overflows.
+        mins = (d.float() * -8.0).half()
+        if not torch.isfinite(mins[torch.isfinite(d)]).all():
+            raise ValueError("a Q4_0 scale is too large for -8 x scale to fit in float16")
+    qweight = blocks[..., bb - PACK // 2:].reshape(n, -1).contiguous()
+    return W4Weight(qweight, d.contiguous(), mins.contiguous(), PACK)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values 0..15 -> uint8 [N, K/2] in the packing-block order."""
+    n, k = q.shape
+    blocks = q.reshape(n, k // PACK, 2, PACK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> the values 0..15 as uint8 [N, K] in input order."""
+    n = qweight.shape[0]
+    blocks = qweight.reshape(n, -1, 1, PACK // 2)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(n, -1)
+
+
+def _fp16_down(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the largest fp16 value <= t (t finite and within fp16's range)."""
+    h = t.half()
+    over = h.float() > t
+    return torch.where(over, torch.nextafter(h, torch.full_like(h, -torch.inf)), h)
+
+
+def _fp16_up(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the smallest fp16 value >= t."""
+    h = t.half()
+    under = h.float() < t
+    return torch.where(under, torch.nextafter(h, torch.full_like(h, torch.inf)), h)
+
+
+def quantize(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> W4Weight:
+    """float [N, K] (K % 32 == 0) -> W4Weight: per group of `group_size` inputs along K, asymmetric
+    round-to-nearest: min = the group's minimum rounded down to fp16, scale = (max - min) / 15
+    rounded up to fp16, q = round((w - min) / scale). Rounding min down and scale up keeps
+    (w - min) / scale within [0, 15], so no value is clamped and every weight is within
+    scale / 2 of its dequantized value (fp32 arithmetic aside). Runs on the weight's device."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float [N, K] tensor, not {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k % PACK:
+        raise ValueError(f"K must be a multiple of {PACK}, not {k}")
+    if group_size <= 0 or group_size % PACK:
+        raise ValueError(f"group_size must be a positive multiple of {PACK}, not {group_size}")
+    w = weight.float()
+    if w.numel() and not (torch.isfinite(w).all() and w.abs().max().item() <= 60000.0):
+        raise ValueError("weights must be finite and within float16's range to quantize")
+    groups = -(-k // group_size)
+    # Pad the last group with copies of its last input: they change neither its min nor its max.
+    padded = torch.nn.functional.pad(w, (0, groups * group_size - k), mode="replicate") if groups * group_size != k else w
+    wg = padded.reshape(n, groups, group_size)
+    lo = _fp16_down(wg.amin(dim=2))
+    scale = _fp16_up((wg.amax(dim=2) - lo.float()) / 15.0)
+    s32 = scale.float()[..., None]
+    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    q = torch.where(s32 > 0, torch.round((wg - lo.float()[..., None]) / safe), torch.zeros_like(wg))
+    q = q.clamp_(0, 15).to(torch.uint8).reshape(n, groups * group_size)[:, :k]
+    return W4Weight(_pack_nibbles(q.contiguous()), scale.contiguous(), lo.contiguous(), group_size)
+
+
+def dequantize(w: W4Weight) -> torch.Tensor:
+    """The reference: fp32 [N, K] = q * scale + min, in torch on w's device."""
+    q = _unpack_nibbles(w.qweight).float()
+    scales = w.scales.float().repeat_interleave(w.group_size, dim=1)[:, :w.K]
+    mins = w.mins.float().repeat_interleave(w.group_size, dim=1)[:, :w.K]
+    return q * scales + mins
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one path. Tile sizes are powers of two; block_k >= 32 (one packing
+    block); the GEMM's block_m, block_n >= 16 (the tensor cores' smallest tile)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 0  # K chunks, one program each; 0: enough programs for a large GPU (_auto_split)
+    block_m: int = 16  # GEMM only: the GEMV takes all M rows in one tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+#: (device name, path, N, K) -> config; N = K = 0 is that device's default for the path, and the
+#: device "default" serves devices never tuned. Tuning on a GPU is editing this table
+#: (bench/kernels.py --device cuda prints each shape's figures).
+CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
+    # GEMV: 32 rows x 256 inputs a tile: 128 bytes of each row, i.e. eight 16-byte loads.
+    ("default", "gemv", 0, 0): KernelConfig(block_n=32, block_k=256, split_k=0, num_warps=4, num_stages=2),
+    ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=64, split_k=1, block_m=64, num_warps=4, num_stages=3),
+}
+
+#: Programs the automatic split-K aims at: two per SM of an H100 (132 SMs).
+_TARGET_PROGRAMS = 264
+
+
+def pick_config(device_name: str, path: str, n: int, k: int) -> KernelConfig:
+    """The config for a (device, path, N, K): the exact entry, else the device's default for the
+    path, else the untuned default."""
+    if path not in ("gemv", "gemm"):
+        raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
+    for key in ((device_name, path, n, k), (device_name, path, 0, 0), ("default", path, n, k)):
+        if key in CONFIGS:
+            return CONFIGS[key]
+    return CONFIGS[("default", path, 0, 0)]
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _auto_split(n_programs: int, k_tiles: int) -> int:
+    return max(1, min(k_tiles, -(-_TARGET_PROGRAMS // max(n_programs, 1)), 16))
+
+
+def _check_blocks(minimum: int, **blocks: int) -> None:
+    """Powers of two (tl.arange's rule) and at least `minimum`; the interpreter accepts either
+    mistake, so a bad size would pass the CPU tests and fail to compile on the GPU."""
+    for name, b in blocks.items():
+        if b < minimum or b & (b - 1):
+            raise ValueError(f"{name}={b}: tile sizes must be powers of two >= {minimum}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
+                  G: tl.constexpr, N_FIRST: tl.constexpr):
+    """fp32 weights of one K tile: (low nibbles, high nibbles, input index of each low nibble, mask).
+
+    `p`: the tile's byte offsets 0..BLOCK_K/2-1; byte p of the tile holds inputs k0 + e and
+    k0 + e + 16, e = (p // 16) * 32 + p % 16 (k0 is a multiple of 32). Tiles are [BLOCK_N, BLOCK_K/2]
+    with N_FIRST, else [BLOCK_K/2, BLOCK_N] (the GEMM's right operand)."""
+    byte = k0 // 2 + p  # k0 % 32 == 0: the tile starts on a 16-byte boundary of every row
+    e = k0 + (p // 16) * 32 + p % 16
+    mask_p = byte < K // 2  # K % 32 == 0: each 16-byte run is wholly in or wholly out
+    g = e // G  # G % 32 == 0: both nibbles of a byte share a group
+    if N_FIRST:
+        mask = mask_n[:, None] & mask_p[None, :]
+        # Row starts are 16-byte aligned (K/2 % 16 == 0, base checked) and `byte` runs contiguous
+        # from a multiple of 16: the compiler's vector loads are whole 16-byte transactions.
+        q = tl.load(q_ptr + rows[:, None] * stride_q + byte[None, :], mask=mask, other=0)
+        s_off = rows[:, None] * stride_s + g[None, :]
+    else:
+        mask = mask_p[:, None] & mask_n[None, :]
+        q = tl.load(q_ptr + rows[None, :] * stride_q + byte[:, None], mask=mask, other=0)
+        s_off = rows[None, :] * stride_s + g[:, None]
+    # 16 consecutive bytes of a row share one (scale, min): these loads hit the same addresses.
+    sc = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+    w_lo = (q & 0xF).to(tl.float32) * sc + mn
+    w_hi = (q >> 4).to(tl.float32) * sc + mn
+    return w_lo, w_hi, e, mask_p
+
+
+@triton.jit
+def _w4_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) owns out[s, :, n-block] alone.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)  # row * stride must not wrap at 2^31 bytes
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    p = tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w_lo, w_hi, e, mask_p = _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
+                                              G, True)
+        x_mask = mask_m[:, None] & mask_p[None, :]
+        x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (e + 16)[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :], axis=2)
+    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) owns out[s, m-block,
+    # n-block] alone. M blocks vary fastest, so programs launched together share a weight tile in L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    p = tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_CHUNK
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w_lo, w_hi, e, mask_p = _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
+                                              G, False)
+        x_mask = mask_m[:, None] & mask_p[None, :]
+        x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=x_mask, other=0.0)
+        x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (e + 16)[None, :], mask=x_mask, other=0.0)
+        if IEEE:
+            acc += tl.dot(x_lo.to(tl.float32), w_lo, input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), w_hi, input_precision="ieee")
+        else:
+            acc += tl.dot(x_lo, w_lo.to(x_lo.dtype))
+            acc += tl.dot(x_hi, w_hi.to(x_hi.dtype))
+    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(ws_ptr, y_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
+    # y.flat[i] = sum over s in order of ws[s].flat[i]; each program owns its BLOCK of y.
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str | None = None,
+                 config: KernelConfig | None = None) -> torch.Tensor:
+    """y = x @ dequantize(w).T with the weights dequantized in the kernels. Semantics: see the
+    module docstring.
+
+    Args:
+        x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
+        w: the 4-bit weights.
+        exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
+        path: "gemv" or "gemm"; None picks by M (GEMV up to GEMV_MAX_M rows).
+        config: launch parameters; None takes pick_config's for the device and shape.
+    Returns:
+        [M, N] in x's dtype, a new tensor.
+    Raises:
+        ValueError on a bad dtype, shape, device, layout or config; RuntimeError where this
+        module's kernels cannot run on x's device (check_runnable).
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, not {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != w.K:
+        raise ValueError(f"x must be [M, {w.K}], not {tuple(x.shape)}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device}, the weights on {w.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n, k = x.shape[0], w.N, w.K
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    check_runnable(x.device)
+    # The qweight rows are K/2 bytes (a multiple of 16) apart, so 16-byte alignment of the base
+    # makes every row's tile loads aligned; a view at an odd offset would break that silently.
+    if w.qweight.data_ptr() % 16:
+        raise ValueError("qweight's data must start 16-byte aligned (a tensor of its own, not an offset view)")
+    path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
+    cfg = config or pick_config(_device_name(x.device), path, n, k)
+    block_n, block_k = cfg.block_n, cfg.block_k
+    if path == "gemv":
+        _check_blocks(1, block_n=block_n)
+        _check_blocks(PACK, block_k=block_k)
+        if m > GEMV_MAX_M:
+            raise ValueError(f"the GEMV path takes up to {GEMV_MAX_M} rows, not {m}")
+        block_m = _next_pow2(m)
+        # Keep BLOCK_M x BLOCK_N x BLOCK_K/2 fp32 products within the register budget.
+        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_k > PACK:
+            block_k //= 2
+        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_n > 16:
+            block_n //= 2
+        m_blocks = 1
+    elif path == "gemm":
+        block_m = cfg.block_m
+        _check_blocks(16, block_m=block_m, block_n=block_n)
+        _check_blocks(PACK, block_k=block_k)
+        m_blocks = triton.cdiv(m, block_m)
+    else:
+        raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
+    k_tiles = triton.cdiv(k, block_k)
+    n_blocks = triton.cdiv(n, block_n)
+    split = cfg.split_k or _auto_split(n_blocks * m_blocks, k_tiles)
+    split = max(1, min(split, k_tiles))
+    # Every chunk a whole number of tiles, and no chunk empty (each writes its workspace slice).
+    k_chunk = triton.cdiv(k_tiles, split) * block_k
+    split = triton.cdiv(k, k_chunk)
+    if split == 1:
+        out, stride_ok = y, 0
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        stride_ok = out.stride(0)
+    common = dict(G=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x, w.qweight, w.scales, w.mins, out, m, n, k, k_chunk, x.stride(0), w.qweight.stride(0),
+            w.scales.stride(0), n, stride_ok)
+    if path == "gemv":
+        _w4_gemv_kernel[(n_blocks, split)](*args, **common)
+    else:
+        ieee = exact or x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and INTERPRETED)
+        _w4_gemm_kernel[(m_blocks, n_blocks, split)](*args, IEEE=ieee, **common)
+    if split > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block)
+    return y
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class W4A16Linear(nn.Module):
+    """A frozen base linear kept 4-bit on the device: `lin(x [T, in], exact) -> [T, out]` in x's
+    dtype (the Backend.linear contract). Only the W4Weight lives on the device: from the
+    checkpoint's own GGUF blocks when given (checked at build to dequantize to exactly `weight`),
+    else quantized at load with `group_size`."""
+
+    def __init__(self, weight: torch.Tensor, *, raw: torch.Tensor | None = None, qtype: str | None = None,
+                 device: torch.device | str, dtype: torch.dtype, group_size: int = DEFAULT_GROUP_SIZE):
+        """weight: fp32 [out, in] on the host; raw, qtype: the same weight's GGUF rows and their
+        type ("q4_0" / "q4_1"), or None; dtype: the activations' dtype (forward's x)."""
+        super().__init__()
+        if (raw is None) != (qtype is None):
+            raise ValueError("raw GGUF rows and their qtype come together")
+        if raw is not None:
+            packed = pack_gguf(raw, qtype)
+            if packed.N != weight.shape[0] or packed.K != weight.shape[1] or not torch.equal(dequantize(packed), weight.float()):
+                raise ValueError(f"the {qtype} rows do not dequantize to the weight {tuple(weight.shape)} "
+                                 "(rows permuted or concatenated differently?)")
+            self.source = qtype
+        else:
+            packed = quantize(weight, group_size)
+            self.source = f"quantized g{group_size}"
+        w = packed.to(device)
+        self.register_buffer("qweight", w.qweight)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("mins", w.mins)
+        self.group_size = w.group_size
+        self.dtype = dtype
+        self.out_features, self.in_features = w.N, w.K
+
+    @property
+    def weight4(self) -> W4Weight:
+        return W4Weight(self.qweight, self.scales, self.mins, self.group_size)
+
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        return w4a16_matmul(x, self.weight4, exact=exact)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.source}, activations {self.dtype}"

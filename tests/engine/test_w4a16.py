@@ -1,0 +1,197 @@
+"""The W4A16 format and kernels (engine/backends/triton/w4a16.py): GGUF blocks and load-time
+quantization dequantize to what they should, and the Triton matmul on 4-bit weights equals
+dequantize-then-matmul. Kernels run on CPU tensors through the Triton interpreter here, on CUDA
+tensors compiled where a GPU is present (`TRITON_INTERPRET=0 pytest ...`; see the `device`
+fixture and tests/punica_kernels/conftest.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine.backends.cpu import q4 as cpu_q4
+from engine.backends.triton import w4a16
+from engine.backends.triton.w4a16 import KernelConfig, W4A16Linear, dequantize, pack_gguf, quantize, w4a16_matmul
+from engine.loader import load_checkpoint
+from engine.loader.gguf_loader import Q4_0_SUFFIX, Q4_1_SUFFIX
+from engine.loader.synthetic import write_synthetic_gguf
+
+QTYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Where a kernel test puts its tensors: CPU under the interpreter, CUDA when compiled."""
+    if request.param == "cpu" and not w4a16.INTERPRETED:
+        pytest.skip("Triton on CPU tensors needs the interpreter; this process compiled the kernels")
+    if request.param == "cuda" and w4a16.INTERPRETED:
+        pytest.skip("this process built the kernels for the interpreter; run with TRITON_INTERPRET=0")
+    return torch.device(request.param)
+
+
+def random_gguf_rows(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """uint8 [n, k/32 * block bytes]: random nibbles, signed fp16 scales (and mins) of mixed size."""
+    rng = np.random.default_rng(seed)
+    kb = k // 32
+    d = (rng.standard_normal((n, kb, 1)) * 10.0 ** rng.integers(-6, 1, (n, kb, 1))).astype(np.float16)
+    parts = [d.view(np.uint8)]
+    if qtype == "q4_1":
+        parts.append((rng.standard_normal((n, kb, 1)) * 0.1).astype(np.float16).view(np.uint8))
+    parts.append(rng.integers(0, 256, (n, kb, 16), dtype=np.uint8))
+    return torch.from_numpy(np.concatenate(parts, axis=-1).reshape(n, -1).copy())
+
+
+# ----------------------------------------------------------------------------- the format
+
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_pack_gguf_dequantizes_exactly_like_gguf(qtype):
+    raw = random_gguf_rows(qtype, 24, 160, seed=1)
+    want = gguf_dequantize(raw.numpy(), QTYPES[qtype]).reshape(24, 160)
+    got = dequantize(pack_gguf(raw, qtype))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_1"])
+def test_loader_keeps_raw_rows_that_dequantize_to_the_weights(tmp_path, quant):
+    _, tensors, _ = load_checkpoint(write_synthetic_gguf(tmp_path / f"{quant}.gguf", "tiny", quant=quant))
+    suffix, other = (Q4_0_SUFFIX, Q4_1_SUFFIX) if quant == "q4_0" else (Q4_1_SUFFIX, Q4_0_SUFFIX)
+    raws = {k[: -len(suffix)]: v for k, v in tensors.items() if k.endswith(suffix)}
+    assert not any(k.endswith(other) for k in tensors)
+    # every layer linear (7 a layer, 2 layers), Q/K rows un-permuted like their weights
+    assert len(raws) == 14 and "model.layers.1.self_attn.q_proj.weight" in raws
+    for name, raw in raws.items():
+        assert torch.equal(dequantize(pack_gguf(raw, quant)), tensors[name]), name
+        if quant == "q4_1":  # the CPU backend's reading of the same rows
+            assert torch.equal(cpu_q4.dequantize(raw), tensors[name]), name
+
+
+def test_quantize_error_within_half_a_step():
+    gen = torch.Generator().manual_seed(2)
+    n, k, g = 12, 352, 128  # 352 = 2 whole groups and one of 96
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-4, 1, n)[:, None]
+    w[0, :128] = 0.375  # a constant group of an fp16 value: exact (scale 0)
+    w[1, 128:256] = 1e-3 * torch.randn(128, generator=gen)
+    q = quantize(w, g)
+    assert q.scales.shape == (n, 3) and q.group_size == g
+    err = (dequantize(q) - w).abs()
+    half_step = q.scales.float().repeat_interleave(g, dim=1)[:, :k] / 2
+    # w - min lies in [0, 15 scale] (min rounded down, scale up): round-to-nearest is within half
+    # a step; the slack covers the fp32 arithmetic of (w - min) / scale and q * scale + min.
+    assert (err <= half_step * (1 + 1e-5) + w.abs() * 2e-7).all()
+    assert err[0, :128].max() == 0
+    # the 4 bits are used: the step is the group's range / 15, not wider (fp16 rounding aside)
+    rng = w[:, :256].reshape(n, 2, 128)
+    span = (rng.amax(-1) - rng.amin(-1)) / 15
+    assert (q.scales[:, :2].float() <= span * (1 + 2e-3) + 6e-8).all()
+
+
+def test_format_refuses_what_the_kernels_cannot_read():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize(torch.randn(4, 64), group_size=48)
+    with pytest.raises(ValueError, match="q4_0"):
+        pack_gguf(torch.zeros(2, 20, dtype=torch.uint8), "q4_0")  # 20 bytes: Q4_1's block
+    with pytest.raises(ValueError, match="finite"):
+        quantize(torch.full((1, 32), float("nan")))
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def weights(fmt: str, n: int, k: int, seed: int) -> w4a16.W4Weight:
+    if fmt in QTYPES:
+        return pack_gguf(random_gguf_rows(fmt, n, k, seed), fmt)
+    return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05,
+                    int(fmt.removeprefix("g")))
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, w: w4a16.W4Weight, in_dtype_rounding: float) -> None:
+    """y against the float64 product of x (as the kernel saw it) and the dequantized weights.
+    Bound per element, on |x| @ |W|.T (the sum the rounding errors scale with): fp32 accumulation
+    of K products ((K + 2) * 2^-24), plus `in_dtype_rounding` for a 16-bit result (its rounding)
+    or 16-bit weight tiles (the GEMM's tensor-core inputs)."""
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w.N)
+    wd = dequantize(w).double().cpu()
+    xd = x.double().cpu()
+    ref = xd @ wd.T
+    bound = (xd.abs() @ wd.abs().T) * ((w.K + 2) * 2.0 ** -24 + in_dtype_rounding) + 1e-30
+    err = (y.double().cpu() - ref).abs()
+    assert (err <= bound).all(), f"worst error / bound {(err / bound).max().item():.3g}"
+
+
+SMALL = KernelConfig(block_n=16, block_k=32, split_k=3, block_m=16)
+CASES = [  # (format, M, N, K): odd M, N past a block, K at the packing and group boundaries
+    ("q4_0", 1, 40, 32), ("q4_0", 3, 72, 96), ("q4_0", 17, 24, 160),
+    ("q4_1", 1, 33, 64), ("q4_1", 16, 40, 96), ("q4_1", 40, 17, 128),
+    ("g128", 1, 40, 96), ("g128", 5, 48, 320), ("g128", 17, 33, 160), ("g32", 16, 24, 64),
+]
+
+
+@pytest.mark.parametrize("fmt,m,n,k", CASES)
+def test_matmul_fp32_equals_dequantize_then_matmul(device, fmt, m, n, k):
+    w = weights(fmt, n, k, seed=m + n + k).to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(device)
+    paths = ["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]
+    check_product(w4a16_matmul(x, w), x, w, 0.0)  # path and config picked by shape
+    for path in paths:  # forced, with tiles smaller than the shape and K split over programs
+        check_product(w4a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,m,n,k", [("q4_1", 3, 40, 96), ("g128", 17, 33, 160)])
+def test_matmul_16bit_activations(device, dtype, fmt, m, n, k):
+    w = weights(fmt, n, k, seed=5).to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(device=device, dtype=dtype)
+    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11  # the dtype's relative rounding
+    for path in (["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]):
+        # the result's rounding; the GEMM also rounds each weight to x's dtype on the tensor cores
+        check_product(w4a16_matmul(x, w, path=path, config=SMALL), x, w, 2 * unit)
+    # exact: fp32 tiles and IEEE products, so only the result's rounding remains
+    check_product(w4a16_matmul(x, w, path="gemm", exact=True), x, w, unit)
+
+
+def test_matmul_empty_and_refused(device):
+    w = weights("g128", 24, 64, seed=0).to(device)
+    y = w4a16_matmul(torch.empty(0, 64, device=device), w)
+    assert y.shape == (0, 24)
+    with pytest.raises(ValueError, match=r"\[M, 64\]"):
+        w4a16_matmul(torch.randn(2, 32, device=device), w)
+    with pytest.raises(ValueError, match="powers of two"):
+        w4a16_matmul(torch.randn(2, 64, device=device), w, config=KernelConfig(block_n=24, block_k=64))
+    with pytest.raises(ValueError, match="GEMV"):
+        w4a16_matmul(torch.randn(17, 64, device=device), w, path="gemv")
+
+
+def test_pick_config_falls_back_to_the_untuned_default(monkeypatch):
+    tuned = KernelConfig(block_n=64, block_k=128, split_k=4)
+    monkeypatch.setitem(w4a16.CONFIGS, ("NVIDIA H100 80GB HBM3", "gemv", 4096, 4096), tuned)
+    assert w4a16.pick_config("NVIDIA H100 80GB HBM3", "gemv", 4096, 4096) is tuned
+    assert w4a16.pick_config("NVIDIA H100 80GB HBM3", "gemv", 4096, 14336) == w4a16.CONFIGS[("default", "gemv", 0, 0)]
+    assert w4a16.pick_config("some GPU", "gemm", 1, 32) == w4a16.CONFIGS[("default", "gemm", 0, 0)]
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def test_linear_from_gguf_rows_and_quantized(tmp_path, device):
+    _, tensors, _ = load_checkpoint(write_synthetic_gguf(tmp_path / "q4_0.gguf", "tiny", quant="q4_0"))
+    name = "model.layers.0.self_attn.k_proj.weight"  # 64 x 128, rows un-permuted
+    weight, raw = tensors[name], tensors[name + Q4_0_SUFFIX]
+    lin = W4A16Linear(weight, raw=raw, qtype="q4_0", device=device, dtype=torch.float32)
+    assert {b.dtype for b in lin.buffers()} == {torch.uint8, torch.float16}  # nothing dense kept
+    assert all(b.device.type == device.type for b in lin.buffers())
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).to(device)
+    ref = (x.double().cpu() @ weight.double().T)  # the file's weights, exactly
+    bound = (x.double().cpu().abs() @ weight.double().abs().T) * 130 * 2.0 ** -24
+    assert ((lin(x).double().cpu() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError, match="do not dequantize"):
+        W4A16Linear(weight, raw=raw.flip(0), qtype="q4_0", device=device, dtype=torch.float32)
+    quantized = W4A16Linear(weight, device=device, dtype=torch.float32)
+    assert quantized.group_size == w4a16.DEFAULT_GROUP_SIZE
+    check_product(quantized(x, exact=True), x, quantized.weight4, 0.0)
