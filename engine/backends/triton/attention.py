@@ -1,0 +1,580 @@
+"""Attention in Triton over the paged KV cache: the fused RoPE + K/V write, decode attention
+(split-KV, GQA-grouped) and chunked-prefill attention (flash-style tiles, causal).
+
+The cache (engine.model.attention.KVCache): per layer `k_cache, v_cache [num_slots, Hkv, D]`,
+a token's slot = block_id * block_size + offset; sequence b's logical block j is
+block_tables[b, j]. Query head h reads KV head h // G, G = Hq / Hkv (HF's repeat_kv order, as
+torch_ops' SDPA with enable_gqa).
+
+Semantics:
+    # rope_kv_write (qkv [T, (Hq + 2 Hkv) * D] = q heads | k heads | v heads)
+    q, k, v = split(qkv)                                  # [T, H*, D]
+    q, k = rotate_half_rope(q, k, cos[positions], sin[positions])
+    for t: if slot_mapping[t] >= 0: k_cache[slot_mapping[t]] = k[t]; v_cache[...] = v[t]
+    return q                                              # [T, Hq, D], contiguous
+
+    # paged_decode_attention: one query per sequence, at position seq_lens[b] - 1
+    for b, h: L = seq_lens[b]; slots = [block_tables[b, j // bs] * bs + j % bs for j < L]
+        out[b, h] = softmax(scale * q[b, h] @ k_cache[slots, h // G].T) @ v_cache[slots, h // G]
+
+    # paged_prefill_attention: sequence s's queries are rows query_start[s] .. query_start[s+1]
+    for s, i, h: pos = context_lens[s] - q_len_s + i     # keys 0 .. pos are in the cache
+        out[query_start[s] + i, h] = softmax over keys 0..pos (as above)
+
+Softmax statistics and the value sums are fp32 whatever the cache dtype; outputs are in q's
+dtype. Every output element is written by exactly one program (no atomics needed): the decode
+kernel's (sequence, KV head, split) programs write disjoint rows of the partial buffers, the
+reduction one row of `out` per (sequence, head); the prefill kernel one (query tile, head) each.
+
+Alignment: every load reads runs of contiguous head_dim elements. Cache rows start at
+slot * Hkv * D + h * D elements and q/qkv rows at multiples of D, so with D * itemsize a multiple
+of 16 bytes (D = 32, 64, 128 in any 2- or 4-byte dtype) each run starts 16-byte aligned provided
+the base pointer is: torch's allocators return 256-byte-aligned storage, and Triton specializes
+pointer arguments on 16-byte alignment and integer strides on divisibility by 16 at launch, so
+it emits 16-byte vector loads exactly when those facts hold and narrower ones otherwise (a view
+at an odd offset is still read correctly, only more slowly).
+
+Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1 when this module is imported); `_check_device` refuses a mismatch.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from punica_kernels.kernels._common import check_blocks, next_pow2
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+#: Whether this module's kernels were built for the interpreter: they are decorated in the same
+#: import as this probe, so it was built the same way (TRITON_INTERPRET at import time).
+INTERPRETED: bool = not isinstance(_probe, JITFunction)
+
+
+def _check_device(*tensors: torch.Tensor) -> torch.device:
+    """One device for every tensor, and one this module's kernels run on; returns it."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device: {device} and {t.device}")
+    if device.type == "cuda":
+        if INTERPRETED:
+            raise RuntimeError("engine.backends.triton.attention was imported with TRITON_INTERPRET=1: its "
+                               "kernels run on CPU tensors only; start the process without it for CUDA")
+    elif device.type == "cpu":
+        if not INTERPRETED:
+            raise RuntimeError("Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 "
+                               "before engine.backends.triton.attention is imported")
+    else:
+        raise ValueError(f"Triton attention runs on CUDA or CPU tensors, not {device.type}")
+    return device
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the tl.dot tiles are widened to fp32 with IEEE products: fp32 inputs always (TF32
+    would keep 10 mantissa bits); bf16 in the interpreter, whose bf16 tl.dot is wrong. On the
+    GPU bf16/fp16 tiles go to the tensor cores as they are."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configurations, as data.
+#
+# Key: (device name, kernel, head_dim); head_dim None = any. Lookup order: the device's exact
+# head_dim, the device's any, then "default" likewise. The device name is torch.cuda's name
+# ("NVIDIA H100 80GB HBM3"), or "interpreter" for CPU tensors. Add a tuned device by adding its
+# keys; a device never tuned takes "default".
+#   block_m / block_n: query / key tile sizes (powers of two >= 16, tl.dot's minimum);
+#   block_h: heads per rope_kv_write program;
+#   split_min_tokens: fewest keys per decode split worth its partial-output traffic;
+#   max_splits: cap on the decode split count.
+# The defaults follow the shapes: 64-key tiles keep a [G, 64] score tile and two [64, D] K/V
+# tiles in registers for D <= 128; the interpreter's small tiles make the tests' short
+# sequences cross tile and split boundaries.
+KERNEL_CONFIGS: dict[tuple[str, str, int | None], dict] = {
+    ("default", "rope_kv_write", None): dict(block_h=4, num_warps=4),
+    ("default", "decode", None): dict(block_n=64, num_warps=4, num_stages=2,
+                                      split_min_tokens=256, max_splits=16),
+    ("default", "decode_reduce", None): dict(num_warps=4),
+    ("default", "prefill", None): dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    ("default", "prefill", 128): dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    ("interpreter", "decode", None): dict(block_n=16, num_warps=4, num_stages=1,
+                                          split_min_tokens=16, max_splits=16),
+    ("interpreter", "prefill", None): dict(block_m=16, block_n=16, num_warps=4, num_stages=1),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return "interpreter" if device.type == "cpu" else torch.cuda.get_device_name(device)
+
+
+def kernel_config(device: torch.device, kernel: str, head_dim: int) -> dict:
+    """The launch configuration of `kernel` for `head_dim` on `device` (see KERNEL_CONFIGS)."""
+    name = _device_name(device)
+    for key in ((name, kernel, head_dim), (name, kernel, None),
+                ("default", kernel, head_dim), ("default", kernel, None)):
+        if key in KERNEL_CONFIGS:
+            return KERNEL_CONFIGS[key]
+    raise KeyError(f"no launch configuration for kernel {kernel!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for the interpreter (programs run one by one)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+                      split_min_tokens: int, max_splits: int) -> int:
+    """How many partitions decode attention splits each sequence's keys into.
+
+    Unsplit there are batch * num_kv_heads programs; while that fills every SM once there is
+    nothing to gain. Otherwise split just enough to give each SM a program, but never into
+    partitions shorter than `split_min_tokens` of the longest context (each split costs a
+    partial output row and a reduction read), and at most `max_splits`.
+    """
+    programs = batch * num_kv_heads
+    if programs <= 0 or programs >= num_sms:
+        return 1
+    by_occupancy = triton.cdiv(num_sms, programs)
+    by_length = max(1, max_seq_len // max(1, split_min_tokens))
+    return max(1, min(by_occupancy, by_length, max_splits))
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE + K/V cache write
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qkv_t, stride_cos, stride_sin, stride_qo_t, stride_k_slot, stride_v_slot,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # grid = (T, cdiv(Hq + 2 Hkv, BLOCK_H)): one token, BLOCK_H of its q | k | v heads.
+    # Each (token, head) is one program's: q_out rows are the token's own, and a cache slot is
+    # written only by the token that owns it (distinct slots per step: the block manager's).
+    t = tl.program_id(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    valid_h = offs_h < NUM_HEADS + 2 * NUM_KV_HEADS
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)  # int64: slot * stride must not wrap
+
+    # Heads sit D elements apart in the row, so each half-head run starts at a multiple of D / 2.
+    row = qkv_ptr + t.to(tl.int64) * stride_qkv_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    m2 = valid_h[:, None] & mask_d[None, :]
+    x1 = tl.load(row, mask=m2, other=0.0)
+    x2 = tl.load(row + HALF, mask=m2, other=0.0)
+    c1 = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_sin + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # rotate_half(x) = [-x2, x1]:  out = x * cos + rotate_half(x) * sin
+    r1 = (x1f * c1[None, :] - x2f * s1[None, :]).to(x1.dtype)
+    r2 = (x2f * c2[None, :] + x1f * s2[None, :]).to(x1.dtype)
+
+    is_q = offs_h < NUM_HEADS
+    is_k = (offs_h >= NUM_HEADS) & (offs_h < NUM_HEADS + NUM_KV_HEADS)
+    is_v = (offs_h >= NUM_HEADS + NUM_KV_HEADS) & valid_h
+    # A negative slot marks a padding token: nothing written (as a [BLOCK_H] mask, since a
+    # scalar mask operand is refused by the interpreter).
+    write = (tl.zeros([BLOCK_H], dtype=tl.int64) + slot) >= 0
+
+    q_dst = q_out_ptr + t.to(tl.int64) * stride_qo_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    mq = is_q[:, None] & mask_d[None, :]
+    tl.store(q_dst, r1, mask=mq)
+    tl.store(q_dst + HALF, r2, mask=mq)
+    k_dst = k_cache_ptr + slot * stride_k_slot + (offs_h - NUM_HEADS)[:, None] * HEAD_DIM + offs_d[None, :]
+    mk = (is_k & write)[:, None] & mask_d[None, :]
+    tl.store(k_dst, r1, mask=mk)
+    tl.store(k_dst + HALF, r2, mask=mk)
+    v_dst = (v_cache_ptr + slot * stride_v_slot
+             + (offs_h - NUM_HEADS - NUM_KV_HEADS)[:, None] * HEAD_DIM + offs_d[None, :])
+    mv = (is_v & write)[:, None] & mask_d[None, :]
+    tl.store(v_dst, x1, mask=mv)
+    tl.store(v_dst + HALF, x2, mask=mv)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} must be [num_slots, {num_kv_heads}, {head_dim}], got {tuple(c.shape)}")
+        if c.stride(2) != 1 or c.stride(1) != head_dim:
+            raise ValueError(f"{name}'s (head, dim) plane must be contiguous")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must have one shape and dtype")
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate q and k (HF rotate-half RoPE), write rotated k and v to their cache slots, return
+    rotated q. One launch. Semantics: see the module docstring.
+
+    Args:
+        qkv: [T, (Hq + 2 Hkv) * D], unrotated q | k | v heads; rows contiguous (row stride free).
+        cos, sin: [P, D] tables (engine.model.layers.RotaryEmbedding), any float dtype.
+        positions: [T] int64 (< P).
+        k_cache, v_cache: [num_slots, Hkv, D] in qkv's dtype.
+        slot_mapping: [T] int64; a negative slot writes nothing (a padding token).
+    Returns:
+        q: [T, Hq, D] contiguous, in qkv's dtype (rotated in fp32, rounded once).
+    """
+    D = head_dim
+    if D % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
+    width = (num_heads + 2 * num_kv_heads) * D
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {width}] with contiguous rows, got {tuple(qkv.shape)}")
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.dim() != 2 or tab.shape[1] != D or tab.stride(1) != 1:
+            raise ValueError(f"{name} must be [P, {D}] with contiguous rows")
+    T = qkv.shape[0]
+    for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if idx.shape != (T,) or idx.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{T}]")
+    _check_cache(k_cache, v_cache, num_kv_heads, D)
+    if k_cache.dtype != qkv.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype} differs from qkv's {qkv.dtype}")
+    device = _check_device(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping)
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=device)
+    if T == 0:
+        return q
+    cfg = kernel_config(device, "rope_kv_write", D)
+    block_h = cfg["block_h"]
+    check_blocks(block_h=block_h)
+    grid = (T, triton.cdiv(num_heads + 2 * num_kv_heads, block_h))
+    _rope_kv_write_kernel[grid](
+        qkv, cos, sin, positions, slot_mapping, q, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=D,
+        BLOCK_H=block_h, BLOCK_HALF=next_pow2(D // 2), num_warps=cfg["num_warps"],
+    )
+    return q
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
+    scale, block_size, max_blocks,
+    stride_qb, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ob, stride_oh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    # grid = (B, Hkv, NUM_SPLITS): the G query heads sharing KV head `kvh` of sequence b, over
+    # split `sp` of its keys (each split's range is proportional to this sequence's own length,
+    # so no host-side length is needed). K/V tiles are read once for the whole group.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    # Never past the table's capacity: entries beyond it do not exist.
+    seq_len = tl.minimum(tl.load(lens_ptr + b), max_blocks * block_size)
+    part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * part
+    end = tl.minimum(seq_len, start + part)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < G
+    heads = kvh * G + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    kv_col = kvh * HEAD_DIM + offs_d[None, :]
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        # Table entries are read only for keys < seq_len: entries past a sequence's last block
+        # may be garbage and are never dereferenced.
+        blk = tl.load(bt_ptr + b * stride_btb + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
+        slot = blk * block_size + offs_n % block_size
+        m_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_k_slot + kv_col, mask=m_nd, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_v_slot + kv_col, mask=m_nd, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(mask_n[None, :], s * scale, float("-inf"))
+        # Every tile holds at least one key < end, so m_new is finite and alpha well defined.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_mask = mask_g[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (seq_len 0): zeros
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials [B, Hq, NUM_SPLITS, (D)], fp32: this program's rows are (b, its heads, sp).
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + sp
+        tl.store(mid_m_ptr + row, m_i, mask=mask_g)
+        tl.store(mid_l_ptr + row, l_i, mask=mask_g)
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_m_ptr, mid_l_ptr, out_ptr, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # grid = (B, Hq): out[b, h] = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    m = tl.load(mid_m_ptr + row, mask=mask_s, other=float("-inf"))
+    l = tl.load(mid_l_ptr + row, mask=mask_s, other=0.0)
+    acc = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    # Empty splits (m = -inf) weigh exp(-inf) = 0; an all-empty row (seq_len 0) subtracts 0
+    # instead of -inf (-inf - -inf is NaN) and ends with denom 0: zeros.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp(m - m_max)
+    denom = tl.sum(w * l, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _check_tables(block_tables: torch.Tensor, rows: int, lens: torch.Tensor, lens_name: str) -> None:
+    if block_tables.dim() != 2 or block_tables.shape[0] != rows or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{rows}, max_blocks], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables' rows must be contiguous")
+    if lens.shape != (rows,) or lens.dtype != torch.int32:
+        raise ValueError(f"{lens_name} must be int32 [{rows}]")
+
+
+def _check_q(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int, int, int]:
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"{name} must be [rows, Hq, D] with contiguous heads, got {tuple(q.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{name} dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_cache.dim() != 3 or k_cache.shape[2] != d or hq % hkv:
+        raise ValueError(f"q heads {hq} x {d} do not fit the cache's {tuple(k_cache.shape[1:])} "
+                         "(Hq must be a multiple of Hkv)")
+    return n, hq, d
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                           scale: float, *, num_splits: int | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """Decode attention over the paged cache: each sequence's query attends to its first
+    seq_lens[b] cached tokens (the new token's K/V already written). Semantics: see the module
+    docstring.
+
+    Args:
+        q: [B, Hq, D] rotated queries (heads contiguous), in the cache's dtype.
+        k_cache, v_cache: [num_slots, Hkv, D].
+        block_tables: [B, max_blocks] int32; entries past a sequence's last block are never read,
+            so they may hold anything, and max_blocks may be wider than any sequence needs.
+        seq_lens: [B] int32, tokens to attend to (> 0; 0 yields a zero row; values past
+            max_blocks * block_size are read as that capacity).
+        num_splits: partitions of each sequence's keys (one program each, then a reduction);
+            None: `choose_num_splits` with this device's configuration.
+        max_seq_len: a host-side upper bound of seq_lens, used only to choose num_splits (no
+            device read); None: max_blocks * block_size.
+    Returns:
+        out: [B, Hq, D] in q's dtype.
+    """
+    B, Hq, D = _check_q(q, k_cache, "q")
+    _check_cache(k_cache, v_cache, k_cache.shape[1], D)
+    _check_tables(block_tables, B, seq_lens, "seq_lens")
+    device = _check_device(q, k_cache, v_cache, block_tables, seq_lens)
+    Hkv = k_cache.shape[1]
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=device)
+    if B == 0:
+        return out
+    cfg = kernel_config(device, "decode", D)
+    block_n = cfg["block_n"]
+    check_blocks(minimum=16, block_n=block_n)
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        bound = max_blocks * block_size if max_seq_len is None else max_seq_len
+        num_splits = choose_num_splits(B, Hkv, bound, _num_sms(device),
+                                       split_min_tokens=cfg["split_min_tokens"], max_splits=cfg["max_splits"])
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    G = Hq // Hkv
+    block_d = max(16, next_pow2(D))
+    if num_splits > 1:
+        mid_o = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=device)
+        mid_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=device)
+        mid_l = torch.empty_like(mid_m)
+    else:
+        mid_o = mid_m = mid_l = out  # not touched by the single-split kernel
+    _decode_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_m, mid_l,
+        scale, block_size, max_blocks,
+        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=G, HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, IEEE=_dot_in_fp32(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        rcfg = kernel_config(device, "decode_reduce", D)
+        _decode_reduce_kernel[(B, Hq)](
+            mid_o, mid_m, mid_l, out, out.stride(0), out.stride(1),
+            HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=rcfg["num_warps"],
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill attention
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qs_ptr, ctx_ptr, out_ptr,
+    scale, block_size, max_blocks, M_BLOCKS,
+    stride_qt, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ot, stride_oh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    # grid = (S * M_BLOCKS, Hq): query tile `mb` of sequence `seq`, head h (KV head h // G).
+    seq = tl.program_id(0) // M_BLOCKS
+    mb = tl.program_id(0) % M_BLOCKS
+    h = tl.program_id(1)
+    kvh = h // G
+    q_start = tl.load(qs_ptr + seq)
+    q_len = tl.load(qs_ptr + seq + 1) - q_start
+    m0 = mb * BLOCK_M
+    if m0 >= q_len:
+        return  # a shorter chunk than the longest
+    prefix = tl.load(ctx_ptr + seq) - q_len  # cached tokens before the chunk
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < q_len
+    q_pos = prefix + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys up to this tile's last query position (causal), capped by the table's capacity.
+    kv_end = tl.minimum(prefix + tl.minimum(m0 + BLOCK_M, q_len), max_blocks * block_size)
+    kv_col = kvh * HEAD_DIM + offs_d[None, :]
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_end
+        blk = tl.load(bt_ptr + seq * stride_btb + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
+        slot = blk * block_size + offs_n % block_size
+        m_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_k_slot + kv_col, mask=m_nd, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_v_slot + kv_col, mask=m_nd, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s * scale, float("-inf"))
+        # Key 0 is visible to every row and sits in the first tile, so m_new is finite from
+        # the first tile on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start: torch.Tensor,
+                            context_lens: torch.Tensor, block_size: int, scale: float,
+                            max_query_len: int) -> torch.Tensor:
+    """Causal attention of prefill chunks over the paged cache (the chunks' own K/V already
+    written by rope_kv_write): query i of sequence s sits at position
+    context_lens[s] - q_len_s + i and attends keys 0 .. that position. Fresh prompts
+    (context = chunk) and chunks continuing a cached prefix alike. Semantics: see the module
+    docstring.
+
+    Args:
+        q: [Tp, Hq, D] rotated queries of the chunks, one contiguous run per sequence.
+        k_cache, v_cache: [num_slots, Hkv, D].
+        block_tables: [S, max_blocks] int32 (entries past a sequence's blocks are never read).
+        query_start: [S + 1] int32, cumulative chunk lengths from 0 (query_start[S] = Tp).
+        context_lens: [S] int32, cached tokens of each sequence after its chunk (chunk included;
+            >= its chunk's length).
+        max_query_len: a host-side bound of the chunks' lengths (sizes the grid; no device read).
+    Returns:
+        out: [Tp, Hq, D] in q's dtype.
+    """
+    Tp, Hq, D = _check_q(q, k_cache, "q")
+    _check_cache(k_cache, v_cache, k_cache.shape[1], D)
+    S = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    _check_tables(block_tables, S, context_lens, "context_lens")
+    if query_start.shape != (S + 1,) or query_start.dtype != torch.int32:
+        raise ValueError(f"query_start must be int32 [{S + 1}]")
+    device = _check_device(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    out = torch.empty(Tp, Hq, D, dtype=q.dtype, device=device)
+    if Tp == 0 or S == 0 or max_query_len <= 0:
+        return out
+    cfg = kernel_config(device, "prefill", D)
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    check_blocks(minimum=16, block_m=block_m, block_n=block_n)
+    Hkv = k_cache.shape[1]
+    m_blocks = triton.cdiv(max_query_len, block_m)
+    _prefill_kernel[(S * m_blocks, Hq)](
+        q, k_cache, v_cache, block_tables, query_start, context_lens, out,
+        scale, block_size, block_tables.shape[1], m_blocks,
+        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n,
+        IEEE=_dot_in_fp32(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

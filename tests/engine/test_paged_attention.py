@@ -1,0 +1,360 @@
+"""The Triton attention kernels (engine/backends/triton/attention.py) against the torch reference
+(engine.backends.torch_ops): RoPE + K/V slot writes, decode and prefill attention over the paged
+cache, with metadata built the way ModelRunner.prepare builds it.
+
+Every case runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), and on CUDA tensors with compiled kernels where a GPU is present
+(`TRITON_INTERPRET=0 pytest tests/engine/test_paged_attention.py`); one process runs one of the two.
+
+The references run in float64 on the same (rounded) inputs; tolerances are those of the kernel's
+dtype: fp32 1e-5, bf16 1.6e-2 (bf16's 8 mantissa bits, plus bf16 probabilities in the GPU's
+value product).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from engine.backends import torch_ops
+from engine.backends.triton import attention as tri
+from engine.model.attention import AttentionMetadata, PrefillChunk
+from engine.model.layers import RotaryEmbedding
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Where the tensors go: "cpu" only when the kernels were built for the interpreter, "cuda"
+    only when they were compiled (see tests/punica_kernels/conftest.py)."""
+    if request.param == "cpu" and not tri.INTERPRETED:
+        pytest.skip("CPU tensors need the interpreter; this process compiled the kernels")
+    if request.param == "cuda" and tri.INTERPRETED:
+        pytest.skip("kernels built for the interpreter; run with TRITON_INTERPRET=0 for CUDA")
+    return torch.device(request.param)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# A paged cache with sequences in blocks scattered anywhere, NaN wherever no key should be read.
+
+
+class Paged:
+    """Sequences of `lens` tokens in a cache of randomly placed blocks. Slots past a sequence's
+    length in its last block and one spare block hold NaN; tables are wider than needed and
+    padded with the NaN block and with out-of-range ids, so a kernel that reads past a
+    sequence's keys produces NaN (or faults)."""
+
+    def __init__(self, lens, Hkv, D, block_size, dtype, device, seed=0, extra_cols=2):
+        g = torch.Generator().manual_seed(seed)
+        self.bs, self.lens = block_size, list(lens)
+        need = [math.ceil(n / block_size) for n in lens]
+        num_blocks = sum(need) + 3
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        self.nan_block = perm.pop()
+        self.blocks, i = [], 0
+        for n in need:
+            self.blocks.append(perm[i:i + n])
+            i += n
+        slots = num_blocks * block_size
+        k = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+        v = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+        nan_slots = [self.nan_block * block_size + o for o in range(block_size)]
+        for blks, n in zip(self.blocks, lens):
+            if blks:
+                nan_slots += [blks[-1] * block_size + o for o in range(n - (len(blks) - 1) * block_size, block_size)]
+        k[nan_slots] = float("nan")
+        v[nan_slots] = float("nan")
+        self.k, self.v = k.to(device), v.to(device)
+        # The reference reads the same values, NaN-free (torch's masked SDPA still multiplies
+        # masked values by 0, and 0 * NaN is NaN).
+        self.k64 = torch.nan_to_num(k.double(), nan=0.0)
+        self.v64 = torch.nan_to_num(v.double(), nan=0.0)
+        width = max(need) + extra_cols
+        bt = torch.empty(len(lens), width, dtype=torch.int32)
+        for r, blks in enumerate(self.blocks):
+            bt[r, :len(blks)] = torch.tensor(blks, dtype=torch.int32)
+            for c in range(len(blks), width):
+                bt[r, c] = self.nan_block if c % 2 else 1 << 30
+        self.block_tables = bt.to(device)
+
+    def slots(self, r: int, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        bt = torch.tensor(self.blocks[r], dtype=torch.int64)
+        return bt[pos // self.bs] * self.bs + pos % self.bs
+
+
+def _decode_meta(blocks: list[list[int]], lens: list[int], bs: int) -> AttentionMetadata:
+    """As ModelRunner.prepare for decodes: slots padded with the row's own first block, a mask."""
+    lens_t = torch.tensor(lens)
+    width = max(len(b) for b in blocks)
+    bt = torch.zeros(len(lens), width, dtype=torch.int64)
+    for i, blks in enumerate(blocks):
+        bt[i, :len(blks)] = torch.tensor(blks)
+        bt[i, len(blks):] = blks[0]
+    lmax = int(lens_t.max())
+    decode_slots = (bt[:, :, None] * bs + torch.arange(bs)).reshape(len(lens), -1)[:, :lmax].contiguous()
+    decode_mask = (torch.arange(lmax)[None, :] < lens_t[:, None])[:, None, None, :]
+    slot_mapping = decode_slots.gather(1, (lens_t - 1)[:, None]).squeeze(1)
+    return AttentionMetadata(slot_mapping=slot_mapping, num_decode=len(lens), decode_slots=decode_slots,
+                             decode_mask=decode_mask, prefills=[], decode_lens=lens_t)
+
+
+def _prefill_chunks(paged: "Paged", rows: list[int], chunks, start: int) -> tuple[list[PrefillChunk], torch.Tensor]:
+    """As ModelRunner.prepare for prefills: (chunks, their tokens' slots); context slots and a
+    mask only for chunks continuing a cached prefix. chunks: (cached prefix, length) per row."""
+    out, slot_parts = [], []
+    for r, (c0, n) in zip(rows, chunks):
+        c1 = c0 + n
+        slots = paged.slots(r, 0, c1)
+        slot_parts.append(slots[c0:c1])
+        if c0 == 0:
+            out.append(PrefillChunk(start, n, c1, None, None))
+        else:
+            mask = torch.arange(c1)[None, :] <= (c0 + torch.arange(n))[:, None]
+            out.append(PrefillChunk(start, n, c1, slots, mask))
+        start += n
+    return out, torch.cat(slot_parts)
+
+
+def _decode_reference(paged: Paged, q: torch.Tensor, scale: float) -> torch.Tensor:
+    meta = _decode_meta(paged.blocks, paged.lens, paged.bs)
+    k64, v64 = paged.k64.clone(), paged.v64.clone()
+    # paged_attention rewrites the new tokens' K/V first: the same values.
+    kn, vn = k64[meta.slot_mapping], v64[meta.slot_mapping]
+    return torch_ops.paged_attention(q.double().cpu(), kn, vn, k64, v64, meta, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# rope_kv_write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_rope_kv_write_matches_torch_rope_and_index_copy(device, dtype, T):
+    Hq, Hkv, D, P, num_slots = 6, 2, 32, 40, 50
+    g = torch.Generator().manual_seed(T)
+    rope = RotaryEmbedding(D, P, 10000.0, dtype)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    positions = torch.randint(0, P, (T,), generator=g)
+    slot_mapping = torch.randperm(num_slots, generator=g)[:T]
+    k_cache = torch.randn(num_slots, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_slots, Hkv, D, generator=g).to(dtype)
+
+    # torch_ops.attention's RoPE + index_copy, in float64 on the same inputs.
+    cos, sin = rope.cos.double()[positions].unsqueeze(1), rope.sin.double()[positions].unsqueeze(1)
+    q64, k64, v64 = qkv.double().split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    qk = RotaryEmbedding.apply((cos, sin), torch.cat([q64, k64], -1).reshape(T, Hq + Hkv, D))
+    want_k, want_v = k_cache.double().index_copy(0, slot_mapping, qk[:, Hq:]), \
+        v_cache.double().index_copy(0, slot_mapping, v64.reshape(T, Hkv, D))
+
+    kc, vc = k_cache.to(device), v_cache.to(device)
+    q = tri.rope_kv_write(qkv.to(device), rope.cos.to(device), rope.sin.to(device), positions.to(device),
+                          kc, vc, slot_mapping.to(device), Hq, Hkv, D)
+    assert q.shape == (T, Hq, D) and q.is_contiguous() and q.dtype == dtype
+    _close(q, qk[:, :Hq], dtype)
+    _close(kc, want_k, dtype)
+    assert torch.equal(vc.cpu(), want_v.to(dtype))  # values are copied, not rounded
+
+
+def test_rope_kv_write_skips_negative_slots(device):
+    Hq, Hkv, D, P = 2, 1, 32, 8
+    rope = RotaryEmbedding(D, P, 10000.0, torch.float32)
+    qkv = torch.randn(3, (Hq + 2 * Hkv) * D, device=device)
+    kc = torch.zeros(4, Hkv, D, device=device)
+    vc = torch.zeros(4, Hkv, D, device=device)
+    slots = torch.tensor([2, -1, 0], device=device)
+    tri.rope_kv_write(qkv, rope.cos.to(device), rope.sin.to(device), torch.tensor([0, 1, 2], device=device),
+                      kc, vc, slots, Hq, Hkv, D)
+    written = (vc.abs().sum((1, 2)) > 0).tolist()
+    assert written == [True, False, True, False]
+    assert torch.equal(vc[2, 0], qkv[0, (Hq + Hkv) * D:])
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+BS = 8
+#: 1, block_size - 1, block_size, block_size + 1, several blocks
+MIXED_LENS = [1, BS - 1, BS, BS + 1, 3 * BS + 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("G", [1, 3, 4])
+def test_decode_matches_torch_reference(device, dtype, D, G):
+    Hkv = 2
+    paged = Paged(MIXED_LENS, Hkv, D, BS, dtype, device, seed=G * D)
+    q = torch.randn(len(MIXED_LENS), G * Hkv, D).to(dtype)
+    scale = D ** -0.5
+    want = _decode_reference(paged, q, scale)
+    seq_lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
+    outs = [tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens,
+                                       BS, scale, num_splits=n) for n in (1, 3)]
+    for out in outs:
+        assert out.dtype == dtype and out.shape == q.shape
+        _close(out, want, dtype)
+    # Splitting changes only the order of fp32 sums: the same result within fp32 rounding.
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=1e-5, atol=1e-5) \
+        if dtype == torch.float32 else _close(outs[0], outs[1], dtype)
+
+
+@pytest.mark.parametrize("lens", [[1], [BS + 1], [5 * BS - 3]])
+def test_decode_batch_of_one(device, lens):
+    Hkv, G, D = 1, 4, 32
+    paged = Paged(lens, Hkv, D, BS, torch.float32, device, seed=len(lens) + lens[0], extra_cols=3)
+    q = torch.randn(1, G * Hkv, D)
+    want = _decode_reference(paged, q, 0.3)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for n in (1, 2, 4):
+        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.3,
+                                         num_splits=n)
+        _close(out, want, torch.float32)
+
+
+def test_decode_default_splits_and_more_splits_than_keys(device):
+    """num_splits=None picks a count itself; more splits than a sequence has tiles leaves empty
+    splits, which must weigh nothing."""
+    lens = [2, 20]
+    paged = Paged(lens, 2, 32, BS, torch.float32, device, seed=5)
+    q = torch.randn(2, 4, 32)
+    want = _decode_reference(paged, q, 0.2)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for n in (None, 7):
+        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
+                                         num_splits=n)
+        _close(out, want, torch.float32)
+
+
+def test_choose_num_splits():
+    kw = dict(split_min_tokens=256, max_splits=16)
+    # A full wave of programs already: no split.
+    assert tri.choose_num_splits(64, 8, 8192, 132, **kw) == 1
+    # One long sequence: split to fill the SMs, capped.
+    assert tri.choose_num_splits(1, 8, 8192, 132, **kw) == 16
+    assert tri.choose_num_splits(2, 8, 32768, 132, **kw) == 9
+    # Short contexts are not split below split_min_tokens keys per split.
+    assert tri.choose_num_splits(1, 8, 600, 132, **kw) == 2
+    assert tri.choose_num_splits(1, 8, 100, 132, **kw) == 1
+
+
+def test_kernel_config_falls_back_to_default():
+    cfg = tri.kernel_config(torch.device("cpu"), "decode_reduce", 64)
+    assert cfg == tri.KERNEL_CONFIGS[("default", "decode_reduce", None)]
+    assert tri.kernel_config(torch.device("cpu"), "decode", 64) == tri.KERNEL_CONFIGS[("interpreter", "decode", None)]
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+
+
+def _prefill_case(device, dtype, chunks, Hkv, G, D, seed):
+    """chunks: (cached prefix, chunk length) per sequence -> (paged, q, metadata, query_start,
+    context_lens, the float64 reference)."""
+    lens = [c0 + n for c0, n in chunks]
+    paged = Paged(lens, Hkv, D, BS, dtype, device, seed=seed)
+    Tp = sum(n for _, n in chunks)
+    q = torch.randn(Tp, G * Hkv, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    prefills, slot_mapping = _prefill_chunks(paged, list(range(len(chunks))), chunks, 0)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=0, decode_slots=None,
+                             decode_mask=None, prefills=prefills)
+    k64, v64 = paged.k64.clone(), paged.v64.clone()
+    want = torch_ops.paged_attention(q.double(), k64[meta.slot_mapping], v64[meta.slot_mapping], k64, v64,
+                                     meta, D ** -0.5)
+    query_start = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(len(chunks))],
+                               dtype=torch.int32, device=device)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return paged, q, query_start, context_lens, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,G", [(32, 3), (64, 1), (64, 4)])
+def test_prefill_fresh_and_continued_chunks(device, dtype, D, G):
+    # Fresh prompts (prefix 0) of 1, block_size and odd lengths beside chunks continuing cached
+    # prefixes (one ending mid-block, one a single token), in one call.
+    chunks = [(0, 5), (7, 9), (0, 1), (16, 1), (3, 20), (0, BS)]
+    paged, q, qs, ctx, want = _prefill_case(device, dtype, chunks, Hkv=2, G=G, D=D, seed=D + G)
+    out = tri.paged_prefill_attention(q.to(device), paged.k, paged.v, paged.block_tables, qs, ctx, BS,
+                                      D ** -0.5, max_query_len=max(n for _, n in chunks))
+    assert out.shape == q.shape and out.dtype == dtype
+    _close(out, want, dtype)
+
+
+def test_prefill_empty(device):
+    paged = Paged([3], 1, 32, BS, torch.float32, device)
+    q = torch.empty(0, 1, 32, device=device)
+    out = tri.paged_prefill_attention(q, paged.k, paged.v, paged.block_tables[:0],
+                                      torch.zeros(1, dtype=torch.int32, device=device),
+                                      torch.zeros(0, dtype=torch.int32, device=device), BS, 0.1, max_query_len=0)
+    assert out.shape == (0, 1, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The three kernels together reproduce torch_ops.attention on a mixed decode + prefill step.
+
+
+def test_step_matches_torch_ops_attention(device):
+    Hq, Hkv, D, P = 6, 2, 32, 64
+    dtype = torch.float32
+    rope = RotaryEmbedding(D, P, 10000.0, dtype)
+    # Two decodes (contexts 9 and 17 after their new token), then a fresh prompt of 6 and a
+    # chunk of 5 after 11 cached tokens.
+    decode_lens, chunks = [9, 17], [(0, 6), (11, 5)]
+    seqs = decode_lens + [c0 + n for c0, n in chunks]
+    paged = Paged(seqs, Hkv, D, BS, dtype, torch.device("cpu"), seed=3)
+    k_cache, v_cache = paged.k64.float(), paged.v64.float()
+    dmeta = _decode_meta(paged.blocks[:2], decode_lens, BS)
+    prefills, prefill_slots = _prefill_chunks(paged, [2, 3], chunks, start=2)
+    meta = dataclasses.replace(dmeta, slot_mapping=torch.cat([dmeta.slot_mapping, prefill_slots]), prefills=prefills)
+    positions = torch.tensor([n - 1 for n in decode_lens] + [p for c0, n in chunks for p in range(c0, c0 + n)])
+    T = len(positions)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(1))
+    kr, vr = k_cache.clone(), v_cache.clone()
+    want = torch_ops.attention(qkv, rope.cos_sin(positions), kr, vr, meta, Hq, Hkv, D, D ** -0.5)
+
+    dev = lambda t: t.to(device)  # noqa: E731
+    kc, vc = dev(k_cache), dev(v_cache)
+    q = tri.rope_kv_write(dev(qkv), dev(rope.cos), dev(rope.sin), dev(positions), kc, vc, dev(meta.slot_mapping),
+                          Hq, Hkv, D)
+    bt_all = dev(paged.block_tables)
+    od = tri.paged_decode_attention(q[:2], kc, vc, bt_all[:2], dev(torch.tensor(decode_lens, dtype=torch.int32)),
+                                    BS, D ** -0.5, num_splits=2)
+    op = tri.paged_prefill_attention(q[2:], kc, vc, bt_all[2:], dev(torch.tensor([0, 6, 11], dtype=torch.int32)),
+                                     dev(torch.tensor([6, 16], dtype=torch.int32)), BS, D ** -0.5, max_query_len=6)
+    torch.testing.assert_close(torch.cat([od, op]).reshape(T, Hq * D).cpu(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(kc.cpu(), kr, rtol=1e-5, atol=1e-5)
+    assert torch.equal(vc.cpu(), vr)
+
+
+def test_wrong_device_or_dtype_is_refused(device):
+    paged = Paged([3], 1, 32, BS, torch.float32, device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="dtype"):
+        tri.paged_decode_attention(torch.randn(1, 1, 32, device=device, dtype=torch.bfloat16), paged.k, paged.v,
+                                   paged.block_tables, lens, BS, 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        tri.paged_decode_attention(torch.randn(1, 1, 32, device=device), paged.k, paged.v,
+                                   paged.block_tables.long(), lens, BS, 0.1)
+
+
+def test_decode_empty_sequence_gives_zeros(device):
+    """A row with seq_lens 0 (a padding row of a fixed-size batch) reads nothing and yields zeros,
+    not NaN, split or not; its neighbours are unaffected."""
+    paged = Paged([5, 3], 1, 32, BS, torch.float32, device, seed=2)
+    q = torch.randn(2, 2, 32)
+    want = _decode_reference(paged, q, 0.2)
+    seq_lens = torch.tensor([5, 0], dtype=torch.int32, device=device)
+    for n in (1, 3):
+        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
+                                         num_splits=n).cpu()
+        _close(out[0], want[0], torch.float32)
+        assert torch.equal(out[1], torch.zeros(2, 32))
