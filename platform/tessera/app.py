@@ -50,7 +50,8 @@ def build_engine_client(settings: PlatformSettings, ctx) -> EngineClient:
 
         return HttpEngineClient(settings.engine_urls, secret=settings.engine_secret.get_secret_value(),
                                 model_path=settings.model_path, connect_timeout_s=settings.engine_connect_timeout_s,
-                                read_timeout_s=settings.engine_read_timeout_s)
+                                read_timeout_s=settings.engine_read_timeout_s, poll_s=settings.engine_state_poll_s,
+                                balance=settings.engine_route_balance)
     from adapter_registry.engine_source import RegistryAdapterSource
     from tessera.engine_client.inprocess import build_inprocess_client
 

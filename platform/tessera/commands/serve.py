@@ -123,8 +123,55 @@ def _worker(args: argparse.Namespace) -> int:
                            kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads)
     engine = LLMEngine(settings.model_path, config, adapter_source=source)
     aengine = AsyncLLMEngine(engine)
+    app = create_worker_app(aengine, secret=secret)
+    server = _draining_server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"),
+                                      app=app, drain_timeout_s=settings.engine_drain_timeout_s)
     try:
-        uvicorn.run(create_worker_app(aengine, secret=secret), host=args.host, port=args.port, log_level="warning")
+        server.run()
     finally:
         aengine.shutdown()
     return 0
+
+
+def _draining_server_class():
+    """uvicorn.Server whose first SIGTERM drains the engine worker before it exits; built in a
+    function so that importing this module (every CLI command does) does not import uvicorn."""
+    import logging
+    import signal
+    import threading
+    import time
+
+    import uvicorn
+
+    from tessera.engine_client.worker import begin_drain, in_flight
+
+    log = logging.getLogger("tessera.engine_worker")
+
+    class _DrainingServer(uvicorn.Server):
+        """On the first SIGTERM the worker drains: new requests get 503 and /ready says
+        "draining" (the gateways route elsewhere), the requests in flight run to their end, then
+        the server exits as on any signal; after `drain_timeout_s` it exits regardless (the
+        streams still open end, and their gateways answer 503). SIGINT, or a second SIGTERM,
+        exits at once."""
+
+        def __init__(self, config, *, app, drain_timeout_s: float):
+            super().__init__(config)
+            self.app, self.drain_timeout_s = app, drain_timeout_s
+            self._draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig != signal.SIGTERM or self._draining:
+                return super().handle_exit(sig, frame)
+            self._draining = True
+            begin_drain(self.app)
+            log.warning("SIGTERM: draining %d request(s) in flight (at most %.0f s)",
+                        in_flight(self.app), self.drain_timeout_s)
+            threading.Thread(target=self._exit_when_drained, args=(sig, frame), name="drain", daemon=True).start()
+
+        def _exit_when_drained(self, sig, frame) -> None:
+            deadline = time.monotonic() + self.drain_timeout_s
+            while in_flight(self.app) > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            super().handle_exit(sig, frame)
+
+    return _DrainingServer

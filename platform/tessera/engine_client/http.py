@@ -1,18 +1,26 @@
 """EngineClient over engine worker processes (worker.py's internal API).
 
-Requests for an adapter go to the same worker each time (a hash of the version id picks it), so
-that worker keeps the adapter hot; base-model requests rotate. A worker that refuses the
-connection is skipped for the next one; when none answers, or one goes silent for longer than
-the read timeout mid-request, the caller gets EngineUnavailable (a 503), never a hang.
+The client keeps a view of every worker: it polls each one's GET /internal/state every
+`poll_s` (load per priority class, free slots and KV blocks, adapters per tier, draining) and
+counts the requests it sent since that answer, and `routing.route` picks the worker for each
+request from that view (adapter affinity with bounded load; least load for base-model requests;
+see routing.py). Polling rather than a Redis channel: the gateway already talks to every worker,
+a poll that fails is itself the news that the worker is gone, and it needs no Redis in a
+deployment that has none; G gateways x N workers x 2 polls a second stay small.
 
-`ready()` probes every worker's GET /ready concurrently (short timeout, answers cached for
-`READY_CACHE_S`), so the gateway's GET /ready is true when at least one worker would serve now.
-Workers are named worker-0, worker-1, ... in what it reports: their URLs stay internal.
+A worker that refuses a connection, answers 503 (draining, restarting) or breaks a stream is out
+of the view at once (until a poll finds it serving again); a request that reached no worker, or
+whose worker failed before anything was streamed back, is sent to the next one; once anything
+was streamed, the caller gets EngineUnavailable (a 503), as when no worker can take it or one
+goes silent for longer than the read timeout mid-request, never a hang.
+
+`ready()` reads the same view (a fresh poll if the last one is older than `READY_CACHE_S`), so the
+gateway's GET /ready is true when at least one worker serves and is not draining. Workers are
+named worker-0, worker-1, ... in what it reports: their URLs stay internal.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
 import logging
@@ -25,13 +33,13 @@ import httpx
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 from engine.tokenizer import TextTokenizer
 from tessera.engine_client import EngineReadiness, EngineUnavailable
+from tessera.engine_client.routing import DEFAULT_BALANCE, HashRing, ReplicaState, route
 
 log = logging.getLogger(__name__)
 
-#: How long a readiness probe's answers are reused (a load balancer probing every second costs
-#: the workers one probe each per this interval, whatever the number of gateway probes).
+#: Longest a view of the workers is used by `ready()` without polling again.
 READY_CACHE_S = 2.0
-#: Longest wait for one worker's GET /ready.
+#: Longest wait for one worker's state.
 READY_TIMEOUT_S = 1.0
 
 
@@ -51,76 +59,171 @@ def load_tokenizer(model_path: Path | None) -> tuple[TextTokenizer, str, int]:
     return TextTokenizer.from_gguf_metadata(meta), name, ctx
 
 
+class _Replica:
+    """The client's view of one worker: its last published state, plus the requests this client
+    sent it that the state may not count yet (sent after the poll that produced it began, and
+    not ended), as waiting in their priority class."""
+
+    def __init__(self, name: str, url: str):
+        self.name, self.url = name, url
+        self.published = ReplicaState(name=name, up=False, state="unreachable")
+        # Requests in flight that no published state counts yet, per poll generation (the poll
+        # started after them is the first whose answer counts them): generation -> class -> n.
+        self._generation = 0
+        self._unseen: dict[int, dict[int, int]] = {}
+
+    def view(self) -> ReplicaState:
+        """The published state with this client's unseen requests counted as waiting."""
+        p = self.published
+        if not self._unseen:
+            return p
+        waiting = dict(p.waiting)
+        for counts in self._unseen.values():
+            for prio, n in counts.items():
+                waiting[prio] = waiting.get(prio, 0) + n
+        return ReplicaState(**{**vars(p), "waiting": waiting})
+
+    def sent(self, prio: int) -> int:
+        """Count a request sent now; returns the token `ended` takes."""
+        counts = self._unseen.setdefault(self._generation, {})
+        counts[prio] = counts.get(prio, 0) + 1
+        return self._generation
+
+    def ended(self, token: int, prio: int) -> None:
+        """The request counted by `sent` (its `token`) ended: uncount it if no state counts it."""
+        counts = self._unseen.get(token)
+        if counts is not None and counts.get(prio, 0) > 0:
+            counts[prio] -= 1
+            if not any(counts.values()):
+                del self._unseen[token]
+
+    def poll_started(self) -> int:
+        """A poll begins: requests sent from now on may be missing from its answer."""
+        self._generation += 1
+        return self._generation
+
+    def polled(self, generation: int, state: ReplicaState) -> None:
+        """The answer of the poll begun at `generation`: it counts every request sent before."""
+        self.published = state
+        for g in [g for g in self._unseen if g < generation]:
+            del self._unseen[g]
+
+    def take_out(self, why: str) -> None:
+        """Out of routing at once (a failed connection, a 503, a broken stream) until a poll
+        finds it serving again."""
+        self.published = ReplicaState(**{**vars(self.published), "up": False, "state": why})
+
+
 class HttpEngineClient:
     def __init__(self, urls: list[str], *, secret: str, model_path: Path | None = None,
-                 connect_timeout_s: float = 2.0, read_timeout_s: float = 120.0):
+                 connect_timeout_s: float = 2.0, read_timeout_s: float = 120.0,
+                 poll_s: float = 0.5, balance: float = DEFAULT_BALANCE):
         if not urls:
             raise ValueError("HttpEngineClient needs at least one engine worker URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.tokenizer, self.model_name, self.max_model_len = load_tokenizer(model_path)
         self._headers = {"authorization": f"Bearer {secret}"}
+        self.replicas = [_Replica(f"worker-{i}", url) for i, url in enumerate(self.urls)]
+        self.ring = HashRing([r.name for r in self.replicas])
+        self.poll_s, self.balance = poll_s, balance
         self._rr = itertools.count()
-        self._readiness: tuple[float, EngineReadiness] | None = None
+        self._polled_at = float("-inf")
+        self._poller: asyncio.Task | None = None
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=connect_timeout_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
     async def start(self) -> None:
-        """Learn the served model's name and context from a worker; a worker not up yet is not fatal."""
+        """Learn the served model's name and context from a worker (a worker not up yet is not
+        fatal), take a first view of every worker and keep it fresh in the background."""
         for url in self.urls:
             try:
                 r = await self.client.get(f"{url}/internal/info", headers=self._headers)
                 r.raise_for_status()
                 info = r.json()
                 self.model_name, self.max_model_len = info["model"], int(info["max_model_len"])
-                return
+                break
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 log.warning("engine worker %s: %s", url, e)
+        await self.refresh()
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: its end is not news
+                pass
+            self._poller = None
         await self.client.aclose()
 
-    async def _worker_state(self, url: str) -> tuple[str, int]:
-        """(state, restarts) of one worker from its GET /ready; "unreachable" when it does not answer."""
+    # -- the view of the workers ----------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a bug here must not stop routing updates for good
+                log.exception("polling the engine workers failed")
+
+    async def refresh(self) -> None:
+        """Poll every worker's state concurrently and replace the view."""
+        await asyncio.gather(*(self._poll(r) for r in self.replicas))
+        self._polled_at = time.monotonic()
+
+    async def _poll(self, replica: _Replica) -> None:
+        generation = replica.poll_started()
         try:
-            r = await self.client.get(f"{url}/ready", timeout=READY_TIMEOUT_S)
-            engine = r.json().get("engine") or {}
-            state = "ready" if r.status_code == 200 else str(engine.get("state") or "not_ready")
-            return state, int(engine.get("restarts") or 0)
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return "unreachable", 0
+            r = await self.client.get(f"{replica.url}/internal/state", headers=self._headers, timeout=READY_TIMEOUT_S)
+            if r.status_code != 200:
+                state = ReplicaState(name=replica.name, up=False, state=f"http_{r.status_code}")
+            else:
+                state = ReplicaState.from_dict(replica.name, r.json())
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            state = ReplicaState(name=replica.name, up=False, state="unreachable")
+        replica.polled(generation, state)
+
+    def _order(self, request: GenerationRequest) -> list[_Replica]:
+        views = [r.view() for r in self.replicas]
+        order = route(views, adapter=request.adapter, priority=int(request.priority), ring=self.ring,
+                      balance=self.balance, tiebreak=next(self._rr))
+        return [self.replicas[i] for i in order]
 
     async def ready(self) -> EngineReadiness:
-        """Ready when at least one worker answered its GET /ready with 200 (see the module
-        docstring); never raises."""
-        now = time.monotonic()
-        if self._readiness is not None and now - self._readiness[0] < READY_CACHE_S:
-            return self._readiness[1]
-        states = await asyncio.gather(*(self._worker_state(u) for u in self.urls))
-        engines = {f"worker-{i}": state for i, (state, _) in enumerate(states)}
-        serving = sum(state == "ready" for state, _ in states)
-        readiness = EngineReadiness(
+        """Ready when at least one worker serves and is not draining (see the module docstring);
+        never raises."""
+        if time.monotonic() - self._polled_at >= READY_CACHE_S:
+            await self.refresh()
+        engines = {r.name: r.published.state for r in self.replicas}
+        serving = sum(r.published.accepting for r in self.replicas)
+        return EngineReadiness(
             ready=serving > 0, state="ready" if serving else "unavailable",
             reason=None if serving else "no engine worker is ready (" + ", ".join(
                 f"{name}: {state}" for name, state in engines.items()) + ")",
-            restarts=sum(r for _, r in states), engines=engines)
-        self._readiness = (time.monotonic(), readiness)
-        return readiness
+            restarts=sum(r.published.restarts for r in self.replicas), engines=engines)
 
-    def _order(self, request: GenerationRequest) -> list[str]:
-        n = len(self.urls)
-        if request.adapter:
-            start = int(hashlib.sha256(request.adapter.encode()).hexdigest()[:8], 16) % n
-        else:
-            start = next(self._rr) % n
-        return [self.urls[(start + i) % n] for i in range(n)]
+    # -- requests ---------------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         body = {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
                 "params": request.params.model_dump(), "tenant_id": request.tenant_id,
                 "priority": request.priority.name, "adapter": request.adapter}
+        order = self._order(request)
+        if not order:
+            # Nobody looks up: a worker back since the last poll would be missed until the next.
+            await self.refresh()
+            order = self._order(request)
         errors = []
-        for url in self._order(request):
+        prio = int(request.priority)
+        for replica in order:
+            if not replica.published.accepting:
+                continue  # taken out by a request that failed on it since this order was made
+            url = replica.url
+            streamed = False
+            token = replica.sent(prio)
             try:
                 async with self.client.stream("POST", f"{url}/internal/generate", json=body,
                                               headers=self._headers) as resp:
@@ -128,22 +231,39 @@ class HttpEngineClient:
                         err = json.loads(await resp.aread())
                         raise InvalidRequestError(err.get("message", "invalid request"), err.get("param"))
                     if resp.status_code != 200:
-                        errors.append(f"{url}: HTTP {resp.status_code}")
+                        errors.append(f"{replica.name}: HTTP {resp.status_code}")
+                        if resp.status_code == 503:
+                            replica.take_out("draining_or_restarting")
                         continue
                     async for line in resp.aiter_lines():
                         if not line:
                             continue
                         data = json.loads(line)
                         if "engine_dead" in data:
-                            raise EngineUnavailable(f"engine worker {url} died: {data['engine_dead']}")
+                            replica.take_out("engine_dead")
+                            if not streamed:
+                                errors.append(f"{replica.name}: engine died")
+                                break
+                            raise EngineUnavailable(f"engine {replica.name} died mid-request: {data['engine_dead']}")
                         out = RequestOutput(**data)
+                        streamed = True
                         yield out
                         if out.finished:
                             return
-                    raise EngineUnavailable(f"engine worker {url} closed the stream early")
+                    else:
+                        replica.take_out("stream_closed")
+                        if streamed:
+                            raise EngineUnavailable(f"engine {replica.name} closed the stream early")
+                        errors.append(f"{replica.name}: closed the stream before any output")
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
-                errors.append(f"{url}: {type(e).__name__}")  # nothing was sent: try the next worker
-                continue
+                replica.take_out("unreachable")
+                errors.append(f"{replica.name}: {type(e).__name__}")  # nothing was sent: try the next worker
             except (httpx.HTTPError, json.JSONDecodeError) as e:
-                raise EngineUnavailable(f"engine worker {url} failed mid-request: {type(e).__name__}") from e
-        raise EngineUnavailable("no engine worker is reachable (" + "; ".join(errors) + ")")
+                if not isinstance(e, httpx.TimeoutException):
+                    replica.take_out("stream_broken")
+                if streamed or isinstance(e, httpx.TimeoutException):
+                    raise EngineUnavailable(f"engine {replica.name} failed mid-request: {type(e).__name__}") from e
+                errors.append(f"{replica.name}: {type(e).__name__} before any output")
+            finally:
+                replica.ended(token, prio)
+        raise EngineUnavailable("no engine worker could take the request (" + ("; ".join(errors) or "none is ready") + ")")

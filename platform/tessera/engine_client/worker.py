@@ -7,14 +7,22 @@ Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
 - GET  /health             -> 200 {"status": "ok", "engine": {state, restarts, last_error}} while
                               the process answers (liveness); no secret, no tenant data.
 - GET  /ready              -> 200 {"status": "ready", ...} when the engine serves, else 503
-                              {"status": "not_ready", "reason", ...} (restarting, failed, stopped);
-                              no secret.
+                              {"status": "not_ready", "reason", ...} (restarting, failed, stopped)
+                              or 503 {"status": "draining", ...} once the worker drains; no secret.
+- GET  /internal/state     -> the replica's routing state (routing.ReplicaState.to_dict: sequences
+                              running and waiting per priority class, free device slots, free KV
+                              blocks, adapters per tier, draining), polled by the gateways.
 - POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter}
   -> 200 application/x-ndjson, one RequestOutput per line, the last with "finished": true;
      400 {"message", "param"} when the engine refuses the request; 503 when it is not serving
-     (restarting after its step loop died, or dead: the gateway's client tries the next worker).
-     A line {"engine_dead": "..."} ends a stream whose engine died mid-request.
+     (restarting after its step loop died, or dead) or the worker drains: the gateway's client
+     tries the next worker. A line {"engine_dead": "..."} ends a stream whose engine died
+     mid-request.
 Closing the connection mid-stream aborts the request in the engine (frees its KV blocks).
+
+Draining (`begin_drain`, called on SIGTERM by `tessera engine-worker`): new requests are refused
+with 503 and /ready says "draining"; the requests in flight run to their end; `in_flight(app)`
+reaches 0 when they have.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, SamplingParams
+from tessera.engine_client.routing import ReplicaState
 from tessera.streaming import DisconnectAwareStream
 
 
@@ -40,6 +49,8 @@ def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
     shared `secret`."""
     app = FastAPI(title="tessera engine worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = aengine
+    app.state.draining = False
+    app.state.in_flight = 0
     app.state.expected_authorization = f"Bearer {secret}".encode()
     app.middleware("http")(_check_secret)
     app.include_router(router)
@@ -54,6 +65,53 @@ async def _check_secret(request: Request, call_next):
     if not hmac.compare_digest(given, request.app.state.expected_authorization):
         return JSONResponse({"message": "bad engine secret"}, status_code=401)
     return await call_next(request)
+
+
+def begin_drain(app: FastAPI) -> None:
+    """Stop admitting requests (503) and say so on /ready and /internal/state; those in flight
+    continue."""
+    app.state.draining = True
+
+
+def in_flight(app: FastAPI) -> int:
+    """Requests this worker accepted whose stream has not ended yet."""
+    return app.state.in_flight
+
+
+def replica_state(app: FastAPI) -> ReplicaState:
+    """The routing state of this worker's engine, read from the engine's objects while its step
+    thread runs: each list is copied before it is read (one C-level copy under the GIL), and the
+    LoRA manager's CPU tier under its own lock, so a read never sees a container mid-change; the
+    counts may be a step old, which routing tolerates (it adds its own sends between polls)."""
+    aengine: AsyncLLMEngine = app.state.engine
+    engine = aengine.engine
+    sched = engine.scheduler
+    running: dict[int, int] = {}
+    waiting: dict[int, int] = {}
+    running_adapters = set()
+    for seq in list(sched.running):
+        running[int(seq.priority)] = running.get(int(seq.priority), 0) + 1
+        if seq.adapter is not None:
+            running_adapters.add(seq.adapter)
+    for seq in list(sched.waiting):
+        waiting[int(seq.priority)] = waiting.get(int(seq.priority), 0) + 1
+    lm = engine.lora_manager
+    num_slots = engine.config.max_loras
+    device, cpu = frozenset(), frozenset()
+    if lm is not None:
+        # The manager exposes no listing of its tiers; its slot owners and CPU tier are read here.
+        device = frozenset(v for v in list(lm._slot_owner) if v is not None)
+        with lm._lock:
+            cpu = frozenset(lm._cpu) | frozenset(lm._loading)
+        num_slots = lm.slots.num_slots
+    state = aengine.state
+    return ReplicaState(
+        name="", up=state == READY, draining=app.state.draining,
+        state="draining" if app.state.draining else state, running=running, waiting=waiting,
+        max_num_seqs=sched.max_num_seqs, num_slots=num_slots,
+        free_slots=max(0, num_slots - len(running_adapters)),
+        free_kv_blocks=engine.block_manager.num_free_blocks, total_kv_blocks=engine.block_manager.num_blocks,
+        device_adapters=device, cpu_adapters=cpu, restarts=aengine.restarts)
 
 
 def _engine(request: Request) -> AsyncLLMEngine:
@@ -74,6 +132,9 @@ async def health(request: Request):
 @router.get("/ready")
 async def ready(request: Request):
     h = _engine(request).health()
+    if request.app.state.draining:
+        return JSONResponse({"status": "draining", "reason": "the worker is draining (shutting down)", "engine": h},
+                            status_code=503)
     if h["state"] == READY:
         return {"status": "ready", "engine": h}
     return JSONResponse({"status": "not_ready", "reason": f"the engine is {h['state']}", "engine": h},
@@ -87,8 +148,28 @@ async def info(request: Request):
             "alive": aengine.is_alive, "state": aengine.state}
 
 
+@router.get("/internal/state")
+async def state(request: Request):
+    return replica_state(request.app).to_dict()
+
+
 @router.post("/internal/generate")
 async def generate(request: Request):
+    if request.app.state.draining:
+        return JSONResponse({"message": "the engine worker is draining", "param": None}, status_code=503)
+    request.app.state.in_flight += 1
+    try:
+        response = await _generate(request)
+    except BaseException:
+        request.app.state.in_flight -= 1
+        raise
+    if isinstance(response, DisconnectAwareStream):
+        return response  # its body's end counts it out (_CountedBody)
+    request.app.state.in_flight -= 1
+    return response
+
+
+async def _generate(request: Request):
     try:
         req = _generation_request(await request.json())
     except InvalidRequestError as e:
@@ -102,7 +183,8 @@ async def generate(request: Request):
         return JSONResponse({"message": e.message, "param": e.param}, status_code=400)
     except EngineDeadError as e:
         return JSONResponse({"message": str(e), "param": None}, status_code=503)
-    return DisconnectAwareStream(_ndjson_lines(first, stream), media_type="application/x-ndjson")
+    return DisconnectAwareStream(_CountedBody(_ndjson_lines(first, stream), request.app.state),
+                                 media_type="application/x-ndjson")
 
 
 def _generation_request(body: dict) -> GenerationRequest:
@@ -112,6 +194,33 @@ def _generation_request(body: dict) -> GenerationRequest:
         request_id=str(body["request_id"]), prompt_token_ids=list(body["prompt_token_ids"]),
         params=SamplingParams.from_dict(body.get("params") or {}), tenant_id=str(body.get("tenant_id", "default")),
         priority=Priority.parse(body.get("priority", "standard")), adapter=body.get("adapter"))
+
+
+class _CountedBody:
+    """`body`, counted out of `app_state.in_flight` once when it is closed or runs out (a
+    generator's own `finally` would not run if it were closed before its first line)."""
+
+    def __init__(self, body, app_state):
+        self.body, self.app_state, self.counted = body, app_state, True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.body.__anext__()
+        except BaseException:
+            self._count_out()
+            raise
+
+    async def aclose(self):
+        self._count_out()
+        await self.body.aclose()
+
+    def _count_out(self):
+        if self.counted:
+            self.counted = False
+            self.app_state.in_flight -= 1
 
 
 async def _ndjson_lines(first, stream):

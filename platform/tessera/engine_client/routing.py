@@ -1,0 +1,190 @@
+"""Which engine replica serves a request: pure functions over the replicas' published state.
+
+Every engine worker publishes a `ReplicaState` (GET /internal/state, worker.py); the gateway's
+HTTP client keeps the latest one per replica, adds the requests it sent since (so a burst between
+two polls does not all land on the replica that looked idle), and asks `route` for an order of
+replicas to try. The same functions drive bench/routing.py's simulation.
+
+Policy (`route`):
+- Only replicas that are up and not draining take new requests.
+- Every class: a replica that can admit the request at once (its running sequences plus those
+  waiting ahead of it, i.e. in the same or a more urgent class, below `max_num_seqs`) is
+  preferred to one where it would queue; so a realtime request never waits behind one replica's
+  batch backlog while another has room.
+- An adapter request goes, among the replicas within the load bound (consistent hashing with
+  bounded loads: load + 1 <= ceil(balance * (total load + 1) / n)), to the one where serving it
+  costs least: the adapter in a device slot, then in the CPU tier (or loading), then cold; a
+  replica with no free slot (every slot held by a running sequence's adapter) costs one step
+  more. Ties go by the adapter's ring order, so every gateway picks the same replica for an
+  adapter from the same state, and an adapter's load spills to its next ring replicas when its
+  first is over the bound: a popular adapter spreads as its load grows, a cold one stays put.
+- A base-model request goes to the replica with the least load ahead of it (most free KV blocks
+  on a tie, then a rotating start so ties spread).
+The rest of the replicas follow in the same preference: where to retry when the first refuses
+before anything was streamed.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from engine.sampling_params import Priority
+
+#: Default load bound factor: no replica takes a request that would put it above 1.25x the mean.
+DEFAULT_BALANCE = 1.25
+#: Virtual nodes per replica on the hash ring (spreads each replica's share of the key space).
+RING_VNODES = 64
+
+# Cost of serving an adapter request on a replica, by where the adapter is there.
+_COST_DEVICE, _COST_CPU, _COST_COLD = 0, 1, 3
+
+
+@dataclass
+class ReplicaState:
+    """One engine replica as a worker publishes it (GET /internal/state) and the router reads it.
+
+    `running`/`waiting`: sequences per priority class (Priority value -> count); `device_adapters`:
+    adapter versions in a device slot; `cpu_adapters`: in the CPU tier (loaded, maybe also in a
+    slot) or being loaded; `free_slots`: device slots no running sequence's adapter holds;
+    `draining`: the worker admits nothing new (SIGTERM); `up`: it answered its last poll with a
+    state ("ready"); `state`: its words for what it is ("ready", "draining", "restarting",
+    "failed", "stopped", "unreachable"); `restarts`: times its engine's step loop died and restarted."""
+
+    name: str
+    up: bool = True
+    draining: bool = False
+    state: str = "ready"
+    running: dict[int, int] = field(default_factory=dict)
+    waiting: dict[int, int] = field(default_factory=dict)
+    max_num_seqs: int = 64
+    num_slots: int = 8
+    free_slots: int = 8
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    device_adapters: frozenset[str] | set[str] = frozenset()
+    cpu_adapters: frozenset[str] | set[str] = frozenset()
+    restarts: int = 0
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests may be sent to it."""
+        return self.up and not self.draining
+
+    def load(self) -> int:
+        """Sequences running or waiting, every class."""
+        return sum(self.running.values()) + sum(self.waiting.values())
+
+    def load_ahead(self, priority: int) -> int:
+        """Sequences a new request of class `priority` would find ahead of it: every running one
+        (a running sequence keeps its seat until it finishes) and those waiting in the same or a
+        more urgent class."""
+        return sum(self.running.values()) + sum(n for p, n in self.waiting.items() if p <= priority)
+
+    def has_room(self, priority: int) -> bool:
+        """Whether a request of class `priority` would be admitted at its next step."""
+        return self.load_ahead(priority) < self.max_num_seqs
+
+    def adapter_cost(self, adapter: str) -> int:
+        """What serving `adapter` here costs, lowest first: in a device slot, in the CPU tier or
+        loading, cold; one more without a free slot (it waits for a running adapter to finish)."""
+        if adapter in self.device_adapters:
+            return _COST_DEVICE
+        cost = _COST_CPU if adapter in self.cpu_adapters else _COST_COLD
+        return cost + (self.free_slots <= 0)
+
+    def to_dict(self) -> dict:
+        """The wire form (GET /internal/state): priority classes by name, adapters as lists."""
+        return {"name": self.name, "state": self.state, "draining": self.draining,
+                "running": {Priority(p).name: n for p, n in self.running.items()},
+                "waiting": {Priority(p).name: n for p, n in self.waiting.items()},
+                "max_num_seqs": self.max_num_seqs, "num_slots": self.num_slots, "free_slots": self.free_slots,
+                "free_kv_blocks": self.free_kv_blocks, "total_kv_blocks": self.total_kv_blocks,
+                "device_adapters": sorted(self.device_adapters), "cpu_adapters": sorted(self.cpu_adapters),
+                "restarts": self.restarts}
+
+    @classmethod
+    def from_dict(cls, name: str, data: dict) -> "ReplicaState":
+        """The state a worker published (`to_dict`'s form), under the gateway's `name` for it;
+        ValueError/KeyError/TypeError when malformed."""
+        state = str(data.get("state", "ready"))
+        draining = bool(data.get("draining", False))
+        return cls(
+            name=name, up=state in ("ready", "draining"), draining=draining or state == "draining",
+            state="draining" if draining else state,
+            running={int(Priority.parse(p)): int(n) for p, n in (data.get("running") or {}).items()},
+            waiting={int(Priority.parse(p)): int(n) for p, n in (data.get("waiting") or {}).items()},
+            max_num_seqs=int(data["max_num_seqs"]), num_slots=int(data["num_slots"]),
+            free_slots=int(data["free_slots"]), free_kv_blocks=int(data["free_kv_blocks"]),
+            total_kv_blocks=int(data["total_kv_blocks"]),
+            device_adapters=frozenset(map(str, data.get("device_adapters") or ())),
+            cpu_adapters=frozenset(map(str, data.get("cpu_adapters") or ())), restarts=int(data.get("restarts", 0)))
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """A consistent-hash ring over replica indices 0..n-1 (`vnodes` points each): `order(key)` is
+    every index once, in the order the ring meets them clockwise from the key's hash. Adding or
+    removing a replica moves only the keys whose first replica it was."""
+
+    def __init__(self, names: list[str], vnodes: int = RING_VNODES):
+        points = sorted((_hash64(f"{name}#{v}"), i) for i, name in enumerate(names) for v in range(vnodes))
+        self._hashes = [h for h, _ in points]
+        self._owners = [i for _, i in points]
+        self.size = len(names)
+        self.order = lru_cache(maxsize=65536)(self._order)
+
+    def _order(self, key: str) -> tuple[int, ...]:
+        start = bisect.bisect(self._hashes, _hash64(key))
+        seen: dict[int, None] = {}
+        n = len(self._owners)
+        for k in range(n):
+            seen.setdefault(self._owners[(start + k) % n])
+            if len(seen) == self.size:
+                break
+        return tuple(seen)
+
+
+def load_bound(replicas: list[ReplicaState], balance: float = DEFAULT_BALANCE) -> int:
+    """Most load a replica may carry after taking one more request: ceil(balance x the mean
+    load with that request counted) over the replicas that accept requests."""
+    live = [r for r in replicas if r.accepting]
+    if not live:
+        return 0
+    return math.ceil(balance * (sum(r.load() for r in live) + 1) / len(live))
+
+
+def route(replicas: list[ReplicaState], *, adapter: str | None, priority: int, ring: HashRing,
+          balance: float = DEFAULT_BALANCE, tiebreak: int = 0) -> list[int]:
+    """Indices of the replicas that accept requests, best first (see the module docstring);
+    empty when none does. `ring` is over the same replicas in the same order; `tiebreak` rotates
+    the start among equal base-model choices (a counter)."""
+    n = len(replicas)
+    live = [i for i in range(n) if replicas[i].accepting]
+    if not live:
+        return []
+    if adapter is None:
+        def key(i: int):
+            r = replicas[i]
+            return (not r.has_room(priority), r.load_ahead(priority), -r.free_kv_blocks, (i - tiebreak) % n)
+        return sorted(live, key=key)
+    bound = load_bound(replicas, balance)
+    rank = {i: k for k, i in enumerate(ring.order(adapter))}
+
+    def key(i: int):
+        r = replicas[i]
+        over = r.load() + 1 > bound
+        return (over, not r.has_room(priority), r.adapter_cost(adapter) if not over else 0,
+                r.load() if over else 0, rank[i])
+    return sorted(live, key=key)
+
+
+def plain_hash(adapter: str, n: int) -> int:
+    """The replica plain hashing sends `adapter` to (the policy before replica state: one
+    replica per adapter whatever the load)."""
+    return int(hashlib.sha256(adapter.encode()).hexdigest()[:8], 16) % n
