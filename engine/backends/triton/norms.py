@@ -1,0 +1,210 @@
+"""RMSNorm, residual add + RMSNorm, and the SwiGLU gate in Triton: one pass over each row instead
+of torch's several element-wise ops, with the numerics of engine.backends.torch_ops.
+
+Semantics (statistics in fp32 whatever the dtype, as torch_ops / HF's LlamaRMSNorm):
+    rms_norm(x, w, eps):        n = x.float() * rsqrt(mean(x.float() ** 2) + eps)
+                                h = (w * n.to(w.dtype)).to(x.dtype)
+    add_rms_norm(x, a, w, eps): x += a (in x's dtype, in place); return x, rms_norm(x, w, eps)
+    silu_mul(gu):               g, u = gu[:, :I], gu[:, I:];  silu(g).to(dtype) * u  -> [T, I]
+Each product is rounded to the output dtype once, as torch's element-wise ops on CPU and GPU do.
+
+One program per row (norms; a row's sum of squares is that program's alone, and a row is written
+only by its program, so no atomics) or per (row, column block) (silu_mul). Alignment: rows are
+read as contiguous runs from row * row_stride; Triton specializes pointers on 16-byte alignment
+and strides on divisibility by 16 at launch, so rows of H * itemsize bytes a multiple of 16 (every
+hidden size in use) get 16-byte vector loads; silu_mul's up half starts I elements into the row
+(aligned when I * itemsize is a multiple of 16). Other sizes are read correctly, in narrower loads.
+
+Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1 when this module is imported); `_check_device` refuses a mismatch.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from punica_kernels.kernels._common import check_blocks, next_pow2
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+#: Whether this module's kernels were built for the interpreter (TRITON_INTERPRET at import).
+INTERPRETED: bool = not isinstance(_probe, JITFunction)
+
+
+def _check_device(*tensors: torch.Tensor) -> torch.device:
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device: {device} and {t.device}")
+    if device.type == "cuda":
+        if INTERPRETED:
+            raise RuntimeError("engine.backends.triton.norms was imported with TRITON_INTERPRET=1: its "
+                               "kernels run on CPU tensors only; start the process without it for CUDA")
+    elif device.type == "cpu":
+        if not INTERPRETED:
+            raise RuntimeError("Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 "
+                               "before engine.backends.triton.norms is imported")
+    else:
+        raise ValueError(f"Triton norms run on CUDA or CPU tensors, not {device.type}")
+    return device
+
+
+# Launch configurations, as data: key (device name, kernel, None) as in attention.KERNEL_CONFIGS
+# (device name from torch.cuda, or "interpreter"; "default" for devices never tuned).
+#   max_block: widest row read in one tile; wider rows take two passes of max_block columns
+#     (norms) or several programs (silu_mul). A norm tile of 8192 fp32 values over 8 warps is
+#     32 values a thread, within the register budget.
+#   The interpreter's small max_block sends the tests' odd sizes through the multi-tile path too.
+NORM_CONFIGS: dict[tuple[str, str, None], dict] = {
+    ("default", "rms_norm", None): dict(max_block=8192, num_warps=8),
+    ("default", "silu_mul", None): dict(max_block=1024, num_warps=4),
+    ("interpreter", "rms_norm", None): dict(max_block=64, num_warps=4),
+    ("interpreter", "silu_mul", None): dict(max_block=64, num_warps=4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return "interpreter" if device.type == "cpu" else torch.cuda.get_device_name(device)
+
+
+def norm_config(device: torch.device, kernel: str) -> dict:
+    """The launch configuration of `kernel` on `device` (see NORM_CONFIGS)."""
+    return NORM_CONFIGS.get((_device_name(device), kernel, None)) or NORM_CONFIGS[("default", kernel, None)]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, a_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_a, stride_h,
+    ADD: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+):
+    # grid = (T,): row `row`, all H columns (one tile when SINGLE, else BLOCK at a time).
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    a_row = a_ptr + row * stride_a
+    h_row = h_ptr + row * stride_h
+    if SINGLE:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        if ADD:
+            a = tl.load(a_row + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)  # rounded as torch's x + a
+            tl.store(x_row + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        n = (xf * r).to(w.dtype)
+        tl.store(h_row + offs, (n.to(tl.float32) * w.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: the sum of squares (of x + a when ADD; nothing stored yet). Pass 2 recomputes
+        # x + a before storing it: reading back x after storing it would need a barrier
+        # between the program's threads.
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, H, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            mask = offs < H
+            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            if ADD:
+                a = tl.load(a_row + offs, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        r = tl.rsqrt(tl.sum(acc, 0) / H + eps)
+        for c0 in range(0, H, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            mask = offs < H
+            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            if ADD:
+                a = tl.load(a_row + offs, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
+                tl.store(x_row + offs, x, mask=mask)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            n = (x.to(tl.float32) * r).to(w.dtype)
+            tl.store(h_row + offs, (n.to(tl.float32) * w.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+    # grid = (T, cdiv(I, BLOCK)): columns [pid1 * BLOCK, +BLOCK) of row pid0.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + I + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the dtype, as F.silu
+    tl.store(out_ptr + row * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be 2-D [T, H] with contiguous rows, got shape {tuple(t.shape)}")
+
+
+def _launch_norm(x, a, weight, eps, h) -> None:
+    T, H = x.shape
+    if T == 0 or H == 0:
+        return
+    cfg = norm_config(x.device, "rms_norm")
+    check_blocks(max_block=cfg["max_block"])
+    block = min(next_pow2(H), cfg["max_block"])
+    _rms_norm_kernel[(T,)](
+        x, a if a is not None else x, weight, h, H, float(eps),
+        x.stride(0), a.stride(0) if a is not None else 0, h.stride(0),
+        ADD=a is not None, BLOCK=block, SINGLE=block >= H, num_warps=cfg["num_warps"],
+    )
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.device:
+    _check_rows("x", x)
+    if weight.shape != (x.shape[1],) or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous [{x.shape[1]}], got {tuple(weight.shape)}")
+    return _check_device(x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (rows contiguous), weight [H] -> h [T, H] in x's dtype. Semantics: module docstring."""
+    device = _check_norm(x, weight)
+    h = torch.empty(x.shape, dtype=x.dtype, device=device)
+    _launch_norm(x, None, weight, eps, h)
+    return h
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x += a in place (the residual stream), then (x, rms_norm(x)). x, a: [T, H], same dtype,
+    rows contiguous; a must not overlap x."""
+    device = _check_norm(x, weight)
+    _check_rows("a", a)
+    if a.shape != x.shape or a.dtype != x.dtype:
+        raise ValueError(f"a must match x: {a.dtype} {tuple(a.shape)} vs {x.dtype} {tuple(x.shape)}")
+    _check_device(x, a)
+    h = torch.empty(x.shape, dtype=x.dtype, device=device)
+    _launch_norm(x, a, weight, eps, h)
+    return x, h
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up [T, I] in gu's dtype."""
+    _check_rows("gu", gu)
+    if gu.shape[1] % 2:
+        raise ValueError(f"gu's width must be even (gate | up), got {gu.shape[1]}")
+    device = _check_device(gu)
+    T, I = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(T, I, dtype=gu.dtype, device=device)
+    if T == 0 or I == 0:
+        return out
+    cfg = norm_config(device, "silu_mul")
+    check_blocks(max_block=cfg["max_block"])
+    block = min(next_pow2(I), cfg["max_block"])
+    _silu_mul_kernel[(T, triton.cdiv(I, block))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=block,
+                                                  num_warps=cfg["num_warps"])
+    return out
