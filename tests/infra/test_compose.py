@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
 import subprocess
 from urllib.parse import urlparse
 
 import pytest
 
 from tests.infra.tools import REPO, known_env_vars, require_compose
+from tests.requirements import require_tool
 
 COMPOSE_DIR = REPO / "infra" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
@@ -176,11 +178,22 @@ def test_monitoring_mounts_the_generated_rules_and_dashboards(project):
     prometheus = bind_sources("prometheus")
     assert prometheus["/etc/prometheus/rules"] == str(REPO / "infra/prometheus/rules")
     assert (REPO / "infra/prometheus/rules/tessera-slo.rules.yml").is_file()
-    config = prometheus["/etc/prometheus/prometheus.yml"]
-    assert "/etc/prometheus/rules/*.yml" in open(config).read()
+    assert prometheus["/etc/prometheus/prometheus.yml"] == str(COMPOSE_DIR / "prometheus.yml")
     assert bind_sources("alertmanager")["/etc/alertmanager/alertmanager.yml"] == str(REPO / "infra/alertmanager/alertmanager.yml")
     dashboards = bind_sources("grafana")["/var/lib/grafana/dashboards/tessera"]
     assert dashboards == str(REPO / "infra/grafana") and (REPO / "infra/grafana/tessera-tenant-slo.json").is_file()
+
+
+def test_promtool_accepts_the_prometheus_config_with_the_rules_as_mounted(tmp_path):
+    require_tool("promtool")
+    mounts = {v["target"]: v["source"] for v in resolved("cpu")["services"]["prometheus"]["volumes"] if v["type"] == "bind"}
+    # /etc/prometheus as the container sees it: the config and the rules folder beside it.
+    shutil.copy(mounts["/etc/prometheus/prometheus.yml"], tmp_path / "prometheus.yml")
+    (tmp_path / "rules").symlink_to(mounts["/etc/prometheus/rules"])
+    done = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tessera-slo.rules.yml" in done.stdout and "rules found" in done.stdout
 
 
 def test_start_order_migrates_and_creates_the_bucket_before_any_tessera_process(project):
