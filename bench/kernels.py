@@ -6,6 +6,7 @@
                                        # (C kernel vs torch at 1-4 rows; AMX kernel vs bf16 dense at 8-64)
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
     python bench/kernels.py --device cuda [--quick]   # the same; --quick: hidden 4096, rank 16, fewer batches
+    python bench/kernels.py --device cuda --only w4a16 # the W4A16 GEMV (4-bit base weights) alone
 
 Workloads (Punica's): distinct (every token its own adapter), uniform (ceil(sqrt(n)) adapters),
 skewed (Zipf 1.5 over adapters), identical (one adapter).
@@ -18,6 +19,7 @@ to a measured device-to-device copy bandwidth, and the speedup over torch gather
 a Python loop of one matmul per adapter. BGMV (decode: one token per row, any slot) at Punica's
 batch sizes 1-256 over the four workloads; SGMV (prefill: 512 tokens in 1, 4, 16 or 64 segments,
 each segment its own adapter) against the same gather+bmm baseline on the segments' tokens.
+Then the Triton backend's W4A16 matmul at decode widths (run_cuda_w4a16).
 """
 
 from __future__ import annotations
@@ -461,6 +463,49 @@ def run_cuda_sgmv(args, copy_gbps: float) -> None:
                 }), flush=True)
 
 
+def run_cuda_w4a16(args, copy_gbps: float) -> None:
+    """The Triton backend's W4A16 matmul (engine/backends/triton/w4a16.py) at decode widths: M 1..16
+    rows of bf16 activations, K 4096, N 4096 and 14336, for GGUF-block weights (group 32) and
+    load-time quantized ones (group 128). Reported per shape: microseconds (a CUDA-graph replay over
+    `rotate` weight copies, so L2 does not hold the previous call's weights), GB/s on the bytes the
+    kernel must read (4-bit nibbles, fp16 scales and mins, x, y written) and its ratio to the
+    device-to-device copy bandwidth, the path and config taken, torch's dense bf16 matmul of the
+    same (dequantized) weights for comparison, and the largest error of each against the fp32
+    product of the dequantized weights, relative to that product's largest element."""
+    from engine.backends.triton import w4a16
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(4)
+    rows = (1, 4, 16) if args.quick else (1, 2, 3, 4, 8, 12, 16)
+    K = 4096
+    for N in (4096, 14336):
+        dense = torch.randn(N, K, generator=gen) * 0.02
+        for fmt in ("g32", "g128"):
+            base = w4a16.quantize(dense, 32 if fmt == "g32" else 128)
+            ws = [base.to(dev) for _ in range(args.rotate)]  # the same weights, in distinct memory
+            w_ref = w4a16.dequantize(ws[0])  # fp32 [N, K] on the device
+            w_bf16 = [w_ref.bfloat16() for _ in range(args.rotate)]
+            for M in rows:
+                x = [torch.randn(M, K, device=dev).bfloat16() for _ in range(args.rotate)]
+                us = cuda_time(lambda i: w4a16.w4a16_matmul(x[i], ws[i]), args.rotate, args.iters)
+                us_dense = cuda_time(lambda i: x[i] @ w_bf16[i].T, args.rotate, args.iters)
+                ref = x[0].float() @ w_ref.T
+                scale = ref.abs().max().item()
+                err = (w4a16.w4a16_matmul(x[0], ws[0]).float() - ref).abs().max().item() / scale
+                err_dense = ((x[0] @ w_bf16[0].T).float() - ref).abs().max().item() / scale
+                nbytes = base.nbytes() + M * K * 2 + M * N * 2
+                gbps = nbytes / (us * 1e-6) / 1e9
+                plan = w4a16.launch_plan(M, N, K, x[0].device)
+                print(json.dumps({
+                    "device": "cuda", "op": "w4a16_matmul", "format": fmt, "M": M, "N": N, "K": K,
+                    "dtype": "bfloat16", "launch": plan.__dict__, "us": round(us, 2),
+                    "weight_MB": round(base.nbytes() / 1e6, 2), "GBps": round(gbps, 1),
+                    "frac_of_copy_bw": round(gbps / copy_gbps, 3), "dense_bf16_us": round(us_dense, 2),
+                    "speedup_vs_dense_bf16": round(us_dense / us, 2), "rel_err": float(f"{err:.3g}"),
+                    "dense_bf16_rel_err": float(f"{err_dense:.3g}"),
+                }), flush=True)
+
+
 def _triton_version() -> str | None:
     try:
         import triton
@@ -479,6 +524,8 @@ def main() -> None:
                    help="CUDA: hidden 4096, rank 16, batches 1/8/32/64/256 only (minutes, not tens of minutes)")
     p.add_argument("--rotate", type=int, default=4, help="input buffer copies cycled to defeat L2")
     p.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
+    p.add_argument("--only", choices=("lora", "w4a16"), default=None,
+                   help="CUDA: only the LoRA kernels (BGMV, SGMV) or only the W4A16 matmul")
     args = p.parse_args()
     if args.device == "cpu":
         args.cpu = True
@@ -488,7 +535,15 @@ def main() -> None:
     if args.cpu or not use_cuda:
         run_cpu(args)
     if use_cuda and not args.cpu:
-        run_cuda_sgmv(args, run_cuda(args))
+        if args.only == "w4a16":
+            copy_gbps = cuda_copy_bandwidth()
+            print(json.dumps({"device": torch.cuda.get_device_name(), "d2d_copy_GBps": round(copy_gbps, 1),
+                              "torch": torch.__version__, "triton": _triton_version()}), flush=True)
+        else:
+            copy_gbps = run_cuda(args)
+            run_cuda_sgmv(args, copy_gbps)
+        if args.only != "lora":
+            run_cuda_w4a16(args, copy_gbps)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,18 @@ def test_pick_config_falls_back_to_the_untuned_default(monkeypatch):
     assert w4a16.pick_config("some GPU", "gemm", 1, 32) == w4a16.CONFIGS[("default", "gemm", 0, 0)]
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k", [4096, 14336, 96])
+def test_launch_plan_splits_k_into_whole_nonempty_chunks(m, k):
+    plan = w4a16.launch_plan(m, 4096, k, torch.device("cpu"))
+    assert plan.path == "gemv" and plan.block_m >= m
+    assert plan.block_m * plan.block_n * plan.block_k // 2 <= w4a16.GEMV_TILE_BUDGET
+    assert plan.k_chunk % plan.block_k == 0
+    assert (plan.split_k - 1) * plan.k_chunk < k <= plan.split_k * plan.k_chunk
+    wide = w4a16.launch_plan(40, 4096, k, torch.device("cpu"))
+    assert wide.path == "gemm" and min(wide.block_m, wide.block_n) >= 16
+
+
 # ----------------------------------------------------------------------------- the module
 
 

@@ -39,6 +39,7 @@ when this module is imported: compiled kernels take CUDA tensors, interpreted on
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -258,6 +259,7 @@ def pick_config(device_name: str, path: str, n: int, k: int) -> KernelConfig:
     return CONFIGS[("default", path, 0, 0)]
 
 
+@functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -333,6 +335,8 @@ def _w4_gemv_kernel(
         w_lo, w_hi, e, mask_p = _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
                                               G, True)
         x_mask = mask_m[:, None] & mask_p[None, :]
+        # x: runs of 16 inputs from multiples of 32; no alignment is assumed of x's row stride
+        # (Triton vectorizes only where it can prove it), and x is small and shared through L2.
         x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=x_mask, other=0.0).to(tl.float32)
         x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (e + 16)[None, :], mask=x_mask, other=0.0).to(tl.float32)
         acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :], axis=2)
@@ -391,6 +395,55 @@ def _split_k_sum_kernel(ws_ptr, y_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
 # ----------------------------------------------------------------------------- launcher
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What one call launches: the path and the tile sizes, K split and warps actually used."""
+
+    path: str  # "gemv" | "gemm"
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # programs along K; > 1: partial sums to a workspace, then _split_k_sum_kernel
+    k_chunk: int  # inputs per K program, a multiple of block_k
+    num_warps: int
+    num_stages: int
+
+
+def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = None,
+                config: KernelConfig | None = None) -> LaunchPlan:
+    """The launch for an [m, k] x [n, k].T product on `device`: the path (None: GEMV up to
+    GEMV_MAX_M rows), the config (None: pick_config's), its GEMV tile shrunk to the register
+    budget for m rows, and split_k resolved so every K chunk is whole tiles and none is empty.
+    Raises ValueError on a bad path or block size."""
+    path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
+    if path not in ("gemv", "gemm"):
+        raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
+    cfg = config or pick_config(_device_name(device), path, n, k)
+    block_n, block_k = cfg.block_n, cfg.block_k
+    _check_blocks(PACK, block_k=block_k)
+    if path == "gemv":
+        _check_blocks(1, block_n=block_n)
+        if m > GEMV_MAX_M:
+            raise ValueError(f"the GEMV path takes up to {GEMV_MAX_M} rows, not {m}")
+        block_m = _next_pow2(m)
+        # Keep BLOCK_M x BLOCK_N x BLOCK_K/2 fp32 products within the register budget.
+        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_k > PACK:
+            block_k //= 2
+        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_n > 16:
+            block_n //= 2
+        m_blocks = 1
+    else:
+        block_m = cfg.block_m
+        _check_blocks(16, block_m=block_m, block_n=block_n)
+        m_blocks = triton.cdiv(m, block_m)
+    k_tiles = max(1, triton.cdiv(k, block_k))
+    split = cfg.split_k or _auto_split(triton.cdiv(n, block_n) * m_blocks, k_tiles)
+    split = max(1, min(split, k_tiles))
+    k_chunk = triton.cdiv(k_tiles, split) * block_k
+    split = max(1, triton.cdiv(k, k_chunk))  # no empty chunk: each writes its workspace slice
+    return LaunchPlan(path, block_m, block_n, block_k, split, k_chunk, cfg.num_warps, cfg.num_stages)
+
+
 def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str | None = None,
                  config: KernelConfig | None = None) -> torch.Tensor:
     """y = x @ dequantize(w).T with the weights dequantized in the kernels. Semantics: see the
@@ -427,49 +480,23 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     # makes every row's tile loads aligned; a view at an odd offset would break that silently.
     if w.qweight.data_ptr() % 16:
         raise ValueError("qweight's data must start 16-byte aligned (a tensor of its own, not an offset view)")
-    path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
-    cfg = config or pick_config(_device_name(x.device), path, n, k)
-    block_n, block_k = cfg.block_n, cfg.block_k
-    if path == "gemv":
-        _check_blocks(1, block_n=block_n)
-        _check_blocks(PACK, block_k=block_k)
-        if m > GEMV_MAX_M:
-            raise ValueError(f"the GEMV path takes up to {GEMV_MAX_M} rows, not {m}")
-        block_m = _next_pow2(m)
-        # Keep BLOCK_M x BLOCK_N x BLOCK_K/2 fp32 products within the register budget.
-        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_k > PACK:
-            block_k //= 2
-        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_n > 16:
-            block_n //= 2
-        m_blocks = 1
-    elif path == "gemm":
-        block_m = cfg.block_m
-        _check_blocks(16, block_m=block_m, block_n=block_n)
-        _check_blocks(PACK, block_k=block_k)
-        m_blocks = triton.cdiv(m, block_m)
-    else:
-        raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
-    k_tiles = triton.cdiv(k, block_k)
-    n_blocks = triton.cdiv(n, block_n)
-    split = cfg.split_k or _auto_split(n_blocks * m_blocks, k_tiles)
-    split = max(1, min(split, k_tiles))
-    # Every chunk a whole number of tiles, and no chunk empty (each writes its workspace slice).
-    k_chunk = triton.cdiv(k_tiles, split) * block_k
-    split = triton.cdiv(k, k_chunk)
+    plan = launch_plan(m, n, k, x.device, path=path, config=config)
+    split = plan.split_k
     if split == 1:
         out, stride_ok = y, 0
     else:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         stride_ok = out.stride(0)
-    common = dict(G=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = (x, w.qweight, w.scales, w.mins, out, m, n, k, k_chunk, x.stride(0), w.qweight.stride(0),
+    common = dict(G=w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+                  num_warps=plan.num_warps, num_stages=plan.num_stages)
+    args = (x, w.qweight, w.scales, w.mins, out, m, n, k, plan.k_chunk, x.stride(0), w.qweight.stride(0),
             w.scales.stride(0), n, stride_ok)
-    if path == "gemv":
+    n_blocks = triton.cdiv(n, plan.block_n)
+    if plan.path == "gemv":
         _w4_gemv_kernel[(n_blocks, split)](*args, **common)
     else:
         ieee = exact or x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and INTERPRETED)
-        _w4_gemm_kernel[(m_blocks, n_blocks, split)](*args, IEEE=ieee, **common)
+        _w4_gemm_kernel[(triton.cdiv(m, plan.block_m), n_blocks, split)](*args, IEEE=ieee, **common)
     if split > 1:
         block = 1024
         _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block)
@@ -479,11 +506,22 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
 # ----------------------------------------------------------------------------- module
 
 
+def _rows_match(packed: W4Weight, weight: torch.Tensor, samples: int = 64) -> bool:
+    """Whether `samples` rows spread over N (first and last included) dequantize to exactly the
+    weight's: catches rows permuted or concatenated in another order than the weight's, at a
+    fraction of a whole dequantization per layer at load."""
+    n = packed.N
+    rows = torch.unique(torch.linspace(0, n - 1, min(samples, n)).round().long())
+    sample = W4Weight(packed.qweight[rows].contiguous(), packed.scales[rows].contiguous(),
+                      packed.mins[rows].contiguous(), packed.group_size)
+    return torch.equal(dequantize(sample), weight[rows].float())
+
+
 class W4A16Linear(nn.Module):
     """A frozen base linear kept 4-bit on the device: `lin(x [T, in], exact) -> [T, out]` in x's
     dtype (the Backend.linear contract). Only the W4Weight lives on the device: from the
-    checkpoint's own GGUF blocks when given (checked at build to dequantize to exactly `weight`),
-    else quantized at load with `group_size`."""
+    checkpoint's own GGUF blocks when given (a sample of rows checked at build to dequantize to
+    exactly `weight`'s), else quantized at load (on the host) with `group_size`."""
 
     def __init__(self, weight: torch.Tensor, *, raw: torch.Tensor | None = None, qtype: str | None = None,
                  device: torch.device | str, dtype: torch.dtype, group_size: int = DEFAULT_GROUP_SIZE):
@@ -494,7 +532,7 @@ class W4A16Linear(nn.Module):
             raise ValueError("raw GGUF rows and their qtype come together")
         if raw is not None:
             packed = pack_gguf(raw, qtype)
-            if packed.N != weight.shape[0] or packed.K != weight.shape[1] or not torch.equal(dequantize(packed), weight.float()):
+            if (packed.N, packed.K) != tuple(weight.shape) or not _rows_match(packed, weight):
                 raise ValueError(f"the {qtype} rows do not dequantize to the weight {tuple(weight.shape)} "
                                  "(rows permuted or concatenated differently?)")
             self.source = qtype
