@@ -31,6 +31,21 @@ def test_adapter_goes_where_it_is_hot_in_a_device_slot_then_the_cpu_tier():
     assert route(reps, adapter="a", priority=STD, ring=ring)[0] == 1
 
 
+def test_an_adapter_held_by_several_replicas_goes_to_the_least_loaded_of_them():
+    reps = replicas(4)
+    ring = ring_for(reps)
+    holders = [i for i in range(4) if i != ring.order("a")[0]][:2]
+    for r in reps:
+        r.running = {STD: 5}
+    for i in holders:
+        reps[i].device_adapters = {"a"}
+    reps[holders[0]].running = {STD: 6}
+    reps[holders[1]].running = {STD: 4}
+    assert route(reps, adapter="a", priority=STD, ring=ring)[0] == holders[1]
+    reps[holders[1]].running = {STD: 7}  # within the bound still, but busier
+    assert route(reps, adapter="a", priority=STD, ring=ring)[0] == holders[0]
+
+
 def test_cold_adapter_lands_by_ring_order_and_prefers_a_free_slot():
     reps = replicas(4)
     ring = ring_for(reps)

@@ -15,8 +15,10 @@ Policy (`route`):
   bounded loads: load + 1 <= ceil(balance * (total load + 1) / n)), to the one where serving it
   costs least: the adapter in a device slot, then in the CPU tier (or loading), then cold; a
   replica with no free slot (every slot held by a running sequence's adapter) costs one step
-  more. Ties go by the adapter's ring order, so every gateway picks the same replica for an
-  adapter from the same state, and an adapter's load spills to its next ring replicas when its
+  more. Among replicas that hold it, the least loaded takes it (a popular adapter held by
+  several evens their load, which leaves its first replica room for its own cold adapters);
+  among replicas where it is cold, the adapter's ring order decides, so every gateway sends a
+  cold adapter to the same replica and its load spills to its next ring replicas only when the
   first is over the bound: a popular adapter spreads as its load grows, a cold one stays put.
 - A base-model request goes to the replica with the least load ahead of it (most free KV blocks
   on a tie, then a rotating start so ties spread).
@@ -179,8 +181,10 @@ def route(replicas: list[ReplicaState], *, adapter: str | None, priority: int, r
     def key(i: int):
         r = replicas[i]
         over = r.load() + 1 > bound
-        return (over, not r.has_room(priority), r.adapter_cost(adapter) if not over else 0,
-                r.load() if over else 0, rank[i])
+        if over:
+            return (True, not r.has_room(priority), 0, r.load(), rank[i])
+        cost = r.adapter_cost(adapter)
+        return (False, not r.has_room(priority), cost, r.load() if cost < _COST_COLD else 0, rank[i])
     return sorted(live, key=key)
 
 
