@@ -20,8 +20,9 @@ The format (`W4Weight`):
   bytes where G = 32 adds 25%; the rounding error stays within half a group's step (`quantize`).
 
 Kernels (`w4a16_matmul`), chosen by the number of rows M:
-- M <= GEMV_MAX_M: split-K GEMV. Each program dequantizes a BLOCK_N x BLOCK_K tile once and
-  multiplies it by all M rows on the CUDA cores (fp32 products), over one of SPLIT_K chunks of K.
+- M <= GEMV_MAX_M: split-K GEMV. Each program dequantizes a BLOCK_N x BLOCK_K tile once (16-byte
+  loads of nibbles, one scale and min a 32-input block) and multiplies it by all M rows on the
+  CUDA cores (fp32 products), over one of SPLIT_K chunks of K.
   With SPLIT_K > 1 each program writes its partial sums to its own slice of an fp32 workspace
   [SPLIT_K, M, N] and a second small kernel adds the slices in a fixed order and casts: no program
   writes what another writes, no atomics, no zeroing launch, and the same input gives the same
@@ -284,33 +285,32 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
-                  G: tl.constexpr, N_FIRST: tl.constexpr):
-    """fp32 weights of one K tile: (low nibbles, high nibbles, input index of each low nibble, mask).
-
-    `p`: the tile's byte offsets 0..BLOCK_K/2-1; byte p of the tile holds inputs k0 + e and
-    k0 + e + 16, e = (p // 16) * 32 + p % 16 (k0 is a multiple of 32). Tiles are [BLOCK_N, BLOCK_K/2]
-    with N_FIRST, else [BLOCK_K/2, BLOCK_N] (the GEMM's right operand)."""
-    byte = k0 // 2 + p  # k0 % 32 == 0: the tile starts on a 16-byte boundary of every row
-    e = k0 + (p // 16) * 32 + p % 16
-    mask_p = byte < K // 2  # K % 32 == 0: each 16-byte run is wholly in or wholly out
-    g = e // G  # G % 32 == 0: both nibbles of a byte share a group
-    if N_FIRST:
-        mask = mask_n[:, None] & mask_p[None, :]
-        # Row starts are 16-byte aligned (K/2 % 16 == 0, base checked) and `byte` runs contiguous
-        # from a multiple of 16: the compiler's vector loads are whole 16-byte transactions.
-        q = tl.load(q_ptr + rows[:, None] * stride_q + byte[None, :], mask=mask, other=0)
-        s_off = rows[:, None] * stride_s + g[None, :]
-    else:
-        mask = mask_p[:, None] & mask_n[None, :]
-        q = tl.load(q_ptr + rows[None, :] * stride_q + byte[:, None], mask=mask, other=0)
-        s_off = rows[None, :] * stride_s + g[:, None]
-    # 16 consecutive bytes of a row share one (scale, min): these loads hit the same addresses.
-    sc = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-    mn = tl.load(m_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+def _dequant_blocks(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, KB, stride_q, stride_s,
+                    G: tl.constexpr, NB: tl.constexpr):
+    """fp32 weights of one K tile of NB packing blocks, each nibble as [BLOCK_N, NB, 16]:
+    (low, high, input index of each low nibble [NB, 16], mask of whole blocks [NB]). Block b of
+    the tile holds inputs k0 + 32 b + j (low nibbles) and k0 + 32 b + 16 + j (high), j < 16.
+    Scales and mins load once a block ([BLOCK_N, NB]), not once a weight."""
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 16)
+    # Alignment of the weight loads: k0 % 32 == 0 (chunks and steps are whole tiles of a multiple
+    # of 32 inputs), so kb0 is a multiple of 16; rows are K/2 bytes apart, a multiple of 16, from
+    # a 16-byte aligned base (checked by the launcher). Each block's 16 bytes are therefore one
+    # aligned 16-byte run, which the compiler loads as one vector (mask constant over it).
+    kb0 = tl.multiple_of(k0 // 2, 16)
+    byte = kb0 + b[:, None] * 16 + j[None, :]  # [NB, 16]
+    mask_b = (kb0 + b * 16) < KB  # KB = K/2, a multiple of 16: a block is wholly in or out
+    q = tl.load(q_ptr + rows[:, None, None] * stride_q + byte[None, :, :],
+                mask=mask_n[:, None, None] & mask_b[None, :, None], other=0)
+    g = (k0 + b * 32) // G  # G % 32 == 0: a block's 32 inputs share one group
+    s_off = rows[:, None] * stride_s + g[None, :]
+    mask_s = mask_n[:, None] & mask_b[None, :]
+    sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+    mn = tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     w_lo = (q & 0xF).to(tl.float32) * sc + mn
     w_hi = (q >> 4).to(tl.float32) * sc + mn
-    return w_lo, w_hi, e, mask_p
+    e = k0 + b[:, None] * 32 + j[None, :]
+    return w_lo, w_hi, e, mask_b
 
 
 @triton.jit
@@ -319,7 +319,7 @@ def _w4_gemv_kernel(
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) owns out[s, :, n-block] alone.
+    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) alone writes out[s, :, n-block].
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -327,19 +327,20 @@ def _w4_gemv_kernel(
     rows = offs_n.to(tl.int64)  # row * stride must not wrap at 2^31 bytes
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    p = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w_lo, w_hi, e, mask_p = _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
-                                              G, True)
-        x_mask = mask_m[:, None] & mask_p[None, :]
-        # x: runs of 16 inputs from multiples of 32; no alignment is assumed of x's row stride
-        # (Triton vectorizes only where it can prove it), and x is small and shared through L2.
-        x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (e + 16)[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :], axis=2)
+        w_lo, w_hi, e, mask_b = _dequant_blocks(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K // 2, stride_q, stride_s,
+                                                G, BLOCK_K // 32)
+        # x: 16-input runs from multiples of 32; nothing is assumed of x's row stride (Triton
+        # vectorizes only what it can prove), and x is small and shared by all programs (L2).
+        x_mask = mask_m[:, None, None] & mask_b[None, :, None]
+        x_off = offs_m[:, None, None] * stride_xm + e[None, :, :]
+        x_lo = tl.load(x_ptr + x_off, mask=x_mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + x_off + 16, mask=x_mask, other=0.0).to(tl.float32)
+        prod = x_lo[:, None, :, :] * w_lo[None, :, :, :] + x_hi[:, None, :, :] * w_hi[None, :, :, :]
+        acc += tl.sum(tl.sum(prod, axis=3), axis=2)
     out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -351,8 +352,8 @@ def _w4_gemm_kernel(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) owns out[s, m-block,
-    # n-block] alone. M blocks vary fastest, so programs launched together share a weight tile in L2.
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) alone writes
+    # out[s, m-block, n-block]. M blocks vary fastest: programs running together share weight tiles.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -366,9 +367,14 @@ def _w4_gemm_kernel(
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w_lo, w_hi, e, mask_p = _dequant_tile(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, p, K, stride_q, stride_s,
-                                              G, False)
-        x_mask = mask_m[:, None] & mask_p[None, :]
+        w_lo3, w_hi3, _, _ = _dequant_blocks(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K // 2, stride_q, stride_s,
+                                             G, BLOCK_K // 32)
+        # [BLOCK_N, NB, 16] -> [BLOCK_K/2, BLOCK_N]: flattened in the same order, transposed for tl.dot;
+        # column p of the flat tile is low-nibble input k0 + (p // 16) * 32 + p % 16.
+        w_lo = tl.trans(tl.reshape(w_lo3, (BLOCK_N, BLOCK_K // 2)))
+        w_hi = tl.trans(tl.reshape(w_hi3, (BLOCK_N, BLOCK_K // 2)))
+        e = k0 + (p // 16) * 32 + p % 16
+        x_mask = mask_m[:, None] & (k0 // 2 + p < K // 2)[None, :]
         x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=x_mask, other=0.0)
         x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (e + 16)[None, :], mask=x_mask, other=0.0)
         if IEEE:
