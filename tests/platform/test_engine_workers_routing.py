@@ -1,7 +1,8 @@
 """Two real `tessera engine-worker` processes behind the HTTP engine client: both publish their
 state and serve; SIGTERM drains one (its /ready says draining, new requests go to the other, the
 request in flight runs to its end, then it exits); SIGKILL of the last one ends its in-flight
-stream with EngineUnavailable (the gateway's 503) and leaves the client not ready."""
+stream with EngineUnavailable (the gateway's 503) and leaves the client not ready. A worker that
+died since the last poll costs a request nothing: it is retried on another."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ import pytest
 from engine.sampling_params import GenerationRequest, Priority, SamplingParams
 from tessera.engine_client import EngineUnavailable
 from tessera.engine_client.http import HttpEngineClient
+from tessera.engine_client.routing import ReplicaState
 
 from .conftest import free_port
 from .test_gateway_scaleout import TESSERA, start, wait_http
@@ -58,58 +60,65 @@ async def collect(client, req) -> int:
     return n
 
 
-def worker_of(client: HttpEngineClient, url: str) -> str:
-    return next(r.name for r in client.replicas if r.url == url)
-
-
-async def wait_running(client: HttpEngineClient, url: str, timeout=60.0) -> None:
-    """Until the worker at `url` publishes a running sequence."""
+async def wait_running(client: HttpEngineClient, urls: list[str], timeout=60.0) -> int:
+    """The index of the first worker in `urls` seen publishing a running sequence."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = await client.client.get(f"{url}/internal/state", headers=AUTH)
-        if sum(r.json()["running"].values()):
-            return
+        for i, url in enumerate(urls):
+            r = await client.client.get(f"{url}/internal/state", headers=AUTH)
+            if sum(r.json()["running"].values()):
+                return i
         await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} never ran the request")
+    raise AssertionError("no worker ever ran the request")
 
 
 def test_sigterm_drains_a_worker_and_sigkill_of_the_last_is_a_503(two_workers):
     urls, procs = two_workers
 
     async def scenario():
-        client = HttpEngineClient(urls, secret=SECRET, poll_s=0.2)
+        # A third URL where nothing listens, as worker-0; polls only when the test asks.
+        client = HttpEngineClient([f"http://127.0.0.1:{free_port()}"] + urls, secret=SECRET, poll_s=3600)
         await client.start()
         try:
-            assert (await client.ready()).engines == {"worker-0": "ready", "worker-1": "ready"}
+            assert (await client.ready()).engines == {"worker-0": "unreachable", "worker-1": "ready",
+                                                      "worker-2": "ready"}
             state = (await client.client.get(f"{urls[0]}/internal/state", headers=AUTH)).json()
             assert state["free_kv_blocks"] == state["total_kv_blocks"] > 0 and state["draining"] is False
             assert (await client.client.get(f"{urls[0]}/internal/state")).status_code == 401
 
-            # A long request on worker-0, then SIGTERM: it drains.
-            client.replicas[1].take_out("held back by the test")  # so the long request lands on worker-0
+            # worker-0 as its last poll saw it before it died: idle, the most free KV, so routed
+            # to first. Nothing was streamed from it, so the request is served by another worker.
+            client.replicas[0].published = ReplicaState(name="worker-0", free_kv_blocks=10**6)
+            assert client._order(request(1))[0] is client.replicas[0]
+            assert await collect(client, request(4)) == 4
+            assert client.replicas[0].published.state == "unreachable"  # out at once, before any poll
+
+            # A long request, then SIGTERM to the worker running it: that worker drains.
             long = asyncio.create_task(collect(client, request(160)))
-            await wait_running(client, urls[0])
-            procs[0].send_signal(signal.SIGTERM)
+            busy = await wait_running(client, urls)
+            other = 1 - busy
+            busy_r, other_r = client.replicas[busy + 1], client.replicas[other + 1]
+            procs[busy].send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
-            while (r := await client.client.get(f"{urls[0]}/ready")).status_code != 503:
+            while (r := await client.client.get(f"{urls[busy]}/ready")).status_code != 503:
                 assert time.monotonic() < deadline, "the worker never said it drains"
                 await asyncio.sleep(0.05)
             assert r.json()["status"] == "draining"
-            refused = await client.client.post(f"{urls[0]}/internal/generate", headers=AUTH, json={
+            refused = await client.client.post(f"{urls[busy]}/internal/generate", headers=AUTH, json={
                 "request_id": "x", "prompt_token_ids": [1, 2], "params": {"max_tokens": 1}})
             assert refused.status_code == 503
             await client.refresh()
-            assert client.replicas[0].published.state == "draining"
-            # New requests go to worker-1 (polled back in), and are served there.
+            assert busy_r.published.state == "draining"
+            # New requests go to the other worker, and are served there.
             assert await collect(client, request(4)) == 4
-            state1 = (await client.client.get(f"{urls[1]}/internal/state", headers=AUTH)).json()
-            assert procs[0].poll() is None  # still finishing its request
+            assert procs[busy].poll() is None  # still finishing its request
             # The drained request ran to its end; then the worker exited.
             assert await long == 160
-            procs[0].wait(timeout=30)
+            procs[busy].wait(timeout=30)
             await client.refresh()
-            assert client.replicas[0].published.state == "unreachable"
+            assert busy_r.published.state == "unreachable"
             assert (await client.ready()).ready
+            assert "SIGTERM: draining 1 request(s)" in procs[busy].log.read_text()
 
             # SIGKILL of the last worker mid-stream: the stream ends with EngineUnavailable.
             got = []
@@ -121,17 +130,14 @@ def test_sigterm_drains_a_worker_and_sigkill_of_the_last_is_a_503(two_workers):
             task = asyncio.create_task(stream())
             while not got:
                 await asyncio.sleep(0.02)
-            procs[1].kill()
+            procs[other].kill()
             with pytest.raises(EngineUnavailable):
                 await task
-            assert not client.replicas[1].published.accepting  # out at once, before any poll
+            assert not other_r.published.accepting  # out at once, before any poll
             with pytest.raises(EngineUnavailable):
                 await collect(client, request(2))
             assert not (await client.ready()).ready
-            return state1
         finally:
             await client.close()
 
-    state1 = asyncio.run(scenario())
-    assert state1["draining"] is False
-    assert "SIGTERM: draining 1 request(s)" in procs[0].log.read_text()
+    asyncio.run(scenario())

@@ -5,7 +5,8 @@ Redis, and moto's S3 server. What it shows:
 - a burst of mixed-adapter streams through both gateways, with one engine worker killed in the
   middle: its streams end with an engine_unavailable error, the others finish, each usage event
   bills exactly the tokens its stream received, and new requests are served by the survivor;
-- an adapter version uploaded through one gateway is served through the other."""
+- an adapter version uploaded through one gateway is served through the other, and a change of
+  current version or a delete through one holds at the other at once."""
 from __future__ import annotations
 
 import json
@@ -222,3 +223,14 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
         assert r.status_code == 200, r.text
         answers[model] = r.json()["choices"][0]["message"]["content"]
     assert answers["bot"] == answers["bot@2"] != answers["bot@1"], answers
+
+    # Registry changes through one gateway hold at once at the other (each request reads the
+    # shared database): the current version set back, then the adapter deleted.
+    with admin(a) as adm:
+        assert adm.put(f"/admin/v1/tenants/{tenant}/adapters/bot/current", json={"version": 1}).status_code == 200
+    r = httpx.post(f"{b}/v1/chat/completions", json=question, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answers["bot@1"], r.text
+    with admin(b) as adm:
+        assert adm.delete(f"/admin/v1/tenants/{tenant}/adapters/bot").status_code == 200
+    r = httpx.post(f"{a}/v1/chat/completions", json=question, headers=auth, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
