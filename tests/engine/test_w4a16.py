@@ -93,6 +93,7 @@ def test_quantize_error_within_half_a_step():
 
 
 def test_format_refuses_what_the_kernels_cannot_read():
+    assert w4a16.supported(torch.zeros(8, 64)) and not w4a16.supported(torch.zeros(8, 48))
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 48))
     with pytest.raises(ValueError, match="group_size"):

@@ -133,6 +133,12 @@ class W4Weight:
         return W4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
 
 
+def supported(weight: torch.Tensor) -> bool:
+    """Whether a float [N, K] weight can take this format (K a multiple of 32); a backend keeps
+    other weights dense."""
+    return weight.dim() == 2 and weight.is_floating_point() and weight.shape[1] % PACK == 0
+
+
 def pack_gguf(raw: torch.Tensor, qtype: str) -> W4Weight:
     """GGUF Q4_0 / Q4_1 rows (uint8 [N, K/32 * block bytes], as gguf_loader keeps them) -> W4Weight
     with group size 32, dequantizing to exactly what gguf.quants.dequantize gives."""
@@ -393,8 +399,10 @@ def _split_k_sum_kernel(ws_ptr, y_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
     offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, SPLIT_K):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    ptrs = ws_ptr + offs  # advanced by MN a slice: 64-bit pointers, so SPLIT_K x MN may pass 2^31
+    for _ in range(0, SPLIT_K):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += MN
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
