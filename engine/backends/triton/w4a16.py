@@ -17,7 +17,8 @@ The format (`W4Weight`):
   share a group). GGUF blocks give G = 32: Q4_1's d and m as they are, Q4_0's d and -8 d (exact in
   fp16: a power-of-two multiple). Quantization at load time defaults to G = 128: a decode GEMV is
   bound by the bytes it reads, and 4 bytes of scale and min per 128 weights add 6% to the 4-bit
-  bytes where G = 32 adds 25%; the rounding error stays within half a group's step (`quantize`).
+  bytes where G = 32 adds 25%. The price is a step set by a wider range (each weight is within
+  half its group's step, `quantize`); `W4A16Linear(group_size=32)` takes the other side.
 
 Kernels (`w4a16_matmul`), chosen by the number of rows M:
 - M <= GEMV_MAX_M: split-K GEMV. Each program dequantizes a BLOCK_N x BLOCK_K tile once (16-byte
