@@ -34,11 +34,12 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-def random_gguf_rows(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """uint8 [n, k/32 * block bytes]: random nibbles, signed fp16 scales (and mins) of mixed size."""
+def random_gguf_rows(qtype: str, n: int, k: int, seed: int, min_exp: int = -6) -> torch.Tensor:
+    """uint8 [n, k/32 * block bytes]: random nibbles, signed fp16 scales (and mins) of mixed size,
+    the scales' magnitudes spread over 10^min_exp .. 1."""
     rng = np.random.default_rng(seed)
     kb = k // 32
-    d = (rng.standard_normal((n, kb, 1)) * 10.0 ** rng.integers(-6, 1, (n, kb, 1))).astype(np.float16)
+    d = (rng.standard_normal((n, kb, 1)) * 10.0 ** rng.integers(min_exp, 1, (n, kb, 1))).astype(np.float16)
     parts = [d.view(np.uint8)]
     if qtype == "q4_1":
         parts.append((rng.standard_normal((n, kb, 1)) * 0.1).astype(np.float16).view(np.uint8))
@@ -107,9 +108,9 @@ def test_format_refuses_what_the_kernels_cannot_read():
 # ----------------------------------------------------------------------------- the kernels
 
 
-def weights(fmt: str, n: int, k: int, seed: int) -> w4a16.W4Weight:
+def weights(fmt: str, n: int, k: int, seed: int, min_exp: int = -6) -> w4a16.W4Weight:
     if fmt in QTYPES:
-        return pack_gguf(random_gguf_rows(fmt, n, k, seed), fmt)
+        return pack_gguf(random_gguf_rows(fmt, n, k, seed, min_exp), fmt)
     return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05,
                     int(fmt.removeprefix("g")))
 
@@ -149,7 +150,9 @@ def test_matmul_fp32_equals_dequantize_then_matmul(device, fmt, m, n, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt,m,n,k", [("q4_1", 3, 40, 96), ("g128", 17, 33, 160)])
 def test_matmul_16bit_activations(device, dtype, fmt, m, n, k):
-    w = weights(fmt, n, k, seed=5).to(device)
+    # scales >= 1e-3: fp16 weight tiles (the GEMM's, on a GPU) stay normal numbers, so their
+    # rounding is relative as the bound assumes (dense fp16 weights would lose the same way)
+    w = weights(fmt, n, k, seed=5, min_exp=-3).to(device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(device=device, dtype=dtype)
     unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11  # the dtype's relative rounding
     for path in (["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]):
