@@ -73,7 +73,7 @@ def fleet(tmp_path_factory, s3_endpoint):
             s.wait_until_answers(f"{url}/internal/info", headers={"authorization": f"Bearer {SECRET}"})
         for s, url in zip(services[2:4], gateway_urls):
             s.wait_until_answers(f"{url}/ready")
-        yield {"db": db, "gateways": gateway_urls, "workers": services[:2], "root": root}
+        yield {"db": db, "gateways": gateway_urls, "workers": services[:2], "worker_urls": worker_urls}
     finally:
         for s in services:
             s.stop()
@@ -213,6 +213,13 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
         for model in models:
             r = httpx.post(f"{url}/v1/chat/completions", json=chat(model, 2), headers=auth, timeout=60)
             assert r.status_code == 200, r.text
+
+    # The survivor publishes the adapters it now holds (what the gateways route by).
+    with admin(a) as adm:
+        pirate = adm.get(f"/admin/v1/tenants/{tenant}/adapters/pirate").json()["versions"][0]["sha256"]
+    state = httpx.get(f"{fleet['worker_urls'][0]}/internal/state", headers={"authorization": f"Bearer {SECRET}"},
+                      timeout=10).json()
+    assert pirate in state["device_adapters"] and pirate in state["cpu_adapters"], state
 
     # A new version uploaded through gateway b is what "bot" means through gateway a.
     assert upload(b, tenant, "bot", PIRATE) == 2

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import threading
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -100,9 +101,11 @@ def replica_state(app: FastAPI) -> ReplicaState:
     device, cpu = frozenset(), frozenset()
     if lm is not None:
         # The manager exposes no listing of its tiers; its slot owners and CPU tier are read here.
-        device = frozenset(v for v in list(lm._slot_owner) if v is not None)
-        with lm._lock:
-            cpu = frozenset(lm._cpu) | frozenset(lm._loading)
+        # Should they be renamed, the tiers read empty: routing falls back to the adapters' ring
+        # order (still consistent across gateways) rather than the worker looking down.
+        device = frozenset(v for v in list(getattr(lm, "_slot_owner", ())) if v is not None)
+        with getattr(lm, "_lock", threading.Lock()):
+            cpu = frozenset(getattr(lm, "_cpu", ())) | frozenset(getattr(lm, "_loading", ()))
         num_slots = lm.slots.num_slots
     state = aengine.state
     return ReplicaState(
