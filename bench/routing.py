@@ -16,8 +16,10 @@ Each replica, as the simulation models it:
 - the CPU tier is an LRU of as many adapters as its budget holds; the device tier an LRU of
   `max_loras` adapters, touched when a request starts (a hit: its adapter was in a slot). The
   engine's rule that at most `max_loras` distinct adapters run at once is not modelled as a
-  block (a request never waits for a slot), only as the hit rate; the gateway's view of each
-  replica is exact (no polling delay).
+  block (a request never waits for a slot), only as the hit rate.
+The gateway's view of the replicas is the HTTP client's own (tessera.engine_client.http._Replica):
+each replica's state as of its last poll, every --poll-s (the gateway's default, 0.5 s; 0: an
+exact view), plus the requests the gateway sent since.
 Measured over the requests after the first --warmup (cold caches excluded): cold loads per 1,000
 requests, device-tier hit rate, max/mean replica load (the busy seat-seconds each replica was
 given), p50/p99 queueing delay (arrival to start of service, cold load included).
@@ -45,6 +47,7 @@ sys.path[0:1] = [str(ROOT), str(ROOT / "platform")]
 from engine.config import EngineConfig  # noqa: E402
 from engine.loader.synthetic import SHAPES  # noqa: E402
 from engine.sampling_params import Priority  # noqa: E402
+from tessera.engine_client.http import _Replica  # noqa: E402
 from tessera.engine_client.routing import DEFAULT_BALANCE, HashRing, ReplicaState, plain_hash, route  # noqa: E402
 
 STD = int(Priority.standard)
@@ -74,7 +77,9 @@ class Replica:
         self.device: OrderedDict[str, None] = OrderedDict()
         self.loading: dict[str, float] = {}  # adapter -> when its load ends
         self.cpu_capacity, self.slots = cpu_capacity, slots
-        self.events: list[tuple[float, int, str]] = []  # (time, +1 start / -1 finish, adapter)
+        # (time, +1 start / -1 finish, adapter, the gateway view's token of the request)
+        self.events: list[tuple[float, int, str, int]] = []
+        self.view = _Replica(name, url="")
         self.running_adapters: dict[str, int] = {}
         self.running = self.waiting = 0
         self.busy_s = 0.0
@@ -85,12 +90,13 @@ class Replica:
         """Apply every start and finish up to `now` to the published state."""
         ev = self.events
         while ev and ev[0][0] <= now:
-            _, kind, adapter = heapq.heappop(ev)
+            _, kind, adapter, token = heapq.heappop(ev)
             if kind > 0:  # started
                 self.waiting -= 1
                 self.running += 1
                 self.running_adapters[adapter] = self.running_adapters.get(adapter, 0) + 1
             else:
+                self.view.ended(token, STD)
                 self.running -= 1
                 n = self.running_adapters[adapter] - 1
                 if n:
@@ -110,6 +116,14 @@ class Replica:
         self.cpu.move_to_end(adapter)
         while len(self.cpu) > self.cpu_capacity:
             self.cpu.popitem(last=False)
+
+    def poll(self) -> None:
+        """The gateway polls this replica (an answer with no delay): its view is the state now."""
+        st = self.state
+        generation = self.view.poll_started()
+        self.view.polled(generation, ReplicaState(**{
+            **vars(st), "running": dict(st.running), "waiting": dict(st.waiting),
+            "device_adapters": frozenset(self.device), "cpu_adapters": frozenset(self.cpu) | frozenset(self.loading)}))
 
     def serve(self, now: float, adapter: str, service_s: float, cold_load_s: float) -> tuple[bool, bool, float]:
         """Take a request at `now`: (cold load, device-tier hit, queueing delay in seconds)."""
@@ -131,8 +145,9 @@ class Replica:
         while len(self.device) > self.slots:
             self.device.popitem(last=False)
         self.waiting += 1
-        heapq.heappush(self.events, (start, 1, adapter))
-        heapq.heappush(self.events, (end, -1, adapter))
+        token = self.view.sent(STD)
+        heapq.heappush(self.events, (start, 1, adapter, token))
+        heapq.heappush(self.events, (end, -1, adapter, token))
         self.busy_s += service_s
         return cold, hit, start - now
 
@@ -171,13 +186,20 @@ def simulate(policy: str, *, load: float, args, cpu_capacity: int, seed: int) ->
     rate = load * capacity
     now, cold, hits, delays, measured = 0.0, 0, 0, [], 0
     busy_at_warmup = None
+    next_poll = 0.0
     for n in range(args.requests):
         now += rng.expovariate(rate)
         adapter = draw()
+        while args.poll_s and next_poll <= now:  # the polls due before this arrival
+            for r in replicas:
+                r.advance(next_poll)
+                r.poll()
+            next_poll += args.poll_s
         for r in replicas:
             r.advance(now)
         if policy == "affinity":
-            i = route(states, adapter=adapter, priority=STD, ring=ring, balance=args.balance, tiebreak=n)[0]
+            views = [r.view.view() for r in replicas] if args.poll_s else states
+            i = route(views, adapter=adapter, priority=STD, ring=ring, balance=args.balance, tiebreak=n)[0]
         elif policy == "round_robin":
             i = n % len(replicas)
         else:
@@ -212,6 +234,8 @@ def main() -> None:
                     help="adapter storage (the engine's CPU default is int8 where its C kernel is built; bf16 on CUDA)")
     ap.add_argument("--service-s", type=float, default=2.0, help="mean time a request holds a seat")
     ap.add_argument("--cold-load-ms", type=float, default=100.0, help="fetch + load of an adapter not in the CPU tier")
+    ap.add_argument("--poll-s", type=float, default=0.5,
+                    help="how often the gateway polls each replica's state (0: an exact view)")
     ap.add_argument("--balance", type=float, default=DEFAULT_BALANCE, help="affinity's load bound factor")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -225,7 +249,7 @@ def main() -> None:
                  "max_loras": ec.max_loras, "max_num_seqs": ec.max_num_seqs, "model": args.model, "rank": args.rank,
                  "lora_dtype": args.lora_dtype, "adapter_mib": round(nbytes / 2**20, 2),
                  "cpu_tier_adapters": cpu_capacity, "service_s": args.service_s, "cold_load_ms": args.cold_load_ms,
-                 "balance": args.balance, "requests": args.requests, "warmup": args.warmup,
+                 "balance": args.balance, "poll_s": args.poll_s, "requests": args.requests, "warmup": args.warmup,
                  "capacity_rps": round(args.replicas * ec.max_num_seqs / args.service_s, 1)}
     prefix = {"affinity": "affinity", "round_robin": "round_robin", "hash": "hash"}
     for load, tag in ((0.70, "70"), (0.95, "95")):
