@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and the config epoch; metrics in prometheus-client multiprocess mode)")
     p.set_defaults(func=_serve)
 
-    w = sub.add_parser("engine-worker", help="run one engine process with the internal streaming API")
+    w = sub.add_parser("engine-worker", help="run one engine process with the internal streaming API "
+                                             "(SIGTERM drains it: admits nothing new, finishes what runs, exits)")
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8100)
     w.add_argument("--secret", default=None, help="shared secret (default: TESSERA_ENGINE_SECRET)")
