@@ -38,7 +38,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * torch.tensor([], dtype=dtype).element_size()
 
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "w4a16")
 BACKENDS = ("cpu", "triton")
 
 
@@ -70,7 +70,9 @@ class EngineConfig:
     #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only up to a
     #: measured batch size, fp32 dense for steps that prefill, bf16 dense for wider decode-only
     #: batches where it measured faster at start; see engine.backends.cpu), "fp32" (exact),
-    #: "bf16", "int8" (same as "auto" on CPU). The triton backend keeps dense weights in `dtype`.
+    #: "bf16", "int8" (same as "auto" on CPU). The triton backend: "auto"/"w4a16" keep layer weights
+    #: 4-bit on the device (the checkpoint's Q4_0/Q4_1 blocks, else quantized at load), "fp32"/"bf16"
+    #: dense in `dtype`; "int8" is CPU-only and "w4a16" triton-only.
     weight_format: str = "auto"
     #: Whether steps that prefill use the int8 format's exact fp32 dense copy (True) or its decode
     #: path (False: the AMX kernel, else the bf16 copy); None: the decode path where the bf16 copy's
@@ -100,6 +102,8 @@ class EngineConfig:
     backend: str = "cpu"
     #: Where weights, KV cache, LoRA slots and sampling live: "cpu", "cuda" or "cuda:N".
     device: str = "cpu"
+    #: Triton backend on CUDA: decode-only steps replay CUDA graphs captured per batch-size bucket.
+    cuda_graphs: bool = True
     #: CPU backend: the C decode-step ops (RMSNorm, residual + RMSNorm, SwiGLU gate, decode
     #: attention); off: their torch paths (same results). TESSERA_CPU_DECODE_OPS=0 at the CLI.
     cpu_decode_ops: bool = True
@@ -128,6 +132,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}")
+        if self.weight_format == "w4a16" and self.backend != "triton":
+            raise ValueError("weight_format w4a16 is the triton backend's 4-bit format")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError("dtype must be float32, bfloat16 or float16")
         if self.lora_dtype is not None and self.lora_dtype not in (torch.float32, torch.bfloat16, torch.float16,

@@ -90,7 +90,9 @@ class LLMEngine:
                                             backend=self.backend)
         num_blocks = ec.num_kv_blocks or max(1, self.backend.kv_cache_bytes(self._activation_reserve_bytes())
                                              // (model_cfg.kv_bytes_per_token(ec.dtype) * ec.block_size))
-        self.kv = KVCache(model_cfg.num_layers, num_blocks, ec.block_size, model_cfg.num_kv_heads,
+        # Paged kernels get one block beyond the block manager's: the sink no sequence owns.
+        sink = 1 if self.backend.paged_attention else 0
+        self.kv = KVCache(model_cfg.num_layers, num_blocks + sink, ec.block_size, model_cfg.num_kv_heads,
                           model_cfg.head_dim, ec.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, ec.block_size)
         # A sequence must fit the cache on its own, or it could never be scheduled.
@@ -99,6 +101,12 @@ class LLMEngine:
                                    max_num_seqs=ec.max_num_seqs, aging_seconds=ec.aging_seconds,
                                    max_loras=ec.max_loras, adapter_ready=self._adapter_ready)
         self.runner = ModelRunner(self.model, self.kv, ec.block_size, self.backend)
+        if self.backend.uses_cuda_graphs():
+            from engine.backends.triton.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.runner, max_batch=ec.max_num_seqs, block_width=-(-self.max_model_len // ec.block_size),
+                sink_block=num_blocks, lora_slots=self.lora_manager.slots if self.lora_manager else None)
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)

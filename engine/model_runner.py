@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from engine.model.attention import AttentionMetadata, KVCache, PagedMetadata, PrefillChunk
 from engine.model.llama import LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -20,6 +20,8 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.device = backend.device
+        #: Decode-only steps through captured CUDA graphs (engine.backends.triton.cuda_graphs), if set.
+        self.graphs = None
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of positions [start, end) of a sequence."""
@@ -29,7 +31,11 @@ class ModelRunner:
         return bt[pos // bs] * bs + pos % bs
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
-        """Build (input_ids [T], positions [T], attention metadata, logit row indices, sampled seqs)."""
+        """Build (input_ids [T], positions [T], attention metadata, logit row indices, sampled seqs):
+        the block-table form where the backend's kernels read K/V through block tables, else slot
+        lists and masks (the torch and C paths)."""
+        if getattr(self.backend, "paged_attention", False):
+            return self.prepare_paged(sched)
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
@@ -92,31 +98,92 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.int64), torch.cat(pos), meta, logit_rows, sampled
 
+    @staticmethod
+    def block_table_rows(tables: list[list[int]], width: int) -> torch.Tensor:
+        """[len(tables), width] int32, each row a sequence's blocks padded with its own first
+        block (never another sequence's)."""
+        out = torch.empty(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            out[i, len(t):] = t[0]
+        return out
+
+    def prepare_paged(self, sched: SchedulerOutput):
+        """`prepare` for paged-attention backends: block tables and lengths, no slot lists or masks."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[Sequence] = []
+        decodes = sched.decodes
+        d_tables = d_lens = None
+        if decodes:
+            lens = []
+            for i, s in enumerate(decodes):
+                seq = s.seq
+                p = seq.num_computed_tokens
+                ids.append(seq.token_ids[-1])
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                lens.append(p + 1)
+                logit_rows.append(i)
+                sampled.append(seq)
+            d_tables = self.block_table_rows([s.seq.block_table for s in decodes],
+                                             max(len(s.seq.block_table) for s in decodes))
+            d_lens = torch.tensor(lens, dtype=torch.int32)
+        prefills: list[PrefillChunk] = []
+        p_tables = p_start = p_lens = None
+        start = len(decodes)
+        if sched.prefills:
+            q_start, ctx_lens = [0], []
+            for s in sched.prefills:
+                seq, n = s.seq, s.num_tokens
+                c0, c1 = seq.num_computed_tokens, seq.num_computed_tokens + n
+                ids.extend(seq.token_ids[c0:c1])
+                pos.extend(range(c0, c1))
+                bt = seq.block_table
+                slots.extend(bt[q // bs] * bs + q % bs for q in range(c0, c1))
+                prefills.append(PrefillChunk(start, n, c1, None, None))
+                q_start.append(q_start[-1] + n)
+                ctx_lens.append(c1)
+                if c1 == seq.num_tokens:
+                    logit_rows.append(start + n - 1)
+                    sampled.append(seq)
+                start += n
+            p_tables = self.block_table_rows([s.seq.block_table for s in sched.prefills],
+                                             max(len(s.seq.block_table) for s in sched.prefills))
+            p_start = torch.tensor(q_start, dtype=torch.int32)
+            p_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        paged = PagedMetadata(positions, d_tables, d_lens, p_tables, p_start, p_lens,
+                              max((s.num_tokens for s in sched.prefills), default=0))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), num_decode=len(decodes),
+                                 decode_slots=None, decode_mask=None, prefills=prefills, paged=paged)
+        return torch.tensor(ids, dtype=torch.int64), positions, meta, logit_rows, sampled
+
     def _upload(self, ids, pos, meta: AttentionMetadata, rows: list[int], lora):
         """The step's host tensors on the device, in one transfer (nothing moves on the CPU)."""
         if self.device.type == "cpu":
             return ids, pos, meta, rows
-        chunk_tensors = [t for p in meta.prefills for t in (p.context_slots, p.mask) if t is not None]
-        head = [ids, pos, torch.tensor(rows, dtype=torch.int64), meta.slot_mapping]
-        head += [t for t in (meta.decode_slots, meta.decode_mask, meta.decode_lens) if t is not None]
+        # (object, attribute) of every host tensor the step reads, uploaded together.
+        holders = [(meta, "slot_mapping"), (meta, "decode_slots"), (meta, "decode_mask"), (meta, "decode_lens")]
+        holders += [(p, name) for p in meta.prefills for name in ("context_slots", "mask")]
+        if meta.paged is not None:
+            holders += [(meta.paged, name) for name in ("decode_block_tables", "decode_seq_lens",
+                                                        "prefill_block_tables", "prefill_query_start",
+                                                        "prefill_context_lens")]
+        holders = [(o, a) for o, a in holders if getattr(o, a) is not None]
         lora_host = lora.host_tensors() if lora is not None else []
-        dev = self.backend.upload(head + chunk_tensors + lora_host)
-        ids, pos, rows_t, slot_mapping = dev[:4]
-        it = iter(dev[4:])
-        meta.slot_mapping = slot_mapping
-        if meta.decode_slots is not None:
-            meta.decode_slots = next(it)
-        if meta.decode_mask is not None:
-            meta.decode_mask = next(it)
-        if meta.decode_lens is not None:
-            meta.decode_lens = next(it)
-        for p in meta.prefills:
-            if p.context_slots is not None:
-                p.context_slots = next(it)
-            if p.mask is not None:
-                p.mask = next(it)
+        head = [ids, pos, torch.tensor(rows, dtype=torch.int64)]
+        dev = self.backend.upload(head + [getattr(o, a) for o, a in holders] + lora_host)
+        ids, pos, rows_t = dev[:3]
+        for (o, a), t in zip(holders, dev[3:3 + len(holders)]):
+            setattr(o, a, t)
+        if meta.paged is not None:
+            meta.paged.positions = pos
         if lora is not None:
-            lora.bind_device_tensors(list(it))
+            lora.bind_device_tensors(dev[3 + len(holders):])
         return ids, pos, meta, rows_t
 
     @torch.inference_mode()
@@ -142,6 +209,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, lora=None) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step. Returns (fp32 logits [N, V] on the device for `seqs` that sample, seqs)."""
+        if self.graphs is not None and self.graphs.takes(sched):
+            slots = lora.meta.token_slots.tolist() if lora is not None else None  # host: built, not uploaded
+            return self.graphs.run(sched, slots), [s.seq for s in sched.decodes]
         ids, pos, meta, rows, sampled = self.prepare(sched)
         ids, pos, meta, rows_idx = self._upload(ids, pos, meta, rows, lora)
         hidden = self.model(ids, pos, self.kv, meta, lora)

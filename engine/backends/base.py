@@ -46,6 +46,10 @@ class Backend(ABC):
     what the activations live."""
 
     name: str = ""
+    #: Whether the attention kernels read K/V through block tables (ModelRunner then builds
+    #: PagedMetadata, and the KV cache keeps one extra block no sequence owns: the sink padded
+    #: rows of a captured decode graph write into).
+    paged_attention: bool = False
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -59,10 +63,12 @@ class Backend(ABC):
         return self.config.weight_format
 
     @abstractmethod
-    def linear(self, weight: torch.Tensor, *, q4_1: torch.Tensor | None = None) -> nn.Module:
+    def linear(self, weight: torch.Tensor, *, raw: tuple[str, torch.Tensor] | None = None,
+               lm_head: bool = False) -> nn.Module:
         """A frozen base linear for fp32 `weight` [out, in] (host): a module called as
-        `lin(x [T, in], exact: bool) -> [T, out]` in x's dtype. `q4_1`: the checkpoint's raw Q4_1
-        rows of the same weight where it has them (a backend may read them instead)."""
+        `lin(x [T, in], exact: bool) -> [T, out]` in x's dtype. `raw`: ("q4_0" | "q4_1", the
+        checkpoint's raw GGUF rows of the same weight) where it has them (a backend may keep
+        those instead); `lm_head`: the output projection (a backend may keep it dense)."""
 
     def prepare_model(self, model: nn.Module) -> dict:
         """Called once after the model is built (weights on the device): measure or pack what the
@@ -140,6 +146,10 @@ class Backend(ABC):
         dev = staging.to(self.device, non_blocking=True)
         return [dev[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 for t, off in zip(tensors, offsets)]
+
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode-only steps replay captured CUDA graphs (engine.backends.triton.cuda_graphs)."""
+        return False
 
     def to_host(self, t: torch.Tensor) -> list:
         """One device-to-host copy of a small tensor, as a Python list."""

@@ -24,6 +24,22 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedMetadata:
+    """The block-table form of a step's attention inputs, for backends whose kernels read K/V
+    through block tables (ModelRunner builds it instead of the slot lists and masks when
+    `backend.paged_attention` is True). Rows of a table past a sequence's own blocks are padding:
+    kernels mask by the lengths and never read them."""
+
+    positions: torch.Tensor                      #: [T] int64: position of each token
+    decode_block_tables: torch.Tensor | None     #: [num_decode, W] int32
+    decode_seq_lens: torch.Tensor | None         #: [num_decode] int32 context length (new token included)
+    prefill_block_tables: torch.Tensor | None    #: [S, W'] int32, one row per prefill chunk
+    prefill_query_start: torch.Tensor | None     #: [S + 1] int32 chunk boundaries, rows from num_decode
+    prefill_context_lens: torch.Tensor | None    #: [S] int32 tokens cached after the chunk (chunk included)
+    prefill_max_query_len: int = 0               #: longest chunk, a host int (grid size without a sync)
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step (built by the model runner)."""
 
@@ -33,6 +49,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None      #: [num_decode, 1, 1, Lmax] bool, True = attend
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_lens: torch.Tensor | None = None  #: [num_decode] int64 context length (new token included)
+    paged: PagedMetadata | None = None       #: the block-table form (then decode_slots, masks and chunk slots are None)
 
 
 class KVCache:

@@ -12,16 +12,20 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.loader.gguf_loader import Q4_1_SUFFIX
+from engine.loader.gguf_loader import Q4_0_SUFFIX, Q4_1_SUFFIX
 from engine.model.attention import AttentionMetadata, KVCache
 from engine.model.layers import RMSNorm, RotaryEmbedding
 
 
-def _raw_q4_1(w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
-    """The checkpoint's raw Q4_1 rows of these weights, concatenated like the weights (the fused
-    projections), or None unless every part is Q4_1 (engine.loader.gguf_loader.Q4_1_SUFFIX)."""
-    raws = [w.get(n + Q4_1_SUFFIX) for n in names]
-    return None if any(r is None for r in raws) else torch.cat(raws)
+def _raw_blocks(w: dict[str, torch.Tensor], names: list[str]) -> tuple[str, torch.Tensor] | None:
+    """The checkpoint's raw 4-bit rows of these weights as (qtype, rows concatenated like the
+    weights: the fused projections), or None unless every part is stored in the same 4-bit type
+    (engine.loader.gguf_loader.Q4_0_SUFFIX / Q4_1_SUFFIX)."""
+    for qtype, suffix in (("q4_1", Q4_1_SUFFIX), ("q4_0", Q4_0_SUFFIX)):
+        raws = [w.get(n + suffix) for n in names]
+        if all(r is not None for r in raws):
+            return qtype, torch.cat(raws)
+    return None
 
 
 class DecoderLayer(nn.Module):
@@ -38,10 +42,10 @@ class DecoderLayer(nn.Module):
         qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         o, down = [p + "self_attn.o_proj.weight"], [p + "mlp.down_proj.weight"]
-        self.qkv_proj = backend.linear(torch.cat([w[n] for n in qkv]), q4_1=_raw_q4_1(w, qkv))
-        self.o_proj = backend.linear(w[o[0]], q4_1=_raw_q4_1(w, o))
-        self.gate_up_proj = backend.linear(torch.cat([w[n] for n in gate_up]), q4_1=_raw_q4_1(w, gate_up))
-        self.down_proj = backend.linear(w[down[0]], q4_1=_raw_q4_1(w, down))
+        self.qkv_proj = backend.linear(torch.cat([w[n] for n in qkv]), raw=_raw_blocks(w, qkv))
+        self.o_proj = backend.linear(w[o[0]], raw=_raw_blocks(w, o))
+        self.gate_up_proj = backend.linear(torch.cat([w[n] for n in gate_up]), raw=_raw_blocks(w, gate_up))
+        self.down_proj = backend.linear(w[down[0]], raw=_raw_blocks(w, down))
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos_sin, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
@@ -83,7 +87,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, weights, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"].to(device=dev, dtype=dt), cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = backend.linear(head)
+        self.lm_head = backend.linear(head, lm_head=True)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dt).to(dev)
 
     @torch.inference_mode()

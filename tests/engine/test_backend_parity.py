@@ -1,9 +1,11 @@
 """The whole engine on the Triton backend against the CPU backend, on a tiny synthetic Llama.
 
 The Triton backend runs here on CPU tensors under the Triton interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1): punica_kernels' Triton SGMV/BGMV kernels for the LoRA term, torch for the
-rest; the CPU backend runs its C kernels (decode attention, norms, the C LoRA kernel). Both use
-the exact fp32 weight format, so the only differences are the kernels' summation orders: the
+TRITON_INTERPRET=1) with all its kernels: the W4A16 matmul on the file's own Q4_1 blocks, the
+fused RoPE + KV write, paged decode and prefill attention, fused norms, and punica_kernels'
+Triton SGMV/BGMV for the LoRA term; the CPU backend runs its C kernels (decode attention, norms,
+the C LoRA kernel) on the exact fp32 weights, which are those blocks dequantized. So the only
+differences are the kernels' summation orders: the
 logits of every sampled row agree within 1e-4 of the row's largest, and greedy tokens are
 identical, for a mixed batch (adapters of ranks 4, 8 and 16 beside base requests) that
 prefills in chunks, decodes, and preempts.
@@ -45,7 +47,10 @@ def tiny(tmp_path_factory):
 
 def _engine(tiny, backend: str, **overrides) -> LLMEngine:
     path, checkpoint, tokenizer, adapters = tiny
-    cfg = EngineConfig(**{"backend": backend, "weight_format": "fp32", "block_size": 16, "num_kv_blocks": 12,
+    # The CPU backend's exact format against the Triton backend's own: 4-bit weights from the
+    # file's Q4_1 blocks (they dequantize to exactly the CPU backend's fp32 weights).
+    fmt = "fp32" if backend == "cpu" else "auto"
+    cfg = EngineConfig(**{"backend": backend, "weight_format": fmt, "block_size": 16, "num_kv_blocks": 12,
                           "max_num_batched_tokens": 48, "max_num_seqs": 8, "max_loras": 4, "max_lora_rank": 16,
                           **overrides})
     return LLMEngine(path, cfg, checkpoint=checkpoint, tokenizer=tokenizer,
@@ -114,8 +119,13 @@ def test_triton_backend_matches_the_cpu_backend_on_a_mixed_adapter_batch(tiny):
 
 
 def test_triton_backend_takes_its_kernels_from_punica_and_places_everything_on_its_device(tiny):
+    from engine.backends.triton.w4a16 import W4A16Linear
+
     eng = _engine(tiny, "triton")
-    assert eng.backend.name == "triton" and eng.weight_format == "fp32"
+    assert eng.backend.name == "triton" and eng.weight_format == "w4a16"
+    layer = eng.model.layers[0]
+    assert all(isinstance(m, W4A16Linear) and m.source == "q4_1"
+               for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
     assert all(t.device == eng.device for t in eng.kv.k + eng.kv.v)
     assert eng.lora_manager.slots.ranks.device == eng.device
 

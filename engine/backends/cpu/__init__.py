@@ -78,7 +78,9 @@ class CpuBackend(Backend):
         fmt = self.config.weight_format
         return "int8" if fmt == "auto" else fmt
 
-    def linear(self, weight: torch.Tensor, *, q4_1: torch.Tensor | None = None) -> nn.Module:
+    def linear(self, weight: torch.Tensor, *, raw=None, lm_head: bool = False) -> nn.Module:
+        """A CpuLinear; of the raw blocks it keeps Q4_1 (its kernel's format)."""
+        q4_1 = raw[1] if raw is not None and raw[0] == "q4_1" else None
         return CpuLinear(weight, self.weight_format(), q4_1=q4_1)
 
     def prepare_model(self, model: nn.Module) -> dict:

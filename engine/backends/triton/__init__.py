@@ -1,6 +1,7 @@
 """The Triton backend: punica_kernels' Triton SGMV (prefill segments) and BGMV (decode tokens)
-for the LoRA term, torch ops (engine.backends.torch_ops) for the rest, dense base weights in the
-activation dtype (bf16 on CUDA). On CUDA tensors it is the GPU engine; on CPU tensors the Triton
+for the LoRA term; a W4A16 matmul on 4-bit base weights (w4a16.py), paged attention with a fused
+RoPE + KV write (attention.py) and fused norms (norms.py) in Triton; CUDA graphs for decode
+steps (cuda_graphs.py). On CUDA tensors it is the GPU engine; on CPU tensors the Triton
 kernels run only under the interpreter (TRITON_INTERPRET=1, set before triton is imported),
 which is how the whole engine on this backend is tested on a machine without a GPU.
 """
@@ -53,7 +54,15 @@ class TritonLoRABatch(LoRABatch):
 
 
 class TritonBackend(Backend):
+    """See the module docstring. Formats: "auto" and "w4a16" keep layer weights 4-bit on the device
+    (the checkpoint's own Q4_0/Q4_1 blocks, else quantized at load) with the lm_head dense;
+    "fp32"/"bf16" keep every weight dense in the activation dtype. Attention, RoPE + KV write and
+    the norms are Triton kernels (engine.backends.triton.attention, norms) reading K/V through
+    block tables; decode-only steps on CUDA replay CUDA graphs (cuda_graphs)."""
+
     name = "triton"
+    #: ModelRunner builds block tables (PagedMetadata) for this backend's attention kernels.
+    paged_attention = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -62,27 +71,76 @@ class TritonBackend(Backend):
                              "set TRITON_INTERPRET=1 (or use --device cuda)")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no CUDA device")
+        self.weight_format()  # refuse a CPU-only format before any weight is loaded
+        self._cos = self._sin = None
+
+    # -- weights ------------------------------------------------------------------------------
 
     def weight_format(self) -> str:
-        """Dense weights in the activation dtype; "int8" is a CPU backend format."""
-        if self.config.weight_format == "int8":
-            raise ValueError("weight_format int8 is a CPU backend format; the triton backend keeps dense weights")
-        return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16")
+        fmt = self.config.weight_format
+        if fmt == "int8":
+            raise ValueError("weight_format int8 is a CPU backend format; the triton backend keeps "
+                             "4-bit (auto, w4a16) or dense (fp32, bf16) weights")
+        return "w4a16" if fmt == "auto" else fmt
 
-    def linear(self, weight, *, q4_1=None):
+    def linear(self, weight, *, raw=None, lm_head=False):
+        """W4A16Linear for layer weights in the 4-bit format (where the shape fits it: K % 32 == 0),
+        else DenseLinear (the lm_head always: it may be the tied embedding, read once per token)."""
+        if self.weight_format() == "w4a16" and not lm_head:
+            from engine.backends.triton import w4a16
+
+            if w4a16.supported(weight):
+                qtype, rows = raw if raw is not None else (None, None)
+                return w4a16.W4A16Linear(weight, raw=rows, qtype=qtype, device=self.device, dtype=self.dtype)
         return DenseLinear(weight, self.dtype, self.device)
 
+    def prepare_model(self, model):
+        """Keep the rope tables: the fused RoPE + KV write reads them by position."""
+        self._cos, self._sin = model.rope.cos, model.rope.sin
+        return {"weight_format": self.weight_format()}
+
+    # -- elementwise --------------------------------------------------------------------------
+
     def rms_norm(self, x, weight, eps):
-        return torch_ops.rms_norm(x, weight, eps)
+        from engine.backends.triton import norms
+
+        return norms.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, a, weight, eps):
-        return torch_ops.add_rms_norm(x, a, weight, eps)
+        from engine.backends.triton import norms
+
+        return norms.add_rms_norm(x, a, weight, eps)
 
     def silu_mul(self, gu):
-        return torch_ops.silu_mul(gu)
+        from engine.backends.triton import norms
+
+        return norms.silu_mul(gu)
+
+    # -- attention ----------------------------------------------------------------------------
 
     def attention(self, qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale):
-        return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale)
+        """With block tables (ModelRunner's paged form): the fused RoPE + KV write, then paged
+        decode attention over the decode rows and paged prefill attention over the chunks. With
+        slot lists (a caller that built them): torch_ops."""
+        paged = meta.paged
+        if paged is None:
+            return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale)
+        from engine.backends.triton import attention as tk
+
+        T, nd, bs = qkv.shape[0], meta.num_decode, self.config.block_size
+        q = tk.rope_kv_write(qkv, self._cos, self._sin, paged.positions, k_cache, v_cache, meta.slot_mapping,
+                             num_heads, num_kv_heads, head_dim)
+        out = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        if nd:
+            out[:nd] = tk.paged_decode_attention(q[:nd], k_cache, v_cache, paged.decode_block_tables,
+                                                 paged.decode_seq_lens, bs, scale)
+        if nd < T:
+            out[nd:] = tk.paged_prefill_attention(q[nd:], k_cache, v_cache, paged.prefill_block_tables,
+                                                  paged.prefill_query_start, paged.prefill_context_lens, bs, scale,
+                                                  paged.prefill_max_query_len)
+        return out.view(T, num_heads * head_dim)
+
+    # -- LoRA ---------------------------------------------------------------------------------
 
     def lora_dtype(self) -> torch.dtype:
         ld = self.config.lora_dtype
@@ -98,3 +156,16 @@ class TritonBackend(Backend):
         for s in sched.prefills:
             token_slots.extend([slot(s.seq)] * s.num_tokens)
         return TritonLoRABatch(slots, token_slots, num_decode=len(sched.decodes))
+
+    def graph_lora_batch(self, slots, token_slots: torch.Tensor) -> TritonLoRABatch:
+        """The LoRA batch of a captured decode graph: every row a decode row, its slots read from
+        `token_slots` (a static device buffer rewritten before each replay)."""
+        batch = TritonLoRABatch(slots, [-1] * token_slots.shape[0], num_decode=token_slots.shape[0])
+        batch.meta = dataclasses.replace(batch.meta, token_slots=token_slots)
+        return batch
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+
+    def uses_cuda_graphs(self) -> bool:
+        """Decode-only steps replay captured graphs: on CUDA, unless EngineConfig.cuda_graphs is off."""
+        return self.device.type == "cuda" and self.config.cuda_graphs

@@ -93,14 +93,15 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 # ("NVIDIA H100 80GB HBM3"), or "interpreter" for CPU tensors. Add a tuned device by adding its
 # keys; a device never tuned takes "default".
 #   block_m / block_n: query / key tile sizes (powers of two >= 16, tl.dot's minimum);
-#   block_h: heads per rope_kv_write program;
+#   block_rows: (token, head) pairs per rope_kv_write program (the interpreter pays per program);
 #   split_min_tokens: fewest keys per decode split worth its partial-output traffic;
 #   max_splits: cap on the decode split count.
 # The defaults follow the shapes: 64-key tiles keep a [G, 64] score tile and two [64, D] K/V
 # tiles in registers for D <= 128; the interpreter's small tiles make the tests' short
 # sequences cross tile and split boundaries.
 KERNEL_CONFIGS: dict[tuple[str, str, int | None], dict] = {
-    ("default", "rope_kv_write", None): dict(block_h=4, num_warps=4),
+    ("default", "rope_kv_write", None): dict(block_rows=4, num_warps=4),
+    ("interpreter", "rope_kv_write", None): dict(block_rows=64, num_warps=4),
     ("default", "decode", None): dict(block_n=64, num_warps=4, num_stages=2,
                                       split_min_tokens=256, max_splits=16),
     ("default", "decode_reduce", None): dict(num_warps=4),
@@ -158,55 +159,58 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
 @triton.jit
 def _rope_kv_write_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, T,
     stride_qkv_t, stride_cos, stride_sin, stride_qo_t, stride_k_slot, stride_v_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # grid = (T, cdiv(Hq + 2 Hkv, BLOCK_H)): one token, BLOCK_H of its q | k | v heads.
-    # Each (token, head) is one program's: q_out rows are the token's own, and a cache slot is
-    # written only by the token that owns it (distinct slots per step: the block manager's).
-    t = tl.program_id(0)
+    # grid = (cdiv(T * (Hq + 2 Hkv), BLOCK_R),): BLOCK_R (token, head) pairs of the flattened
+    # token-major list, so a program may span tokens. Each (token, head) is one program's: q_out
+    # rows are the token's own, and a cache slot is written only by the token that owns it
+    # (distinct slots per step: the block manager's).
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    H_ALL: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    valid = r < T * H_ALL
+    t = r // H_ALL
+    h = r % H_ALL
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
-    valid_h = offs_h < NUM_HEADS + 2 * NUM_KV_HEADS
-    pos = tl.load(pos_ptr + t)
-    slot = tl.load(slot_ptr + t)  # int64: slot * stride must not wrap
+    pos = tl.load(pos_ptr + t, mask=valid, other=0)
+    slot = tl.load(slot_ptr + t, mask=valid, other=-1)  # int64: slot * stride must not wrap
 
     # Heads sit D elements apart in the row, so each half-head run starts at a multiple of D / 2.
-    row = qkv_ptr + t.to(tl.int64) * stride_qkv_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    m2 = valid_h[:, None] & mask_d[None, :]
+    row = qkv_ptr + t[:, None] * stride_qkv_t + h[:, None] * HEAD_DIM + offs_d[None, :]
+    m2 = valid[:, None] & mask_d[None, :]
     x1 = tl.load(row, mask=m2, other=0.0)
     x2 = tl.load(row + HALF, mask=m2, other=0.0)
-    c1 = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * stride_sin + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    c_row = cos_ptr + pos[:, None] * stride_cos + offs_d[None, :]
+    s_row = sin_ptr + pos[:, None] * stride_sin + offs_d[None, :]
+    c1 = tl.load(c_row, mask=m2, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + HALF, mask=m2, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row, mask=m2, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + HALF, mask=m2, other=0.0).to(tl.float32)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     # rotate_half(x) = [-x2, x1]:  out = x * cos + rotate_half(x) * sin
-    r1 = (x1f * c1[None, :] - x2f * s1[None, :]).to(x1.dtype)
-    r2 = (x2f * c2[None, :] + x1f * s2[None, :]).to(x1.dtype)
+    r1 = (x1f * c1 - x2f * s1).to(x1.dtype)
+    r2 = (x2f * c2 + x1f * s2).to(x1.dtype)
 
-    is_q = offs_h < NUM_HEADS
-    is_k = (offs_h >= NUM_HEADS) & (offs_h < NUM_HEADS + NUM_KV_HEADS)
-    is_v = (offs_h >= NUM_HEADS + NUM_KV_HEADS) & valid_h
-    # A negative slot marks a padding token: nothing written (as a [BLOCK_H] mask, since a
-    # scalar mask operand is refused by the interpreter).
-    write = (tl.zeros([BLOCK_H], dtype=tl.int64) + slot) >= 0
+    is_q = valid & (h < NUM_HEADS)
+    is_k = valid & (h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV_HEADS)
+    is_v = valid & (h >= NUM_HEADS + NUM_KV_HEADS)
+    write = slot >= 0  # a negative slot marks a padding token: nothing written
 
-    q_dst = q_out_ptr + t.to(tl.int64) * stride_qo_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    q_dst = q_out_ptr + t[:, None] * stride_qo_t + h[:, None] * HEAD_DIM + offs_d[None, :]
     mq = is_q[:, None] & mask_d[None, :]
     tl.store(q_dst, r1, mask=mq)
     tl.store(q_dst + HALF, r2, mask=mq)
-    k_dst = k_cache_ptr + slot * stride_k_slot + (offs_h - NUM_HEADS)[:, None] * HEAD_DIM + offs_d[None, :]
+    k_dst = k_cache_ptr + slot[:, None] * stride_k_slot + (h - NUM_HEADS)[:, None] * HEAD_DIM + offs_d[None, :]
     mk = (is_k & write)[:, None] & mask_d[None, :]
     tl.store(k_dst, r1, mask=mk)
     tl.store(k_dst + HALF, r2, mask=mk)
-    v_dst = (v_cache_ptr + slot * stride_v_slot
-             + (offs_h - NUM_HEADS - NUM_KV_HEADS)[:, None] * HEAD_DIM + offs_d[None, :])
+    v_dst = (v_cache_ptr + slot[:, None] * stride_v_slot
+             + (h - NUM_HEADS - NUM_KV_HEADS)[:, None] * HEAD_DIM + offs_d[None, :])
     mv = (is_v & write)[:, None] & mask_d[None, :]
     tl.store(v_dst, x1, mask=mv)
     tl.store(v_dst + HALF, x2, mask=mv)
@@ -258,14 +262,14 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     if T == 0:
         return q
     cfg = kernel_config(device, "rope_kv_write", D)
-    block_h = cfg["block_h"]
-    check_blocks(block_h=block_h)
-    grid = (T, triton.cdiv(num_heads + 2 * num_kv_heads, block_h))
+    block_r = cfg["block_rows"]
+    check_blocks(block_rows=block_r)
+    grid = (triton.cdiv(T * (num_heads + 2 * num_kv_heads), block_r),)
     _rope_kv_write_kernel[grid](
-        qkv, cos, sin, positions, slot_mapping, q, k_cache, v_cache,
+        qkv, cos, sin, positions, slot_mapping, q, k_cache, v_cache, T,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=D,
-        BLOCK_H=block_h, BLOCK_HALF=next_pow2(D // 2), num_warps=cfg["num_warps"],
+        BLOCK_R=block_r, BLOCK_HALF=next_pow2(D // 2), num_warps=cfg["num_warps"],
     )
     return q
 

@@ -8,8 +8,9 @@ Semantics (statistics in fp32 whatever the dtype, as torch_ops / HF's LlamaRMSNo
     silu_mul(gu):               g, u = gu[:, :I], gu[:, I:];  silu(g).to(dtype) * u  -> [T, I]
 Each product is rounded to the output dtype once, as torch's element-wise ops on CPU and GPU do.
 
-One program per row (norms; a row's sum of squares is that program's alone, and a row is written
-only by its program, so no atomics) or per (row, column block) (silu_mul). Alignment: rows are
+One program per block of `rows` rows (norms; a row's sum of squares is its program's alone, and a
+row is written only by its program, so no atomics) or per (block of rows, column block)
+(silu_mul). Alignment: rows are
 read as contiguous runs from row * row_stride; Triton specializes pointers on 16-byte alignment
 and strides on divisibility by 16 at launch, so rows of H * itemsize bytes a multiple of 16 (every
 hidden size in use) get 16-byte vector loads; silu_mul's up half starts I elements into the row
@@ -63,11 +64,14 @@ def _check_device(*tensors: torch.Tensor) -> torch.device:
 #     (norms) or several programs (silu_mul). A norm tile of 8192 fp32 values over 8 warps is
 #     32 values a thread, within the register budget.
 #   The interpreter's small max_block sends the tests' odd sizes through the multi-tile path too.
+#   rows: rows per program (a power of two). On a GPU one row is a program's worth of work at
+#     real hidden sizes; the interpreter pays per program, so it takes 16 rows at a time (the
+#     tests' odd row counts then cross a program's last, partial block of rows).
 NORM_CONFIGS: dict[tuple[str, str, None], dict] = {
-    ("default", "rms_norm", None): dict(max_block=8192, num_warps=8),
-    ("default", "silu_mul", None): dict(max_block=1024, num_warps=4),
-    ("interpreter", "rms_norm", None): dict(max_block=64, num_warps=4),
-    ("interpreter", "silu_mul", None): dict(max_block=64, num_warps=4),
+    ("default", "rms_norm", None): dict(max_block=8192, num_warps=8, rows=1),
+    ("default", "silu_mul", None): dict(max_block=1024, num_warps=4, rows=1),
+    ("interpreter", "rms_norm", None): dict(max_block=64, num_warps=4, rows=16),
+    ("interpreter", "silu_mul", None): dict(max_block=64, num_warps=4, rows=16),
 }
 
 
@@ -83,66 +87,72 @@ def norm_config(device: torch.device, kernel: str) -> dict:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, a_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_a, stride_h,
-    ADD: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    x_ptr, a_ptr, w_ptr, h_ptr, T, H, eps, stride_x, stride_a, stride_h,
+    ADD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
 ):
-    # grid = (T,): row `row`, all H columns (one tile when SINGLE, else BLOCK at a time).
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    a_row = a_ptr + row * stride_a
-    h_row = h_ptr + row * stride_h
+    # grid = (cdiv(T, ROWS),): rows [pid * ROWS, +ROWS), all H columns (one tile when SINGLE, else
+    # BLOCK at a time). A row's statistics are reduced along axis 1 of its own tile row.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_ok = rows < T
+    x_rows = x_ptr + rows[:, None] * stride_x
+    a_rows = a_ptr + rows[:, None] * stride_a
+    h_rows = h_ptr + rows[:, None] * stride_h
     if SINGLE:
         offs = tl.arange(0, BLOCK)
-        mask = offs < H
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        mask = row_ok[:, None] & (offs < H)[None, :]
+        x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
         if ADD:
-            a = tl.load(a_row + offs, mask=mask, other=0.0)
+            a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)  # rounded as torch's x + a
-            tl.store(x_row + offs, x, mask=mask)
+            tl.store(x_rows + offs[None, :], x, mask=mask)
         xf = x.to(tl.float32)
-        r = tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        n = (xf * r).to(w.dtype)
-        tl.store(h_row + offs, (n.to(tl.float32) * w.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
+        r = tl.rsqrt(tl.sum(xf * xf, 1) / H + eps)
+        w = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
+        n = (xf * r[:, None]).to(w.dtype)
+        tl.store(h_rows + offs[None, :], (n.to(tl.float32) * w.to(tl.float32)[None, :]).to(h_ptr.dtype.element_ty),
+                 mask=mask)
     else:
         # Pass 1: the sum of squares (of x + a when ADD; nothing stored yet). Pass 2 recomputes
         # x + a before storing it: reading back x after storing it would need a barrier
         # between the program's threads.
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for c0 in range(0, H, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
-            mask = offs < H
-            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            mask = row_ok[:, None] & (offs < H)[None, :]
+            x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
             if ADD:
-                a = tl.load(a_row + offs, mask=mask, other=0.0)
+                a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
                 x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
             xf = x.to(tl.float32)
             acc += xf * xf
-        r = tl.rsqrt(tl.sum(acc, 0) / H + eps)
+        r = tl.rsqrt(tl.sum(acc, 1) / H + eps)
         for c0 in range(0, H, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
-            mask = offs < H
-            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            mask = row_ok[:, None] & (offs < H)[None, :]
+            x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
             if ADD:
-                a = tl.load(a_row + offs, mask=mask, other=0.0)
+                a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
                 x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
-                tl.store(x_row + offs, x, mask=mask)
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-            n = (x.to(tl.float32) * r).to(w.dtype)
-            tl.store(h_row + offs, (n.to(tl.float32) * w.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
+                tl.store(x_rows + offs[None, :], x, mask=mask)
+            w = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
+            n = (x.to(tl.float32) * r[:, None]).to(w.dtype)
+            tl.store(h_rows + offs[None, :],
+                     (n.to(tl.float32) * w.to(tl.float32)[None, :]).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
-    # grid = (T, cdiv(I, BLOCK)): columns [pid1 * BLOCK, +BLOCK) of row pid0.
-    row = tl.program_id(0).to(tl.int64)
+def _silu_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # grid = (cdiv(T, ROWS), cdiv(I, BLOCK)): columns [pid1 * BLOCK, +BLOCK) of rows [pid0 * ROWS, +ROWS).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + row * stride_gu + I + offs, mask=mask, other=0.0)
+    mask = (rows < T)[:, None] & (offs < I)[None, :]
+    g_ptrs = gu_ptr + rows[:, None] * stride_gu + offs[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0)
+    u = tl.load(g_ptrs + I, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the dtype, as F.silu
-    tl.store(out_ptr + row * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+             mask=mask)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -157,10 +167,11 @@ def _launch_norm(x, a, weight, eps, h) -> None:
     cfg = norm_config(x.device, "rms_norm")
     check_blocks(max_block=cfg["max_block"])
     block = min(next_pow2(H), cfg["max_block"])
-    _rms_norm_kernel[(T,)](
-        x, a if a is not None else x, weight, h, H, float(eps),
+    rows = cfg["rows"]
+    _rms_norm_kernel[(triton.cdiv(T, rows),)](
+        x, a if a is not None else x, weight, h, T, H, float(eps),
         x.stride(0), a.stride(0) if a is not None else 0, h.stride(0),
-        ADD=a is not None, BLOCK=block, SINGLE=block >= H, num_warps=cfg["num_warps"],
+        ADD=a is not None, ROWS=rows, BLOCK=block, SINGLE=block >= H, num_warps=cfg["num_warps"],
     )
 
 
@@ -205,6 +216,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     cfg = norm_config(device, "silu_mul")
     check_blocks(max_block=cfg["max_block"])
     block = min(next_pow2(I), cfg["max_block"])
-    _silu_mul_kernel[(T, triton.cdiv(I, block))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=block,
-                                                  num_warps=cfg["num_warps"])
+    rows = cfg["rows"]
+    _silu_mul_kernel[(triton.cdiv(T, rows), triton.cdiv(I, block))](gu, out, T, I, gu.stride(0), out.stride(0),
+                                                                    ROWS=rows, BLOCK=block, num_warps=cfg["num_warps"])
     return out

@@ -1,0 +1,154 @@
+"""CUDA graphs for decode-only steps: one graph per batch-size bucket, replayed over static buffers.
+
+A captured graph replays the kernels it recorded with the pointers they had at capture, so every
+per-step input lives in a static buffer that is rewritten before each replay, never in a tensor
+made for the step: token ids, positions, slot mapping, block tables (a fixed width: the longest
+sequence's blocks), sequence lengths, and the LoRA token slots. The LoRA stacks, their ranks and
+scales are the engine's LoRASlots tensors, written in place when an adapter is loaded, so a
+replay reads the slots' current adapters. Everything the capture decided on the host (launch
+grids, the metadata objects the kernels were handed) is frozen with the graph: `_capture` builds
+those objects once from views of the static buffers and the replay reuses them, so no replay can
+read a previous step's LoRA metadata (the stale-metadata bug SGLang shipped): the only way in is
+the static buffers, and `run` rewrites all of them, padding rows included, before every replay.
+
+A batch of n sequences runs in the smallest bucket b >= n: rows [n, b) are padding (token 0,
+position 0, no adapter, length 1 over the KV cache's sink block, which no sequence owns, so
+their K/V writes land there) and their logits are dropped.
+
+`capture` is the one call into CUDA (`cuda_graph_capture`); tests pass a stand-in that runs the
+recorded closure again at each replay, which replays exactly the frozen host decisions.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.model.attention import AttentionMetadata, PagedMetadata
+
+#: Batch sizes captured by default (those above the engine's max_num_seqs are dropped, and
+#: max_num_seqs itself is added): small steps exact, larger ones within 1.5x of their size.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def buckets_for(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The captured sizes for an engine running at most `max_batch` sequences."""
+    return tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
+
+
+def cuda_graph_capture(run: Callable[[], None]) -> Callable[[], None]:
+    """Capture `run` (after one warm-up call on a side stream, which compiles Triton kernels and
+    settles the allocator) into a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+class DecodeGraphs:
+    """Decode steps of `runner`'s model through captured graphs (see the module docstring).
+
+    runner: the ModelRunner (its model, KV cache, block size, backend); block_width: the static
+    block tables' width (blocks of the longest sequence the engine allows); sink_block: a KV block
+    no sequence owns; lora_slots: the LoRASlots (None without adapters); capture: see above."""
+
+    def __init__(self, runner, *, max_batch: int, block_width: int, sink_block: int, lora_slots=None,
+                 capture: Callable[[Callable[[], None]], Callable[[], None]] = cuda_graph_capture,
+                 buckets=DEFAULT_BUCKETS):
+        self.runner = runner
+        self.buckets = buckets_for(max_batch, buckets)
+        self.block_width = block_width
+        self.sink_block = sink_block
+        self.lora_slots = lora_slots
+        self.capture = capture
+        dev, bmax = runner.device, self.buckets[-1]
+        vocab = runner.model.cfg.vocab_size
+        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(bmax, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(bmax, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(bmax, block_width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
+        self.token_slots = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
+        self.logits = torch.zeros(bmax, vocab, dtype=torch.float32, device=dev)
+        self.replays: dict[int, Callable[[], None]] = {}
+        self.capturing: int | None = None
+        self.stats = {"captures": 0, "replays": 0}
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured size >= n, or None (n is larger than every bucket)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def takes(self, sched) -> bool:
+        """Whether this step runs as a graph: decode tokens only, at most the largest bucket, every
+        block table within the static width."""
+        return (not sched.prefills and 0 < len(sched.decodes) <= self.buckets[-1]
+                and all(len(s.seq.block_table) <= self.block_width for s in sched.decodes))
+
+    def _host_inputs(self, sched, token_slots: list[int] | None, b: int) -> list[torch.Tensor]:
+        """The step's inputs padded to `b` rows, as host tensors in the static buffers' order."""
+        bs, n = self.runner.block_size, len(sched.decodes)
+        pad = b - n
+        sink = self.sink_block
+        ids, pos, slots, lens = [], [], [], []
+        tables = torch.full((b, self.block_width), sink, dtype=torch.int32)
+        for i, s in enumerate(sched.decodes):
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[-1])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [sink * bs] * pad
+        lens += [1] * pad
+        lora = (list(token_slots) if token_slots is not None else [-1] * n) + [-1] * pad
+        return [torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+                torch.tensor(slots, dtype=torch.int64), tables, torch.tensor(lens, dtype=torch.int32),
+                torch.tensor(lora, dtype=torch.int32)]
+
+    def _write(self, host: list[torch.Tensor], b: int) -> None:
+        """Rewrite every static buffer's first b rows (one upload, then device-side copies)."""
+        dev = self.runner.backend.upload(host)
+        for static, t in zip((self.input_ids, self.positions, self.slot_mapping, self.block_tables,
+                              self.seq_lens, self.token_slots), dev):
+            static[:b].copy_(t)
+
+    def _capture(self, b: int) -> Callable[[], None]:
+        """Build the step's objects once over views of the static buffers and capture the forward."""
+        paged = PagedMetadata(self.positions[:b], self.block_tables[:b], self.seq_lens[:b], None, None, None, 0)
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:b], num_decode=b, decode_slots=None,
+                                 decode_mask=None, prefills=[], paged=paged)
+        lora = None
+        if self.lora_slots is not None:
+            lora = self.runner.backend.graph_lora_batch(self.lora_slots, self.token_slots[:b])
+        model, kv, out = self.runner.model, self.runner.kv, self.logits[:b]
+        ids = self.input_ids[:b]
+
+        def forward() -> None:
+            hidden = model(ids, paged.positions, kv, meta, lora)
+            out.copy_(model.compute_logits(hidden, exact=False))
+
+        self.stats["captures"] += 1
+        self.capturing = b  # which bucket a capture call is for (stand-ins in tests read it)
+        return self.capture(forward)
+
+    @torch.inference_mode()
+    def run(self, sched, token_slots: list[int] | None) -> torch.Tensor:
+        """Logits [n, V] (a view of the static output) of the decode step `sched` (`takes` it);
+        token_slots: each decode row's LoRA slot (-1: none), in sched.decodes' order, or None."""
+        n = len(sched.decodes)
+        b = self.bucket(n)
+        self._write(self._host_inputs(sched, token_slots, b), b)
+        replay = self.replays.get(b)
+        if replay is None:
+            replay = self.replays[b] = self._capture(b)
+        replay()
+        self.stats["replays"] += 1
+        return self.logits[:n]
