@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 import uuid
 
-import httpx
 import pytest
 
 from engine.sampling_params import GenerationRequest, Priority, SamplingParams
@@ -31,8 +29,8 @@ AUTH = {"authorization": f"Bearer {SECRET}"}
 def two_workers(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {
         "TESSERA_ENGINE_SECRET": SECRET, "TESSERA_ENGINE_THREADS": "1", "TESSERA_ENGINE_DRAIN_TIMEOUT_S": "60",
-        "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db", "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects"),
-        "TESSERA_ADAPTER_CACHE_DIR": str(tmp_path / "cache")}
+        "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db",
+        "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects"), "TESSERA_ADAPTER_CACHE_DIR": str(tmp_path / "cache")}
     ports = [free_port(), free_port()]
     procs = [start([TESSERA, "engine-worker", "--port", str(p)], tmp_path / f"worker{i}.log", cwd=tmp_path, env=env)
              for i, p in enumerate(ports)]

@@ -266,4 +266,5 @@ class HttpEngineClient:
                 errors.append(f"{replica.name}: {type(e).__name__} before any output")
             finally:
                 replica.ended(token, prio)
-        raise EngineUnavailable("no engine worker could take the request (" + ("; ".join(errors) or "none is ready") + ")")
+        why = "; ".join(errors) or "none is ready"
+        raise EngineUnavailable(f"no engine worker could take the request ({why})")
