@@ -130,7 +130,7 @@ def main() -> None:
     res[f"{all_key}_over_base_per_round"] = [round(a / b, 3) for a, b in zip(runs[all_key], runs["base"])]
 
     loads = []
-    for i in range(5):
+    for i in range(min(5, n_req)):
         sync(args.device)
         t0 = time.perf_counter()
         w = load_lora_weights(root / names[i], names[i], eng.model_config, max_rank=RANK, dtype=eng.lora_manager.dtype)
