@@ -36,16 +36,26 @@ def buckets_for(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
     return tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
 
 
+_POOL = None
+
+
 def cuda_graph_capture(run: Callable[[], None]) -> Callable[[], None]:
     """Capture `run` (after one warm-up call on a side stream, which compiles Triton kernels and
-    settles the allocator) into a CUDA graph; returns its replay."""
+    settles the allocator) into a CUDA graph; returns its replay. Every bucket's graph shares one
+    memory pool: graphs replay one at a time, and what one graph's kernels leave in its
+    temporaries is never read by another (outputs are copied into buffers allocated outside the
+    graphs), so the pool holds about one bucket's activations, which the KV cache's activation
+    reserve (LLMEngine._activation_reserve_bytes) already leaves free."""
+    global _POOL
+    if _POOL is None:
+        _POOL = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=_POOL):
         run()
     return graph.replay
 
