@@ -142,6 +142,14 @@ class LoRAManager:
                 self.slots.clear(slot)
             self._evict_cpu_locked()
 
+    def resident(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(versions in a device slot, versions in the CPU tier or loading into it): a snapshot for
+        routers choosing the replica where an adapter is already hot."""
+        device = frozenset(v for v in list(self._slot_owner) if v is not None)
+        with self._lock:
+            cpu = frozenset(self._cpu) | frozenset(self._loading)
+        return device, cpu
+
     def wait_loaded(self, version: str, timeout: float = 30.0) -> None:
         """Block until a pending load of `version` finishes (tests, warm-up)."""
         fut = self._loading.get(version)

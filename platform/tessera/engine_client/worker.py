@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import threading
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -100,12 +99,7 @@ def replica_state(app: FastAPI) -> ReplicaState:
     num_slots = engine.config.max_loras
     device, cpu = frozenset(), frozenset()
     if lm is not None:
-        # The manager exposes no listing of its tiers; its slot owners and CPU tier are read here.
-        # Should they be renamed, the tiers read empty: routing falls back to the adapters' ring
-        # order (still consistent across gateways) rather than the worker looking down.
-        device = frozenset(v for v in list(getattr(lm, "_slot_owner", ())) if v is not None)
-        with getattr(lm, "_lock", threading.Lock()):
-            cpu = frozenset(getattr(lm, "_cpu", ())) | frozenset(getattr(lm, "_loading", ()))
+        device, cpu = lm.resident()
         num_slots = lm.slots.num_slots
     state = aengine.state
     return ReplicaState(
