@@ -20,7 +20,8 @@ from engine.backends.base import Backend, LoRABatch
 
 class DenseLinear(nn.Module):
     """y = x @ W.T for a frozen base weight W [out, in] kept dense in the activation dtype on the
-    device (the 4-bit GPU format is the next kernels' work)."""
+    device: the lm_head, and every linear of the "fp32"/"bf16" formats or of shapes the 4-bit
+    format cannot take."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device):
         super().__init__()
