@@ -43,6 +43,7 @@ from engine.lora.peft_format import (
     expected_tensor_shapes,
     parse_adapter_config,
     parse_tensor_name,
+    module_key,
     tensor_name,
 )
 
@@ -200,20 +201,22 @@ def _check_overflow(stats: dict[str, _TensorStats], base: BaseModelShape, config
             f"tensor {name!r} holds a weight of magnitude {stats[name].max_abs:.3g}, beyond the fp16 range "
             f"({FP16_MAX:g}) the engine may store adapters in; refused as an overflow risk"
         )
-    scale = abs(config.scale)
     limit = FP16_MAX / activation_bound
     worst = None
     for layer in range(base.num_layers):
         for module in config.target_modules:
             a, b = stats[tensor_name(layer, module, "A")], stats[tensor_name(layer, module, "B")]
-            gain = scale * b.norm_inf * a.norm_inf
+            module_scale = abs(config.module_scale(layer, module))
+            gain = module_scale * b.norm_inf * a.norm_inf
             if worst is None or gain > worst[0]:
-                worst = (gain, layer, module, a.norm_inf, b.norm_inf)
+                worst = (gain, layer, module, a.norm_inf, b.norm_inf, module_scale)
+    scale = max((abs(config.module_scale(layer, m)) for layer in range(base.num_layers) for m in config.target_modules),
+                default=abs(config.scale))
     if worst is not None and worst[0] > limit:
-        gain, layer, module, norm_a, norm_b = worst
+        gain, layer, module, norm_a, norm_b, module_scale = worst
         where = tensor_name(layer, module, "A").removesuffix(".lora_A.weight")
         raise AdapterRejected(
-            f"LoRA module {where} could overflow: its gain |scale| x ||B||inf x ||A||inf = {scale:.3g} x "
+            f"LoRA module {where} could overflow: its gain |scale| x ||B||inf x ||A||inf = {module_scale:.3g} x "
             f"{norm_b:.3g} x {norm_a:.3g} = {gain:.3g} exceeds the bound {limit:.4g} that keeps its output within "
             f"fp16 range ({FP16_MAX:g}) for activations up to {activation_bound:g}"
         )
@@ -243,8 +246,10 @@ def validate_adapter_files(*, config_path: Path, weights_path: Path,
         config = parse_adapter_config(raw, num_layers=base.num_layers)
     except UnsupportedAdapterError as e:
         raise AdapterRejected(str(e)) from None
-    if config.rank > settings.max_rank:
-        raise AdapterRejected(f"rank {config.rank} exceeds the maximum rank {settings.max_rank} accepted by this platform")
+    largest, layer, module = config.largest_rank(base.num_layers)
+    if largest > settings.max_rank:
+        where = f"module {module_key(layer, module)} has " if config.rank_pattern else ""
+        raise AdapterRejected(f"{where}rank {largest} exceeds the maximum rank {settings.max_rank} accepted by this platform")
 
     header = read_safetensors_header(weights_path)
     if not header:

@@ -6,8 +6,13 @@ The slot stacks hold, per (layer, fused group), one zero-padded A and B stack pe
     o:       A [S, R, q]                 B [S, hidden, R]
     gate_up: A gate/up [S, R, hidden]    B gate/up [S, inter, R]
     down:    A [S, R, inter]             B [S, hidden, R]
-A module an adapter does not target stays zero in its slot. `ranks[s]` is the slot's true rank,
-so punica_kernels does work proportional to it, not to R. int8 slots also hold each row's fp32
+A module an adapter does not target stays zero in its slot. Each (layer, group) stack has its own
+per-slot rank and scale, rows of `ranks` [L * G, S] and `scales` [L * G, S] (row
+`row_of[(layer, group)]`, the stack's `LoRAStack.ranks` / `.scales` views): a slot's
+rank there is its adapter's largest rank among the group's modules in that layer (0 where it
+targets none), so punica_kernels does work proportional to it, not to R nor to the adapter's
+largest rank elsewhere. A module of smaller rank than its group's is zero-padded to it, and its
+B carries its scale relative to the group's (LoRAWeights.group_scale). int8 slots also hold each row's fp32
 scale: `a_rs[(layer, module)]` [S, R] and `b_rs[(layer, module)]` [S, out] (the adapters arrive
 quantized: LoRAWeights.quantized).
 """
@@ -17,14 +22,9 @@ import torch
 
 import punica_kernels
 from engine.config import ModelConfig
-from engine.lora.weights import LoRAWeights
+from engine.lora.weights import GROUPS, LoRAWeights
 
-GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q", "k", "v"),
-    "o": ("o",),
-    "gate_up": ("gate", "up"),
-    "down": ("down",),
-}
+__all__ = ["GROUPS", "LoRASlots"]
 
 
 class LoRASlots:
@@ -53,8 +53,10 @@ class LoRASlots:
                 if self.quantized:
                     self.a_rs[(layer, m)] = torch.zeros(S, R, dtype=torch.float32, device=device)
                     self.b_rs[(layer, m)] = torch.zeros(S, fan_out, dtype=torch.float32, device=device)
-        self.ranks = torch.zeros(S, dtype=torch.int32, device=device)
-        self.scales = torch.zeros(S, dtype=torch.float32, device=device)
+        keys_in_order = [(layer, group) for layer in range(cfg.num_layers) for group in GROUPS]
+        self.row_of: dict[tuple[int, str], int] = {k: i for i, k in enumerate(keys_in_order)}
+        self.ranks = torch.zeros(len(keys_in_order), S, dtype=torch.int32, device=device)
+        self.scales = torch.zeros(len(keys_in_order), S, dtype=torch.float32, device=device)
         self.num_layers = cfg.num_layers
         self.offsets = {"qkv": [0, cfg.q_size, cfg.q_size + cfg.kv_size], "gate_up": [0, cfg.intermediate_size]}
         # Each (layer, group)'s stacks checked once for punica_kernels.add_lora: a decode step makes
@@ -64,10 +66,11 @@ class LoRASlots:
         for layer in range(cfg.num_layers):
             for group, mods in GROUPS.items():
                 keys = [(layer, m) for m in mods]
+                ranks, scales = self.ranks[self.row_of[(layer, group)]], self.scales[self.row_of[(layer, group)]]
                 row_scales = {"a_row_scales": [self.a_rs[k] for k in keys],
                               "b_row_scales": [self.b_rs[k] for k in keys]} if self.quantized else {}
                 self.stacks[(layer, group)] = punica_kernels.lora_stack(
-                    [self.a[k] for k in keys], [self.b[k] for k in keys], self.scales, self.ranks,
+                    [self.a[k] for k in keys], [self.b[k] for k in keys], scales, ranks,
                     self.offsets.get(group), **row_scales)
 
     def write(self, slot: int, w: LoRAWeights) -> None:
@@ -76,28 +79,48 @@ class LoRASlots:
         if w.quantized != self.quantized:
             raise ValueError(f"adapter {w.version} is {'' if w.quantized else 'not '}int8 but the slots are "
                              f"{'' if self.quantized else 'not '}int8")
-        r = w.rank
+        if w.rank > self.max_rank:
+            raise ValueError(f"adapter {w.version} has rank {w.rank}, above the slots' {self.max_rank}")
         # Only the first r rows of A and columns of B (int8: B's first N * r entries) and their
-        # scales are ever read for a slot of rank r (punica_kernels' contract), so a targeted
-        # module's copy needs no zeroing around it; a module the adapter does not target is zeroed.
-        for key, a in self.a.items():
-            if key in w.a:
-                a[slot, :r].copy_(w.a[key])
-                if self.quantized:  # B rows packed at the slot's rank (punica_kernels.int8_b_view)
-                    punica_kernels.int8_b_view(self.b[key], slot, r).copy_(w.b[key])
-                    self.a_rs[key][slot, :r].copy_(w.a_scale[key])
+        # scales are ever read for a slot of rank r in a stack (punica_kernels' contract), so a
+        # module's copy zeroes only its padding up to its group's rank; a module the adapter does
+        # not target is zeroed whole.
+        ranks = [0] * len(self.row_of)
+        scales = [0.0] * len(self.row_of)
+        for (layer, group), row in self.row_of.items():
+            mods = GROUPS[group]
+            rg = ranks[row] = w.group_rank.get((layer, group), 0)
+            scales[row] = w.group_scale.get((layer, group), 0.0)
+            for m in mods:
+                key = (layer, m)
+                a, b = self.a[key], self.b[key]
+                if key not in w.a:
+                    a[slot].zero_()
+                    b[slot].zero_()
+                    if self.quantized:
+                        self.a_rs[key][slot].zero_()
+                        self.b_rs[key][slot].zero_()
+                    continue
+                rm = w.a[key].shape[0]
+                a[slot, :rm].copy_(w.a[key])
+                a[slot, rm:rg].zero_()
+                if self.quantized:  # B rows packed at the stack's rank (punica_kernels.int8_b_view)
+                    view = punica_kernels.int8_b_view(b, slot, rg)
+                    view[:, :rm].copy_(w.b[key])
+                    view[:, rm:].zero_()
+                    self.a_rs[key][slot, :rm].copy_(w.a_scale[key])
+                    self.a_rs[key][slot, rm:rg].zero_()
                     self.b_rs[key][slot].copy_(w.b_scale[key])
                 else:
-                    self.b[key][slot, :, :r].copy_(w.b[key])
-            else:
-                a[slot].zero_()
-                self.b[key][slot].zero_()
-                if self.quantized:
-                    self.a_rs[key][slot].zero_()
-                    self.b_rs[key][slot].zero_()
-        self.ranks[slot] = r
-        self.scales[slot] = w.scale
+                    b[slot, :, :rm].copy_(w.b[key])
+                    b[slot, :, rm:rg].zero_()
+        self.ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
+        self.scales[:, slot] = torch.tensor(scales, dtype=torch.float32)
+
+    def rank_in(self, slot: int, layer: int, group: str) -> int:
+        """The rank slot `slot` has in the (layer, group) stack (the work its tokens cost there)."""
+        return int(self.ranks[self.row_of[(layer, group)], slot])
 
     def clear(self, slot: int) -> None:
-        self.ranks[slot] = 0
-        self.scales[slot] = 0.0
+        self.ranks[:, slot] = 0
+        self.scales[:, slot] = 0.0

@@ -7,13 +7,14 @@ model's dimensions; `parse_tensor_name` maps a PEFT tensor name to (layer, modul
 
 Module names are canonical short names: q, k, v, o (attention) and gate, up, down (MLP), the
 Llama-family linear layers that the engine's LoRA layers wrap. Supported adapters put LoRA on a
-set of those modules in every layer, with one rank and one alpha.
+set of those modules in every layer, with one rank and alpha, or per-module ones (PEFT's
+rank_pattern / alpha_pattern, resolved per (layer, module) by `module_rank` / `module_scale`).
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 try:  # google-re2: linear-time matching, so a tenant's pattern cannot backtrack catastrophically
@@ -119,13 +120,71 @@ class PeftAdapterConfig:
     target_modules: tuple[str, ...]  # canonical names, in CANONICAL_MODULES order
     fan_in_fan_out: bool
     base_model_name_or_path: str | None
+    # PEFT's per-module overrides, pattern -> rank / alpha, in the config's order (the first
+    # matching pattern wins, as in PEFT); empty when the adapter has one rank and alpha.
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
 
     @property
     def scale(self) -> float:
-        """The factor applied to B @ A: alpha/sqrt(r) with rsLoRA, else alpha/r."""
-        if self.use_rslora:
-            return self.alpha / math.sqrt(self.rank)
-        return self.alpha / self.rank
+        """The factor applied to B @ A of a module no pattern names: alpha/sqrt(r) with rsLoRA,
+        else alpha/r."""
+        return _scale(self.alpha, self.rank, self.use_rslora)
+
+    def module_rank(self, layer: int, module: str) -> int:
+        """The rank of canonical `module` in `layer` (rank_pattern's, else r)."""
+        key = _pattern_key(self.rank_pattern, module_key(layer, module))
+        return self.rank if key is None else self.rank_pattern[key]
+
+    def module_alpha(self, layer: int, module: str) -> float:
+        """The alpha of canonical `module` in `layer` (alpha_pattern's, else lora_alpha)."""
+        key = _pattern_key(self.alpha_pattern, module_key(layer, module))
+        return self.alpha if key is None else float(self.alpha_pattern[key])
+
+    def module_scale(self, layer: int, module: str) -> float:
+        """The factor applied to B @ A of `module` in `layer`: its alpha over its rank (or sqrt)."""
+        return _scale(self.module_alpha(layer, module), self.module_rank(layer, module), self.use_rslora)
+
+    def largest_rank(self, num_layers: int) -> tuple[int, int, str]:
+        """(rank, layer, module) of the adapter's largest-rank targeted module (the first such)."""
+        best = (0, 0, "")
+        for layer in range(num_layers):
+            for m in self.target_modules:
+                r = self.module_rank(layer, m)
+                if r > best[0]:
+                    best = (r, layer, m)
+        return best
+
+
+def _scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def module_key(layer: int, module: str) -> str:
+    """The module's full name in the HF model, the name PEFT matches patterns against."""
+    parent, hf = MODULES[module]
+    return f"model.layers.{layer}.{parent}.{hf}"
+
+
+def _pattern_key(patterns: Mapping[str, Any], name: str) -> str | None:
+    r"""PEFT's get_pattern_key: the first pattern `key` (in order) for which
+    re.match(rf"(.*\.)?({key})$", name) matches, run with RE2 on the same expression; None if none."""
+    for key in patterns:
+        if _compile_pattern_key(key).match(name):
+            return key
+    return None
+
+
+_PATTERN_CACHE: dict[str, Any] = {}
+
+
+def _compile_pattern_key(key: str):
+    compiled = _PATTERN_CACHE.get(key)
+    if compiled is None:
+        compiled = _compile_regex(rf"(.*\.)?({key})$", what=f"rank/alpha pattern {_shorten(key)!r}", length=len(key))
+        if len(_PATTERN_CACHE) < 4096:
+            _PATTERN_CACHE[key] = compiled
+    return compiled
 
 
 def _module_universe(num_layers: int) -> list[tuple[str, str | None]]:
@@ -151,25 +210,30 @@ def _compile_target_pattern(pattern: str):
     tenant's pattern: a pattern such as (a+)+$ backtracks for exponential time), when the
     pattern is longer than MAX_TARGET_PATTERN_CHARS, or when RE2 cannot compile it (it has no
     backreferences or lookaround; PEFT's patterns need neither)."""
-    if len(pattern) > MAX_TARGET_PATTERN_CHARS:
+    return _compile_regex(pattern, what=f"target_modules regex {_shorten(pattern)!r}", length=len(pattern),
+                          alternative="list the module names instead, e.g. [\"q_proj\", \"v_proj\"]")
+
+
+def _compile_regex(expression: str, *, what: str, length: int | None = None,
+                   alternative: str = "name the modules plainly, e.g. \"q_proj\""):
+    """`expression` compiled by RE2 for the tenant pattern `what` (see _compile_target_pattern)."""
+    length = len(expression) if length is None else length
+    if length > MAX_TARGET_PATTERN_CHARS:
         raise UnsupportedAdapterError(
-            f"target_modules regex is {len(pattern)} characters long; at most {MAX_TARGET_PATTERN_CHARS} are accepted "
-            "(or list the module names instead)"
+            f"{what} is {length} characters long; at most {MAX_TARGET_PATTERN_CHARS} are accepted ({alternative})"
         )
     if re2 is None:
         raise UnsupportedAdapterError(
-            "a regex target_modules needs the google-re2 package (linear-time matching), which is not installed "
-            "here; list the module names instead, e.g. [\"q_proj\", \"v_proj\"]"
+            f"{what} needs the google-re2 package (linear-time matching), which is not installed here; {alternative}"
         )
     options = re2.Options()
     options.log_errors = False
     try:
-        return re2.compile(pattern, options=options)
+        return re2.compile(expression, options=options)
     except re2.error as e:
         detail = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
         raise UnsupportedAdapterError(
-            f"target_modules regex {_shorten(pattern)!r} does not compile with RE2 (linear-time regex: no "
-            f"backreferences or lookaround): {detail}"
+            f"{what} does not compile with RE2 (linear-time regex: no backreferences or lookaround): {detail}"
         ) from None
 
 
@@ -229,8 +293,8 @@ def parse_adapter_config(config: Mapping[str, Any], *, num_layers: int | None = 
     `num_layers` (the base model's) lets a regex target_modules be checked against exactly the
     layers that exist; without it, layers 0..127 are used. Raises UnsupportedAdapterError, naming
     the feature, for anything the engine cannot serve: non-LoRA PEFT types, DoRA,
-    modules_to_save, embedding/lm_head targets, LoRA biases, per-layer selection or per-module
-    rank/alpha patterns, fan_in_fan_out (GPT-2 Conv1D layout), a missing or non-positive rank.
+    modules_to_save, embedding/lm_head targets, LoRA biases, per-layer selection, a rank/alpha
+    pattern that is not a string -> positive number map or does not compile with RE2, fan_in_fan_out (GPT-2 Conv1D layout), a missing or non-positive rank.
     """
     if not isinstance(config, Mapping):
         raise UnsupportedAdapterError("adapter_config.json must hold a JSON object")
@@ -240,8 +304,6 @@ def parse_adapter_config(config: Mapping[str, Any], *, num_layers: int | None = 
     _refuse_if_set(config, "use_dora", "DoRA")
     _refuse_if_set(config, "modules_to_save", "modules_to_save (fully trained extra modules)")
     _refuse_if_set(config, "layers_to_transform", "LoRA on selected layers only")
-    _refuse_if_set(config, "rank_pattern", "per-module ranks")
-    _refuse_if_set(config, "alpha_pattern", "per-module alphas")
     _refuse_if_set(config, "lora_bias", "LoRA bias terms")
     _refuse_if_set(config, "exclude_modules", "exclude_modules")
     _refuse_if_set(config, "target_parameters", "LoRA on parameters")
@@ -266,6 +328,8 @@ def parse_adapter_config(config: Mapping[str, Any], *, num_layers: int | None = 
         raise UnsupportedAdapterError(f"base_model_name_or_path must be a string, got {base!r}")
 
     targets = _resolve_targets(config.get("target_modules"), num_layers or _DEFAULT_LAYERS_FOR_MATCHING)
+    rank_pattern = _parse_pattern(config.get("rank_pattern"), "rank_pattern", integer=True)
+    alpha_pattern = _parse_pattern(config.get("alpha_pattern"), "alpha_pattern", integer=False)
     return PeftAdapterConfig(
         rank=rank,
         alpha=float(alpha),
@@ -273,7 +337,36 @@ def parse_adapter_config(config: Mapping[str, Any], *, num_layers: int | None = 
         target_modules=targets,
         fan_in_fan_out=False,
         base_model_name_or_path=base or None,
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
     )
+
+
+# At most this many entries in a rank/alpha pattern: PEFT writes one per distinct value.
+MAX_PATTERN_ENTRIES = 1024
+
+
+def _parse_pattern(value: Any, key: str, *, integer: bool) -> dict:
+    """A rank_pattern / alpha_pattern: {} for none, else its entries in order, each key compiled
+    once here so a bad pattern is refused at parse time, not at the first lookup."""
+    if value in (None, {}):
+        return {}
+    if not isinstance(value, Mapping):
+        raise UnsupportedAdapterError(f"{key} must map module patterns to numbers, got {_shorten(repr(value))}")
+    if len(value) > MAX_PATTERN_ENTRIES:
+        raise UnsupportedAdapterError(f"{key} has {len(value)} entries; at most {MAX_PATTERN_ENTRIES} are accepted")
+    out: dict = {}
+    for pattern, number in value.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise UnsupportedAdapterError(f"{key} keys must be non-empty module patterns, got {pattern!r}")
+        ok_type = (int,) if integer else (int, float)
+        if (isinstance(number, bool) or not isinstance(number, ok_type) or not math.isfinite(number)
+                or number <= 0):
+            what = "a positive integer" if integer else "a positive number"
+            raise UnsupportedAdapterError(f"{key}[{_shorten(pattern)!r}] must be {what}, got {number!r}")
+        _compile_pattern_key(pattern)
+        out[pattern] = number if integer else float(number)
+    return out
 
 
 def tensor_name(layer: int, module: str, which: Literal["A", "B"]) -> str:
@@ -300,13 +393,15 @@ def parse_tensor_name(name: str) -> tuple[int, str, Literal["A", "B"]]:
 
 def expected_tensor_shapes(base: BaseModelShape, config: PeftAdapterConfig) -> dict[str, tuple[int, int]]:
     """Tensor name -> shape for `config` on `base`: lora_A is [r, in_features], lora_B is
-    [out_features, r], for each target module in every layer."""
+    [out_features, r] with r the module's rank (config.module_rank), for each target module in
+    every layer."""
     shapes: dict[str, tuple[int, int]] = {}
     for layer in range(base.num_layers):
         for module in config.target_modules:
             fan_in, fan_out = base.module_dims(module)
-            shapes[tensor_name(layer, module, "A")] = (config.rank, fan_in)
-            shapes[tensor_name(layer, module, "B")] = (fan_out, config.rank)
+            r = config.module_rank(layer, module)
+            shapes[tensor_name(layer, module, "A")] = (r, fan_in)
+            shapes[tensor_name(layer, module, "B")] = (fan_out, r)
     return shapes
 
 

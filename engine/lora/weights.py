@@ -17,11 +17,21 @@ from engine.lora.peft_format import (
     UnsupportedAdapterError,
     check_not_pickle,
     expected_tensor_shapes,
+    module_key,
     parse_adapter_config,
     parse_tensor_name,
 )
 from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from punica_kernels import quantize_rows
+
+
+# The fused groups of the engine's LoRA layers: one punica stack (one rank and scale per slot) each.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q", "k", "v"),
+    "o": ("o",),
+    "gate_up": ("gate", "up"),
+    "down": ("down",),
+}
 
 
 class AdapterLoadError(ValueError):
@@ -32,13 +42,21 @@ class AdapterLoadError(ValueError):
 class LoRAWeights:
     """An adapter in CPU memory: `a[(layer, module)]` [r, in] and `b[(layer, module)]` [out, r].
 
+    r is the module's own rank (config.module_rank). `group_rank[(layer, group)]` is the largest
+    rank of the group's targeted modules in that layer (absent: the group is not targeted) and
+    `group_scale[(layer, group)]` the scale the group's stack applies; each module's B already
+    holds the factor module_scale / group_scale, so scale * B @ A is exact per module.
+
     Loaded as int8 (`quantized`), a and b hold the rows' int8 values and `a_scale` [r] / `b_scale`
-    [out] their fp32 scales (punica_kernels.quantize_rows: A = a * a_scale[:, None])."""
+    [out] their fp32 scales (punica_kernels.quantize_rows: A = a * a_scale[:, None]), quantized
+    after that folding."""
 
     version: str
     config: PeftAdapterConfig
     a: dict[tuple[int, str], torch.Tensor]
     b: dict[tuple[int, str], torch.Tensor]
+    group_rank: dict[tuple[int, str], int]
+    group_scale: dict[tuple[int, str], float]
     a_scale: dict[tuple[int, str], torch.Tensor] | None = None
     b_scale: dict[tuple[int, str], torch.Tensor] | None = None
 
@@ -48,11 +66,8 @@ class LoRAWeights:
 
     @property
     def rank(self) -> int:
-        return self.config.rank
-
-    @property
-    def scale(self) -> float:
-        return self.config.scale
+        """The adapter's largest module rank."""
+        return max(self.group_rank.values(), default=0)
 
     @cached_property
     def nbytes(self) -> int:
@@ -91,8 +106,10 @@ def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_r
         raise AdapterLoadError(f"{ADAPTER_CONFIG} is not valid JSON: {e}") from None
     except UnsupportedAdapterError as e:
         raise AdapterLoadError(str(e)) from None
-    if config.rank > max_rank:
-        raise AdapterLoadError(f"adapter rank {config.rank} exceeds this engine's max_lora_rank {max_rank}")
+    largest, layer, module = config.largest_rank(cfg.num_layers)
+    if largest > max_rank:
+        where = f"module {module_key(layer, module)} has " if config.rank_pattern else "adapter "
+        raise AdapterLoadError(f"{where}rank {largest} exceeds this engine's max_lora_rank {max_rank}")
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except FileNotFoundError:
@@ -116,12 +133,16 @@ def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_r
         if not t.dtype.is_floating_point:
             raise AdapterLoadError(f"tensor {name} has dtype {t.dtype}, expected a float type")
         layer, module, which = parse_tensor_name(name)
-        groups.setdefault((module, which), []).append((layer, name, t))
+        groups.setdefault((module, which, tuple(t.shape)), []).append((layer, name, t))
+    group_rank, group_scale, fold = _group_ranks_and_scales(config, cfg.num_layers)
     a: dict = {}
     b: dict = {}
     scales: dict[str, dict] = {"A": {}, "B": {}}
-    for (module, which), members in groups.items():
+    for (module, which, _), members in groups.items():
         stacked = torch.stack([t.float() for _, _, t in members])
+        if which == "B" and any((layer, module) in fold for layer, _, _ in members):
+            factors = torch.tensor([fold.get((layer, module), 1.0) for layer, _, _ in members], dtype=torch.float32)
+            stacked = stacked * factors[:, None, None]
         if not torch.isfinite(stacked).all():
             bad = next(name for _, name, t in members if not torch.isfinite(t).all())
             raise AdapterLoadError(f"tensor {bad} has NaN or Inf values")
@@ -134,5 +155,29 @@ def load_lora_weights(path: str | Path, version: str, cfg: ModelConfig, *, max_r
         for i, (layer, _, _) in enumerate(members):
             (a if which == "A" else b)[(layer, module)] = stacked[i]
     if dtype == torch.int8:
-        return LoRAWeights(version=version, config=config, a=a, b=b, a_scale=scales["A"], b_scale=scales["B"])
-    return LoRAWeights(version=version, config=config, a=a, b=b)
+        return LoRAWeights(version=version, config=config, a=a, b=b, group_rank=group_rank, group_scale=group_scale,
+                           a_scale=scales["A"], b_scale=scales["B"])
+    return LoRAWeights(version=version, config=config, a=a, b=b, group_rank=group_rank, group_scale=group_scale)
+
+
+def _group_ranks_and_scales(config: PeftAdapterConfig, num_layers: int):
+    """(group_rank, group_scale, fold) of LoRAWeights: per (layer, group) the largest targeted
+    module rank and the scale of the first module with it; `fold[(layer, module)]` is the factor
+    module_scale / group_scale for each module where it is not 1."""
+    group_rank: dict[tuple[int, str], int] = {}
+    group_scale: dict[tuple[int, str], float] = {}
+    fold: dict[tuple[int, str], float] = {}
+    for layer in range(num_layers):
+        for group, mods in GROUPS.items():
+            targeted = [m for m in mods if m in config.target_modules]
+            if not targeted:
+                continue
+            ranks = {m: config.module_rank(layer, m) for m in targeted}
+            scales = {m: config.module_scale(layer, m) for m in targeted}
+            top = max(targeted, key=lambda m: ranks[m])  # first of the largest
+            group_rank[(layer, group)] = ranks[top]
+            group_scale[(layer, group)] = scales[top]
+            for m in targeted:
+                if scales[m] != scales[top]:
+                    fold[(layer, m)] = scales[m] / scales[top]
+    return group_rank, group_scale, fold
