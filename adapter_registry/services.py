@@ -390,7 +390,9 @@ def validate_version(*, session: Session, store: ObjectStore, settings: Registry
             c = result.config
             version.status = "ready"
             version.base_model = result.base.name
-            version.rank, version.alpha, version.use_rslora = c.rank, c.alpha, c.use_rslora
+            # rank: the largest module rank (rank_pattern may raise some modules above r).
+            version.rank, version.alpha, version.use_rslora = (c.largest_rank(result.base.num_layers)[0],
+                                                               c.alpha, c.use_rslora)
             version.target_modules = list(c.target_modules)
             version.dtype = result.dtype
     version.validated_at = utcnow()

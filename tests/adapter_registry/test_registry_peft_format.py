@@ -21,6 +21,17 @@ def cfg(**kw):
     return {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "bias": "none", **kw}
 
 
+def test_rank_and_alpha_patterns_follow_peft_matching():
+    """PEFT's rule: the first pattern whose `(.*\.)?(key)$` matches the module's full name."""
+    c = parse_adapter_config(cfg(target_modules=["q_proj", "v_proj", "down_proj"],
+                                 rank_pattern={"q_proj": 4, r"layers\.[0-3]\.mlp\.down_proj": 16},
+                                 alpha_pattern={"v_proj": 40}), num_layers=30)
+    assert c.module_rank(0, "q") == 4 and c.module_rank(2, "down") == 16 and c.module_rank(13, "down") == 8
+    assert c.module_rank(0, "v") == 8 and c.module_alpha(0, "v") == 40 and c.module_alpha(0, "q") == 16
+    assert c.module_scale(0, "v") == 5.0 and c.module_scale(0, "q") == 4.0
+    assert c.largest_rank(30) == (16, 0, "down")
+
+
 def test_parse_maps_hf_names_and_scale():
     c = parse_adapter_config(cfg(target_modules=["v_proj", "q_proj", "down_proj"]))
     assert c.target_modules == ("q", "v", "down") and c.scale == 2.0 and c.rank == 8
@@ -42,7 +53,6 @@ def test_target_module_forms(targets, expected):
     ({"target_modules": ["embed_tokens"]}, "embedding/lm_head"),
     ({"bias": "lora_only"}, "bias='lora_only'"),
     ({"layers_to_transform": [1]}, "selected layers"),
-    ({"alpha_pattern": {"q_proj": 4}}, "per-module alphas"),
     ({"target_modules": r"model\.layers\.1\..*q_proj"}, "only some layers"),
     ({"peft_type": "IA3"}, "PEFT type 'IA3'"),
     ({"r": 0}, "positive integer"),

@@ -210,7 +210,6 @@ def test_base_model_given_at_upload_overrides_a_local_path(reg, tenant, tmp_path
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "all"}, "bias='all' is not supported"),
     ({"layers_to_transform": [0, 1]}, "LoRA on selected layers only"),
-    ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
 ])
 def test_unsupported_peft_variants_are_rejected(reg, tenant, tmp_path, override, message):
     assert_rejected(reg, tenant, write_adapter(tmp_path / "a", config_overrides=override), message)
