@@ -105,7 +105,7 @@ log "env.txt written"
 
 # The kernel tests on CUDA tensors: TRITON_INTERPRET=0 builds the kernels for the GPU (one process
 # runs one of the two; the CPU-tensor cases skip here, CI runs them under the interpreter; see
-# tests/punica_kernels/conftest.py). Third-party pytest plugins of the image are not loaded: they
+# tests/conftest.py's `device` fixture). Third-party pytest plugins of the image are not loaded: they
 # may not match the carried pytest.
 step pytest 120 "$OUT/pytest.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \

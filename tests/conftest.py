@@ -6,11 +6,37 @@ import os
 import socket
 
 import pytest
+import torch
 
 from tests import requirements
 
 # Triton kernels run on this CPU-only machine through the interpreter; set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Where the Triton kernel tests run: CPU tensors (through the interpreter) always, CUDA where present.
+TRITON_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def device(request) -> torch.device:
+    """Where a Triton kernel test (tests/punica_kernels, tests/engine's kernel tests) puts its
+    tensors: every such test runs on CPU tensors through the interpreter, and again on CUDA
+    tensors (compiled kernels) where a GPU is present.
+
+    Triton builds a kernel for the interpreter or for the GPU when its module is imported, by
+    TRITON_INTERPRET (set to 1 above unless the environment already says otherwise), so one
+    process runs one of the two: on a GPU machine `TRITON_INTERPRET=0 pytest ...` runs the "cuda"
+    cases compiled and skips the "cpu" ones, the default run the other way round. Where no GPU is
+    present there is no "cuda" case at all, so nothing is skipped."""
+    from punica_kernels.kernels._common import INTERPRETED
+
+    if request.param == "cpu" and not INTERPRETED:
+        pytest.skip("Triton on CPU tensors needs the interpreter; this process compiled the kernels "
+                    "for the GPU (TRITON_INTERPRET unset or 0)")
+    if request.param == "cuda" and INTERPRETED:
+        pytest.skip("this process built the kernels for the interpreter (TRITON_INTERPRET=1); "
+                    "run with TRITON_INTERPRET=0 for the compiled CUDA kernels")
+    return torch.device(request.param)
 
 
 

@@ -15,6 +15,8 @@ graph capture requires.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.runtime.jit import JITFunction
@@ -25,28 +27,48 @@ def _probe():
     pass
 
 
-#: Whether this process's kernels were built for the Triton interpreter (TRITON_INTERPRET=1 when
-#: the kernel modules were imported): the kernels beside this module are decorated in the same
-#: import, so this probe was built the same way.
+#: Whether this process's Triton kernels were built for the interpreter (TRITON_INTERPRET=1 when
+#: triton.jit code was first imported): the kernels beside this module, and the engine's Triton
+#: backend kernels (engine/backends/triton), are decorated in the same process, so this probe was
+#: built the same way.
 INTERPRETED: bool = not isinstance(_probe, JITFunction)
 
 
-def check_runnable(device: torch.device) -> None:
-    """Raise RuntimeError unless this process's kernels can run on tensors of `device`."""
+def check_runnable(device: torch.device, what: str = "punica_kernels", cpu_hint: str = ", or use impl='cpu'") -> None:
+    """Raise RuntimeError unless this process's Triton kernels can run on tensors of `device`
+    (`what` names the kernels in the message; `cpu_hint` ends the CPU one)."""
     if device.type == "cuda":
         if INTERPRETED:
             raise RuntimeError(
-                "punica_kernels' Triton kernels were built for the interpreter (TRITON_INTERPRET=1 was set "
+                f"{what}'s Triton kernels were built for the interpreter (TRITON_INTERPRET=1 was set "
                 "when they were imported), which runs on CPU tensors only; for CUDA tensors start the "
                 "process without TRITON_INTERPRET")
     elif device.type == "cpu":
         if not INTERPRETED:
             raise RuntimeError(
-                "punica_kernels' Triton kernels on CPU tensors need the Triton interpreter: set "
-                "TRITON_INTERPRET=1 before punica_kernels.kernels (or triton.jit code) is imported, "
-                "or use impl='cpu'")
+                f"{what}'s Triton kernels on CPU tensors need the Triton interpreter: set "
+                f"TRITON_INTERPRET=1 before triton.jit code is imported{cpu_hint}")
     else:
-        raise ValueError(f"punica_kernels runs on CUDA or CPU tensors, not {device.type}")
+        raise ValueError(f"{what} runs on CUDA or CPU tensors, not {device.type}")
+
+
+def common_device(*tensors: torch.Tensor, what: str) -> torch.device:
+    """The one device of `tensors`, checked to be one `what`'s Triton kernels run on (ValueError
+    for mixed devices, check_runnable's errors otherwise)."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device: {device} and {t.device}")
+    check_runnable(device, what, cpu_hint="")
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str:
+    """The key of a device in the kernels' launch-config tables: the CUDA device's name, or
+    "interpreter" for CPU tensors."""
+    return "interpreter" if device.type == "cpu" else torch.cuda.get_device_name(device)
+
 
 _TABLE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _TABLE_CACHE_MAX = 4096

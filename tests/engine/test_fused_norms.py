@@ -19,21 +19,9 @@ import torch
 from engine.backends import torch_ops
 from engine.backends.triton import norms
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(0, 33), (1, 33), (5, 33), (3, 257), (2, 64)]  # T = 0, 1, odd; odd H; one and several tiles
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    """Where the tensors go: "cpu" only when the kernels were built for the interpreter, "cuda"
-    only when they were compiled (see tests/punica_kernels/conftest.py)."""
-    if request.param == "cpu" and not norms.INTERPRETED:
-        pytest.skip("CPU tensors need the interpreter; this process compiled the kernels")
-    if request.param == "cuda" and norms.INTERPRETED:
-        pytest.skip("kernels built for the interpreter; run with TRITON_INTERPRET=0 for CUDA")
-    return torch.device(request.param)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -23,19 +23,7 @@ from engine.backends.triton import attention as tri
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.layers import RotaryEmbedding
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    """Where the tensors go: "cpu" only when the kernels were built for the interpreter, "cuda"
-    only when they were compiled (see tests/punica_kernels/conftest.py)."""
-    if request.param == "cpu" and not tri.INTERPRETED:
-        pytest.skip("CPU tensors need the interpreter; this process compiled the kernels")
-    if request.param == "cuda" and tri.INTERPRETED:
-        pytest.skip("kernels built for the interpreter; run with TRITON_INTERPRET=0 for CUDA")
-    return torch.device(request.param)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

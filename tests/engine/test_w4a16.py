@@ -1,8 +1,8 @@
 """The W4A16 format and kernels (engine/backends/triton/w4a16.py): GGUF blocks and load-time
 quantization dequantize to what they should, and the Triton matmul on 4-bit weights equals
 dequantize-then-matmul. Kernels run on CPU tensors through the Triton interpreter here, on CUDA
-tensors compiled where a GPU is present (`TRITON_INTERPRET=0 pytest ...`; see the `device`
-fixture and tests/punica_kernels/conftest.py)."""
+tensors compiled where a GPU is present (`TRITON_INTERPRET=0 pytest ...`; see
+tests/conftest.py's `device` fixture)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,17 +21,6 @@ from engine.loader.gguf_loader import Q4_0_SUFFIX, Q4_1_SUFFIX
 from engine.loader.synthetic import write_synthetic_gguf
 
 QTYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    """Where a kernel test puts its tensors: CPU under the interpreter, CUDA when compiled."""
-    if request.param == "cpu" and not w4a16.INTERPRETED:
-        pytest.skip("Triton on CPU tensors needs the interpreter; this process compiled the kernels")
-    if request.param == "cuda" and w4a16.INTERPRETED:
-        pytest.skip("this process built the kernels for the interpreter; run with TRITON_INTERPRET=0")
-    return torch.device(request.param)
 
 
 def random_gguf_rows(qtype: str, n: int, k: int, seed: int, min_exp: int = -6) -> torch.Tensor:

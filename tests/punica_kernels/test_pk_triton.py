@@ -1,5 +1,5 @@
 """The Triton kernels themselves against the float64 reference, on every `device`
-(tests/punica_kernels/conftest.py: CPU tensors through the interpreter, CUDA tensors where a GPU
+(tests/conftest.py's `device` fixture: CPU tensors through the interpreter, CUDA tensors where a GPU
 is present). The launchers are called directly: the dispatcher would pick the torch path for
 CPU tensors."""
 

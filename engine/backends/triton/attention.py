@@ -35,7 +35,7 @@ it emits 16-byte vector loads exactly when those facts hold and narrower ones ot
 at an odd offset is still read correctly, only more slowly).
 
 Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
-(TRITON_INTERPRET=1 when this module is imported); `_check_device` refuses a mismatch.
+(TRITON_INTERPRET=1 when this module is imported); punica_kernels.kernels._common.check_runnable refuses a mismatch.
 """
 from __future__ import annotations
 
@@ -44,45 +44,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from punica_kernels.kernels._common import check_blocks, next_pow2
+from punica_kernels.kernels._common import check_blocks, common_device, device_name, dot_in_fp32, next_pow2
 
-
-@triton.jit
-def _probe():
-    pass
-
-
-#: Whether this module's kernels were built for the interpreter: they are decorated in the same
-#: import as this probe, so it was built the same way (TRITON_INTERPRET at import time).
-INTERPRETED: bool = not isinstance(_probe, JITFunction)
-
-
-def _check_device(*tensors: torch.Tensor) -> torch.device:
-    """One device for every tensor, and one this module's kernels run on; returns it."""
-    device = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != device:
-            raise ValueError(f"all tensors must be on one device: {device} and {t.device}")
-    if device.type == "cuda":
-        if INTERPRETED:
-            raise RuntimeError("engine.backends.triton.attention was imported with TRITON_INTERPRET=1: its "
-                               "kernels run on CPU tensors only; start the process without it for CUDA")
-    elif device.type == "cpu":
-        if not INTERPRETED:
-            raise RuntimeError("Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 "
-                               "before engine.backends.triton.attention is imported")
-    else:
-        raise ValueError(f"Triton attention runs on CUDA or CPU tensors, not {device.type}")
-    return device
-
-
-def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Whether the tl.dot tiles are widened to fp32 with IEEE products: fp32 inputs always (TF32
-    would keep 10 mantissa bits); bf16 in the interpreter, whose bf16 tl.dot is wrong. On the
-    GPU bf16/fp16 tiles go to the tensor cores as they are."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
+#: How this module's kernels are named in errors.
+_KERNELS = "engine.backends.triton.attention"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,14 +79,9 @@ KERNEL_CONFIGS: dict[tuple[str, str, int | None], dict] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return "interpreter" if device.type == "cpu" else torch.cuda.get_device_name(device)
-
-
 def kernel_config(device: torch.device, kernel: str, head_dim: int) -> dict:
     """The launch configuration of `kernel` for `head_dim` on `device` (see KERNEL_CONFIGS)."""
-    name = _device_name(device)
+    name = device_name(device)
     for key in ((name, kernel, head_dim), (name, kernel, None),
                 ("default", kernel, head_dim), ("default", kernel, None)):
         if key in KERNEL_CONFIGS:
@@ -257,7 +218,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     _check_cache(k_cache, v_cache, num_kv_heads, D)
     if k_cache.dtype != qkv.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from qkv's {qkv.dtype}")
-    device = _check_device(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping)
+    device = common_device(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, what=_KERNELS)
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=device)
     if T == 0:
         return q
@@ -426,7 +387,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B, Hq, D = _check_q(q, k_cache, "q")
     _check_cache(k_cache, v_cache, k_cache.shape[1], D)
     _check_tables(block_tables, B, seq_lens, "seq_lens")
-    device = _check_device(q, k_cache, v_cache, block_tables, seq_lens)
+    device = common_device(q, k_cache, v_cache, block_tables, seq_lens, what=_KERNELS)
     Hkv = k_cache.shape[1]
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=device)
     if B == 0:
@@ -455,7 +416,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, IEEE=_dot_in_fp32(q.dtype),
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, IEEE=dot_in_fp32(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
@@ -564,7 +525,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _check_tables(block_tables, S, context_lens, "context_lens")
     if query_start.shape != (S + 1,) or query_start.dtype != torch.int32:
         raise ValueError(f"query_start must be int32 [{S + 1}]")
-    device = _check_device(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    device = common_device(q, k_cache, v_cache, block_tables, query_start, context_lens, what=_KERNELS)
     out = torch.empty(Tp, Hq, D, dtype=q.dtype, device=device)
     if Tp == 0 or S == 0 or max_query_len <= 0:
         return out
@@ -579,6 +540,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n,
-        IEEE=_dot_in_fp32(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=dot_in_fp32(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

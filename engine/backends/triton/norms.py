@@ -17,45 +17,18 @@ hidden size in use) get 16-byte vector loads; silu_mul's up half starts I elemen
 (aligned when I * itemsize is a multiple of 16). Other sizes are read correctly, in narrower loads.
 
 Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
-(TRITON_INTERPRET=1 when this module is imported); `_check_device` refuses a mismatch.
+(TRITON_INTERPRET=1 when this module is imported); punica_kernels.kernels._common.check_runnable refuses a mismatch.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from punica_kernels.kernels._common import check_blocks, next_pow2
+from punica_kernels.kernels._common import check_blocks, common_device, device_name, next_pow2
 
-
-@triton.jit
-def _probe():
-    pass
-
-
-#: Whether this module's kernels were built for the interpreter (TRITON_INTERPRET at import).
-INTERPRETED: bool = not isinstance(_probe, JITFunction)
-
-
-def _check_device(*tensors: torch.Tensor) -> torch.device:
-    device = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != device:
-            raise ValueError(f"all tensors must be on one device: {device} and {t.device}")
-    if device.type == "cuda":
-        if INTERPRETED:
-            raise RuntimeError("engine.backends.triton.norms was imported with TRITON_INTERPRET=1: its "
-                               "kernels run on CPU tensors only; start the process without it for CUDA")
-    elif device.type == "cpu":
-        if not INTERPRETED:
-            raise RuntimeError("Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 "
-                               "before engine.backends.triton.norms is imported")
-    else:
-        raise ValueError(f"Triton norms run on CUDA or CPU tensors, not {device.type}")
-    return device
+#: How this module's kernels are named in errors.
+_KERNELS = "engine.backends.triton.norms"
 
 
 # Launch configurations, as data: key (device name, kernel, None) as in attention.KERNEL_CONFIGS
@@ -75,14 +48,9 @@ NORM_CONFIGS: dict[tuple[str, str, None], dict] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return "interpreter" if device.type == "cpu" else torch.cuda.get_device_name(device)
-
-
 def norm_config(device: torch.device, kernel: str) -> dict:
     """The launch configuration of `kernel` on `device` (see NORM_CONFIGS)."""
-    return NORM_CONFIGS.get((_device_name(device), kernel, None)) or NORM_CONFIGS[("default", kernel, None)]
+    return NORM_CONFIGS.get((device_name(device), kernel, None)) or NORM_CONFIGS[("default", kernel, None)]
 
 
 @triton.jit
@@ -179,7 +147,7 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.device:
     _check_rows("x", x)
     if weight.shape != (x.shape[1],) or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [{x.shape[1]}], got {tuple(weight.shape)}")
-    return _check_device(x, weight)
+    return common_device(x, weight, what=_KERNELS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -197,7 +165,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     _check_rows("a", a)
     if a.shape != x.shape or a.dtype != x.dtype:
         raise ValueError(f"a must match x: {a.dtype} {tuple(a.shape)} vs {x.dtype} {tuple(x.shape)}")
-    _check_device(x, a)
+    common_device(x, a, what=_KERNELS)
     h = torch.empty(x.shape, dtype=x.dtype, device=device)
     _launch_norm(x, a, weight, eps, h)
     return x, h
@@ -208,7 +176,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     _check_rows("gu", gu)
     if gu.shape[1] % 2:
         raise ValueError(f"gu's width must be even (gate | up), got {gu.shape[1]}")
-    device = _check_device(gu)
+    device = common_device(gu, what=_KERNELS)
     T, I = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(T, I, dtype=gu.dtype, device=device)
     if T == 0 or I == 0:

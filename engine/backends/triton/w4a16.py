@@ -41,13 +41,13 @@ when this module is imported: compiled kernels take CUDA tensors, interpreted on
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
-from triton.runtime.jit import JITFunction
+
+from punica_kernels.kernels import _common
 
 #: Inputs per packing block (byte j: input j low nibble, input j + 16 high nibble).
 PACK = 32
@@ -62,27 +62,13 @@ GEMV_MAX_M = 16
 GEMV_TILE_BUDGET = 8192
 
 
-@triton.jit
-def _probe():
-    pass
-
-
-#: Whether this module's kernels were built for the Triton interpreter (TRITON_INTERPRET=1 when it
-#: was imported): the probe above was decorated in the same import as the kernels.
-INTERPRETED: bool = not isinstance(_probe, JITFunction)
+#: Whether this process built its Triton kernels for the interpreter (punica_kernels.kernels._common).
+INTERPRETED: bool = _common.INTERPRETED
 
 
 def check_runnable(device: torch.device) -> None:
     """Raise RuntimeError unless this module's kernels can run on tensors of `device`."""
-    if device.type == "cuda" and INTERPRETED:
-        raise RuntimeError("the W4A16 kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at "
-                           "import), which takes CPU tensors only; start the process without TRITON_INTERPRET "
-                           "for CUDA tensors")
-    if device.type == "cpu" and not INTERPRETED:
-        raise RuntimeError("the W4A16 kernels on CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
-                           "before triton code is imported")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the W4A16 kernels run on CUDA or CPU tensors, not {device.type}")
+    _common.check_runnable(device, "the W4A16", cpu_hint="")
 
 
 # ----------------------------------------------------------------------------- the format
@@ -267,25 +253,8 @@ def pick_config(device_name: str, path: str, n: int, k: int) -> KernelConfig:
     return CONFIGS[("default", path, 0, 0)]
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def _auto_split(n_programs: int, k_tiles: int) -> int:
     return max(1, min(k_tiles, -(-_TARGET_PROGRAMS // max(n_programs, 1)), 16))
-
-
-def _check_blocks(minimum: int, **blocks: int) -> None:
-    """Powers of two (tl.arange's rule) and at least `minimum`; the interpreter accepts either
-    mistake, so a bad size would pass the CPU tests and fail to compile on the GPU."""
-    for name, b in blocks.items():
-        if b < minimum or b & (b - 1):
-            raise ValueError(f"{name}={b}: tile sizes must be powers of two >= {minimum}")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -433,14 +402,14 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
     path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
-    cfg = config or pick_config(_device_name(device), path, n, k)
+    cfg = config or pick_config(_common.device_name(device), path, n, k)
     block_n, block_k = cfg.block_n, cfg.block_k
-    _check_blocks(PACK, block_k=block_k)
+    _common.check_blocks(minimum=PACK, block_k=block_k)
     if path == "gemv":
-        _check_blocks(1, block_n=block_n)
+        _common.check_blocks(minimum=1, block_n=block_n)
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV path takes up to {GEMV_MAX_M} rows, not {m}")
-        block_m = _next_pow2(m)
+        block_m = _common.next_pow2(m)
         # Keep BLOCK_M x BLOCK_N x BLOCK_K/2 fp32 products within the register budget.
         while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_k > PACK:
             block_k //= 2
@@ -449,7 +418,7 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
         m_blocks = 1
     else:
         block_m = cfg.block_m
-        _check_blocks(16, block_m=block_m, block_n=block_n)
+        _common.check_blocks(minimum=16, block_m=block_m, block_n=block_n)
         m_blocks = triton.cdiv(m, block_m)
     k_tiles = max(1, triton.cdiv(k, block_k))
     split = cfg.split_k or _auto_split(triton.cdiv(n, block_n) * m_blocks, k_tiles)
@@ -510,7 +479,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     if plan.path == "gemv":
         _w4_gemv_kernel[(n_blocks, split)](*args, **common)
     else:
-        ieee = exact or x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and INTERPRETED)
+        ieee = exact or _common.dot_in_fp32(x.dtype)
         _w4_gemm_kernel[(triton.cdiv(m, plan.block_m), n_blocks, split)](*args, IEEE=ieee, **common)
     if split > 1:
         block = 1024
