@@ -118,5 +118,20 @@ def overlapping(widths: list[int], offsets: list[int]) -> bool:
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
+def expand_launches(args):
+    """The expand launches of a checked call (`_checks.ExpandArgs`): (slice range, widths, pointer
+    table, geometry table, v's rows for those slices) per launch. Slices sharing columns of y run
+    one launch each (ordered on the stream: `overlapping`), so no two programs of one launch
+    read-modify-write the same elements; slices of width 0 launch nothing."""
+    L = len(args.slices)
+    groups = [range(i, i + 1) for i in range(L)] if overlapping(args.widths, args.offsets) else [range(L)]
+    for g in groups:
+        widths = args.widths[g.start:g.stop]
+        if max(widths) == 0:
+            continue
+        ptrs, geo = slice_tables(args.slices[g.start:g.stop], widths, args.offsets[g.start:g.stop])
+        yield g, widths, ptrs, geo, args.v[g.start:g.stop]
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

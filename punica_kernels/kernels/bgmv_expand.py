@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_expand, check_token_slots
-from ._common import check_blocks, check_runnable, next_pow2, overlapping, slice_tables
+from ._common import check_blocks, check_runnable, expand_launches, next_pow2
 
 
 @triton.jit
@@ -79,20 +79,12 @@ def bgmv_expand_triton(v, lora_b, token_slots, ranks, y, *, offsets=None,
     check_token_slots(token_slots, args.num_tokens, args.num_slots, y.device)
     check_blocks(block_n=block_n, **({} if block_r is None else {"block_r": block_r}))
     check_runnable(y.device)
-    T, R, L = args.num_tokens, args.max_rank, len(args.slices)
+    T, R = args.num_tokens, args.max_rank
     if T == 0 or R == 0 or max(args.widths) == 0:
         return y
     if block_r is None:
         block_r = min(64, max(16, next_pow2(R)))
-    # Slices sharing columns of y run one launch each (ordered on the stream), so no two
-    # programs of one launch read-modify-write the same elements.
-    groups = [range(i, i + 1) for i in range(L)] if overlapping(args.widths, args.offsets) else [range(L)]
-    for g in groups:
-        widths = args.widths[g.start:g.stop]
-        if max(widths) == 0:
-            continue
-        ptrs, geo = slice_tables(args.slices[g.start:g.stop], widths, args.offsets[g.start:g.stop])
-        vv = args.v[g.start:g.stop]
+    for g, widths, ptrs, geo, vv in expand_launches(args):
         grid = (T, triton.cdiv(max(widths), block_n), len(g))
         _bgmv_expand_kernel[grid](
             vv, ptrs, args.slices[g.start], geo, token_slots, ranks, y,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_expand, check_segments
-from ._common import check_blocks, check_runnable, dot_in_fp32, overlapping, slice_tables
+from ._common import check_blocks, check_runnable, dot_in_fp32, expand_launches
 
 
 @triton.jit
@@ -94,21 +94,13 @@ def sgmv_expand_triton(v, lora_b, seg_starts, seg_slots, ranks, y, *, offsets=No
     check_segments(seg_starts, seg_slots, args.num_tokens, args.num_slots, y.device)
     check_blocks(minimum=16, block_m=block_m, block_n=block_n, block_r=block_r)
     check_runnable(y.device)
-    T, R, L = args.num_tokens, args.max_rank, len(args.slices)
+    T, R = args.num_tokens, args.max_rank
     n_seg = seg_slots.shape[0]
     max_len = T if max_segment_len is None else int(max_segment_len)
     if T == 0 or R == 0 or n_seg == 0 or max_len <= 0 or max(args.widths) == 0:
         return y
     m_blocks = triton.cdiv(max_len, block_m)
-    # Slices sharing columns of y run one launch each (ordered on the stream), so no two
-    # programs of one launch read-modify-write the same elements.
-    groups = [range(i, i + 1) for i in range(L)] if overlapping(args.widths, args.offsets) else [range(L)]
-    for g in groups:
-        widths = args.widths[g.start:g.stop]
-        if max(widths) == 0:
-            continue
-        ptrs, geo = slice_tables(args.slices[g.start:g.stop], widths, args.offsets[g.start:g.stop])
-        vv = args.v[g.start:g.stop]
+    for g, widths, ptrs, geo, vv in expand_launches(args):
         grid = (n_seg * m_blocks, triton.cdiv(max(widths), block_n), len(g))
         _sgmv_expand_kernel[grid](
             vv, ptrs, args.slices[g.start], geo, seg_starts, seg_slots, ranks, y,
