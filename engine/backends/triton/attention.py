@@ -240,6 +240,36 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, offs_n, mask_n, keep, kv_col, mask_d, block_size,
+                 stride_k_slot, stride_v_slot, scale, IEEE: tl.constexpr):
+    """One key tile of an online softmax: keys offs_n (mask_n: those that exist) read through the
+    block-table row `bt_row`, scores of q [rows, D] against them kept where `keep` ([rows or 1,
+    BLOCK_N]), folded into the running (max, sum, output) = (m_i, l_i, acc), which it returns.
+    Table entries are read only for existing keys: entries past a sequence's last block may be
+    garbage and are never dereferenced. The caller guarantees every tile keeps a key per row (so
+    the running maximum stays finite)."""
+    blk = tl.load(bt_row + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
+    slot = blk * block_size + offs_n % block_size
+    m_nd = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_k_slot + kv_col, mask=m_nd, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_v_slot + kv_col, mask=m_nd, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(keep, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
     scale, block_size, max_blocks,
@@ -275,28 +305,10 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        # Table entries are read only for keys < seq_len: entries past a sequence's last block
-        # may be garbage and are never dereferenced.
-        blk = tl.load(bt_ptr + b * stride_btb + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
-        slot = blk * block_size + offs_n % block_size
-        m_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_k_slot + kv_col, mask=m_nd, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_v_slot + kv_col, mask=m_nd, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(mask_n[None, :], s * scale, float("-inf"))
-        # Every tile holds at least one key < end, so m_new is finite and alpha well defined.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # Every tile holds at least one key < end, so the running maximum stays finite.
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + b * stride_btb, offs_n, mask_n,
+                                     mask_n[None, :], kv_col, mask_d, block_size, stride_k_slot, stride_v_slot,
+                                     scale, IEEE)
 
     out_mask = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
@@ -471,28 +483,11 @@ def _prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        blk = tl.load(bt_ptr + seq * stride_btb + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
-        slot = blk * block_size + offs_n % block_size
-        m_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_k_slot + kv_col, mask=m_nd, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_v_slot + kv_col, mask=m_nd, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(keep, s * scale, float("-inf"))
-        # Key 0 is visible to every row and sits in the first tile, so m_new is finite from
-        # the first tile on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # Key 0 is visible to every row and sits in the first tile, so the running maximum is
+        # finite from the first tile on.
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_btb, offs_n, mask_n,
+                                     keep, kv_col, mask_d, block_size, stride_k_slot, stride_v_slot, scale, IEEE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
