@@ -54,6 +54,25 @@ def norm_config(device: torch.device, kernel: str) -> dict:
 
 
 @triton.jit
+def _row_tile(x_rows, a_rows, offs, mask, ADD: tl.constexpr):
+    """Columns `offs` of the rows: x, or x + a rounded to x's dtype as torch's x + a is."""
+    x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
+    if ADD:
+        a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _store_normed(h_rows, w_ptr, offs, H, mask, x, r):
+    """h = (w * (x * r).to(w's dtype)) in h's dtype for columns `offs` (r: each row's rsqrt)."""
+    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
+    n = (x.to(tl.float32) * r[:, None]).to(w.dtype)
+    tl.store(h_rows + offs[None, :], (n.to(tl.float32) * w.to(tl.float32)[None, :]).to(h_rows.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, a_ptr, w_ptr, h_ptr, T, H, eps, stride_x, stride_a, stride_h,
     ADD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
@@ -68,17 +87,11 @@ def _rms_norm_kernel(
     if SINGLE:
         offs = tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (offs < H)[None, :]
-        x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
+        x = _row_tile(x_rows, a_rows, offs, mask, ADD)
         if ADD:
-            a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)  # rounded as torch's x + a
             tl.store(x_rows + offs[None, :], x, mask=mask)
         xf = x.to(tl.float32)
-        r = tl.rsqrt(tl.sum(xf * xf, 1) / H + eps)
-        w = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
-        n = (xf * r[:, None]).to(w.dtype)
-        tl.store(h_rows + offs[None, :], (n.to(tl.float32) * w.to(tl.float32)[None, :]).to(h_ptr.dtype.element_ty),
-                 mask=mask)
+        _store_normed(h_rows, w_ptr, offs, H, mask, x, tl.rsqrt(tl.sum(xf * xf, 1) / H + eps))
     else:
         # Pass 1: the sum of squares (of x + a when ADD; nothing stored yet). Pass 2 recomputes
         # x + a before storing it: reading back x after storing it would need a barrier
@@ -86,26 +99,16 @@ def _rms_norm_kernel(
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for c0 in range(0, H, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
-            mask = row_ok[:, None] & (offs < H)[None, :]
-            x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
-            if ADD:
-                a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
-            xf = x.to(tl.float32)
+            xf = _row_tile(x_rows, a_rows, offs, row_ok[:, None] & (offs < H)[None, :], ADD).to(tl.float32)
             acc += xf * xf
         r = tl.rsqrt(tl.sum(acc, 1) / H + eps)
         for c0 in range(0, H, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
             mask = row_ok[:, None] & (offs < H)[None, :]
-            x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0)
+            x = _row_tile(x_rows, a_rows, offs, mask, ADD)
             if ADD:
-                a = tl.load(a_rows + offs[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
                 tl.store(x_rows + offs[None, :], x, mask=mask)
-            w = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
-            n = (x.to(tl.float32) * r[:, None]).to(w.dtype)
-            tl.store(h_rows + offs[None, :],
-                     (n.to(tl.float32) * w.to(tl.float32)[None, :]).to(h_ptr.dtype.element_ty), mask=mask)
+            _store_normed(h_rows, w_ptr, offs, H, mask, x, r)
 
 
 @triton.jit
