@@ -274,9 +274,18 @@ class LLMEngine:
         keep = ok.tolist()
         for seq, good in zip(seqs, keep):
             if not good:
-                outputs.append(self._fail(seq, NON_FINITE_MESSAGE, "non_finite",
-                                          adapter_cause="the model produced non-finite values with it"))
+                outputs.append(self._fail_non_finite_seq(seq))
         return logits[ok], [q for q, good in zip(seqs, keep) if good]
+
+    def _fail_non_finite_seq(self, seq: Sequence) -> RequestOutput:
+        """Fail `seq` whose logits were not finite; its adapter version is quarantined."""
+        return self._fail(seq, NON_FINITE_MESSAGE, "non_finite",
+                          adapter_cause="the model produced non-finite values with it")
+
+    def _fail_sampling(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """Fail `seq` whose sampling raised `error`."""
+        log.warning("sampling failed for request %s", seq.request_id, exc_info=error)
+        return self._fail(seq, f"sampling failed for this request ({type(error).__name__})", "exception")
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
                           outputs: list[RequestOutput]) -> list[int | None]:
@@ -293,13 +302,10 @@ class LLMEngine:
         tokens: list[int | None] = list(host[:n])
         for i, (seq, ok) in enumerate(zip(seqs, host[n:])):
             if not ok:
-                outputs.append(self._fail(seq, NON_FINITE_MESSAGE, "non_finite",
-                                          adapter_cause="the model produced non-finite values with it"))
+                outputs.append(self._fail_non_finite_seq(seq))
                 tokens[i] = None
             elif i in errors:
-                log.warning("sampling failed for request %s", seq.request_id, exc_info=errors[i])
-                outputs.append(self._fail(seq, f"sampling failed for this request ({type(errors[i]).__name__})",
-                                          "exception"))
+                outputs.append(self._fail_sampling(seq, errors[i]))
                 tokens[i] = None
         return tokens
 
@@ -319,9 +325,7 @@ class LLMEngine:
                     errors[i] = e
                     tokens.append(None)
         for i, e in errors.items():
-            seq = seqs[i]
-            log.warning("sampling failed for request %s", seq.request_id, exc_info=e)
-            outputs.append(self._fail(seq, f"sampling failed for this request ({type(e).__name__})", "exception"))
+            outputs.append(self._fail_sampling(seqs[i], e))
         return tokens
 
     def _fail(self, seq: Sequence, reason: str, kind: str, *, adapter_cause: str | None = None) -> RequestOutput:

@@ -108,6 +108,21 @@ class ModelRunner:
             out[i, len(t):] = t[0]
         return out
 
+    def decode_rows(self, decodes) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(token ids, positions, cache slots, context lengths) of decode rows: each sequence's
+        last token, at position num_computed_tokens, its slot from the block table, and the
+        context including it."""
+        bs = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        for s in decodes:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[-1])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+        return ids, pos, slots, lens
+
     def prepare_paged(self, sched: SchedulerOutput):
         """`prepare` for paged-attention backends: block tables and lengths, no slot lists or masks."""
         bs = self.block_size
@@ -119,16 +134,9 @@ class ModelRunner:
         decodes = sched.decodes
         d_tables = d_lens = None
         if decodes:
-            lens = []
-            for i, s in enumerate(decodes):
-                seq = s.seq
-                p = seq.num_computed_tokens
-                ids.append(seq.token_ids[-1])
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-                lens.append(p + 1)
-                logit_rows.append(i)
-                sampled.append(seq)
+            ids, pos, slots, lens = self.decode_rows(decodes)
+            logit_rows.extend(range(len(decodes)))
+            sampled.extend(s.seq for s in decodes)
             d_tables = self.block_table_rows([s.seq.block_table for s in decodes],
                                              max(len(s.seq.block_table) for s in decodes))
             d_lens = torch.tensor(lens, dtype=torch.int32)

@@ -104,16 +104,10 @@ class DecodeGraphs:
         bs, n = self.runner.block_size, len(sched.decodes)
         pad = b - n
         sink = self.sink_block
-        ids, pos, slots, lens = [], [], [], []
+        ids, pos, slots, lens = self.runner.decode_rows(sched.decodes)
         tables = torch.full((b, self.block_width), sink, dtype=torch.int32)
         for i, s in enumerate(sched.decodes):
-            seq = s.seq
-            p = seq.num_computed_tokens
-            ids.append(seq.token_ids[-1])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
         ids += [0] * pad
         pos += [0] * pad
         slots += [sink * bs] * pad
