@@ -34,7 +34,7 @@ class ModelRunner:
         """Build (input_ids [T], positions [T], attention metadata, logit row indices, sampled seqs):
         the block-table form where the backend's kernels read K/V through block tables, else slot
         lists and masks (the torch and C paths)."""
-        if getattr(self.backend, "paged_attention", False):
+        if self.backend.paged_attention:
             return self.prepare_paged(sched)
         ids: list[int] = []
         pos: list[torch.Tensor] = []

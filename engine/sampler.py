@@ -42,9 +42,8 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence],
 def sample(logits: torch.Tensor, seqs: list[Sequence],
            errors: dict[int, Exception] | None = None) -> list[int | None]:
     """`sample_tokens` as a host list; with `errors`, a row whose sampling raised is None."""
-    errs: dict[int, Exception] = {} if errors is None else errors
-    tokens: list[int | None] = sample_tokens(logits, seqs, errs if errors is not None else None).tolist()
-    for i in errs:
+    tokens: list[int | None] = sample_tokens(logits, seqs, errors).tolist()
+    for i in errors or ():
         tokens[i] = None
     return tokens
 
