@@ -112,6 +112,9 @@ class GenerationRequest:
     priority: Priority = Priority.standard
     #: Immutable adapter version id (the engine fetches it through its AdapterSource); None = base.
     adapter: str | None = None
+    #: Prefix-cache scope: requests share cached KV blocks only with requests of the same salt
+    #: (and adapter version). The gateway passes the tenant, so tenants never share KV.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -129,3 +132,6 @@ class RequestOutput:
     #: With finish_reason "error": the adapter version the failure was traced to (it is
     #: quarantined: later requests naming it fail at once); None when no adapter was at fault.
     adapter_fault: str | None = None
+    #: Prompt tokens whose KV came from the prefix cache when the request was first scheduled
+    #: (0 until then, and with caching off): OpenAI's usage.prompt_tokens_details.cached_tokens.
+    cached_tokens: int = 0

@@ -57,6 +57,7 @@ class Usage:
     ttft_ms: float | None
     duration_ms: float
     base_model: str | None = None  # the base model that served it (billing prices by it)
+    cached_tokens: int = 0  # of prompt_tokens, those served from the engine's prefix cache
 
 
 def used_in_month(session_factory: sessionmaker, *, tenant_id: int, month: Period) -> int:

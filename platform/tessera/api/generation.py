@@ -79,7 +79,7 @@ async def start(*, gw: Gateway, caller: Caller, job: Job, decision: Decision,
     available, the engine's error when it fails before any token."""
     request = GenerationRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, params=job.params,
                                 tenant_id=str(caller.tenant_id), priority=Priority.parse(job.priority),
-                                adapter=job.adapter)
+                                adapter=job.adapter, cache_salt=f"tenant:{caller.tenant_id}")
     gen = Generation(gw=gw, caller=caller, job=job, decision=decision, stream=gw.engine.generate(request),
                      headers=headers)
     try:

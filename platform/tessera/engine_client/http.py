@@ -210,7 +210,7 @@ class HttpEngineClient:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         body = {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
                 "params": request.params.model_dump(), "tenant_id": request.tenant_id,
-                "priority": request.priority.name, "adapter": request.adapter}
+                "priority": request.priority.name, "adapter": request.adapter, "cache_salt": request.cache_salt}
         order = self._order(request)
         if not order:
             # Nobody looks up: a worker back since the last poll would be missed until the next.

@@ -12,7 +12,8 @@ Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
 - GET  /internal/state     -> the replica's routing state (routing.ReplicaState.to_dict: sequences
                               running and waiting per priority class, free device slots, free KV
                               blocks, adapters per tier, draining), polled by the gateways.
-- POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter}
+- POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter,
+  cache_salt}
   -> 200 application/x-ndjson, one RequestOutput per line, the last with "finished": true;
      400 {"message", "param"} when the engine refuses the request; 503 when it is not serving
      (restarting after its step loop died, or dead) or the worker drains: the gateway's client
@@ -190,7 +191,12 @@ def _generation_request(body: dict) -> GenerationRequest:
     return GenerationRequest(
         request_id=str(body["request_id"]), prompt_token_ids=list(body["prompt_token_ids"]),
         params=SamplingParams.from_dict(body.get("params") or {}), tenant_id=str(body.get("tenant_id", "default")),
-        priority=Priority.parse(body.get("priority", "standard")), adapter=body.get("adapter"))
+        priority=Priority.parse(body.get("priority", "standard")), adapter=body.get("adapter"),
+        cache_salt=_optional_str(body.get("cache_salt")))
+
+
+def _optional_str(value) -> str | None:
+    return None if value is None else str(value)
 
 
 class _CountedBody:
