@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine import logprobs as engine_logprobs
 from engine import metrics as engine_metrics
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -111,6 +112,9 @@ class LLMEngine:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, Sequence] = {}
+        #: Logprobs entries of the tokens a request has appended but not yet emitted in a delta
+        #: (requests that asked for logprobs only; `_delta` takes them).
+        self._logprobs: dict[str, list[dict]] = {}
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
         engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
 
@@ -174,6 +178,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
         self.requests.clear()
+        self._logprobs.clear()
         self.scheduler.reset()
         if self.lora_manager is not None:
             self.lora_manager.reset()
@@ -202,7 +207,8 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
         if seqs and self.device.type != "cpu":
-            tokens = self._sample_on_device(logits, seqs, outputs)
+            # Logprobs from the raw logits, before the sampling path scales or masks them.
+            tokens = self._sample_on_device(logits, seqs, outputs, engine_logprobs.compute(logits, seqs))
             outputs.extend(self._postprocess(seqs, tokens))
         elif seqs:
             # A row's sum is finite exactly when every logit is (NaN and inf propagate; finite
@@ -210,7 +216,11 @@ class LLMEngine:
             # elementwise isfinite over the whole vocabulary. Flagged rows are checked exactly.
             if not bool(torch.isfinite(logits.sum(dim=1)).all()):
                 logits, seqs = self._fail_non_finite(logits, seqs, outputs)
+            lp = engine_logprobs.compute(logits, seqs)  # raw logits, before sampling (as above)
             tokens = self._sample(logits, seqs, outputs)
+            if lp is not None:
+                sampled = torch.tensor([t or 0 for t in tokens], dtype=torch.int64)
+                self._keep_logprobs(lp, seqs, tokens, engine_logprobs.gather(lp, sampled).tolist())
             outputs.extend(self._postprocess(seqs, tokens))
         self.stats["steps"] += 1
         self.stats["last_step_s"] = time.perf_counter() - t0
@@ -287,19 +297,23 @@ class LLMEngine:
         log.warning("sampling failed for request %s", seq.request_id, exc_info=error)
         return self._fail(seq, f"sampling failed for this request ({type(error).__name__})", "exception")
 
-    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
-                          outputs: list[RequestOutput]) -> list[int | None]:
+    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput],
+                          lp: engine_logprobs.StepLogprobs | None = None) -> list[int | None]:
         """Sampling where the logits live off the host: rows that are not finite (one row sum) are
         zeroed before sampling (a NaN probability would stop the device, not just raise), and
-        the tokens and the finite flags come back in one device-to-host copy. Rows that were not
-        finite, or whose sampling raised, fail their sequences (token None)."""
+        the tokens, the finite flags and `lp`'s logprobs (kept for `_delta`) come back in one
+        device-to-host copy. Rows that were not finite, or whose sampling raised, fail their
+        sequences (token None)."""
         finite = torch.isfinite(logits.sum(dim=1))
         safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
         errors: dict[int, Exception] = {}
         tokens_dev = sample_tokens(safe, seqs, errors)
         n = len(seqs)
-        host = self.backend.to_host(torch.cat([tokens_dev, finite.to(torch.int64)]))
-        tokens: list[int | None] = list(host[:n])
+        packed = torch.cat([tokens_dev, finite.to(torch.int64)])
+        if lp is not None:  # float64 holds token ids exactly
+            packed = torch.cat([packed.double(), engine_logprobs.gather(lp, tokens_dev)])
+        host = self.backend.to_host(packed)
+        tokens: list[int | None] = [int(t) for t in host[:n]]
         for i, (seq, ok) in enumerate(zip(seqs, host[n:])):
             if not ok:
                 outputs.append(self._fail_non_finite_seq(seq))
@@ -307,7 +321,16 @@ class LLMEngine:
             elif i in errors:
                 outputs.append(self._fail_sampling(seq, errors[i]))
                 tokens[i] = None
+        if lp is not None:
+            self._keep_logprobs(lp, seqs, tokens, host[2 * n:])
         return tokens
+
+    def _keep_logprobs(self, lp: engine_logprobs.StepLogprobs, seqs: list[Sequence], tokens: list[int | None],
+                       host: list[float]) -> None:
+        """Keep the step's logprobs entries (engine.logprobs.gather's `host` values) of the rows
+        whose token will be appended, until `_delta` emits them with their tokens."""
+        for row, entry in engine_logprobs.entries(lp, tokens, host).items():
+            self._logprobs.setdefault(seqs[row].request_id, []).append(entry)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling raises fails (its token is None).
@@ -417,8 +440,12 @@ class LLMEngine:
         toks = seq.output_token_ids[seq.emitted_token_len:]
         seq.emitted_text_len = end
         seq.emitted_token_len = len(seq.output_token_ids)
-        return RequestOutput(seq.request_id, text, toks, prompt_tokens=seq.num_prompt_tokens,
-                             completion_tokens=len(seq.output_token_ids))
+        out = RequestOutput(seq.request_id, text, toks, prompt_tokens=seq.num_prompt_tokens,
+                            completion_tokens=len(seq.output_token_ids))
+        if seq.params.logprobs is not None:
+            # Every appended token's entry was kept when it was sampled: they match `toks`.
+            out.logprobs = self._logprobs.pop(seq.request_id, [])
+        return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         was_finished = seq.is_finished  # a failure while finishing finishes it again, as an error
@@ -453,5 +480,7 @@ class LLMEngine:
                 if out.finished:
                     a.finished, a.finish_reason, a.error = True, out.finish_reason, out.error
                     a.adapter_fault = out.adapter_fault
+                if out.logprobs is not None:
+                    a.logprobs = (a.logprobs or []) + out.logprobs
                     a.prompt_tokens, a.completion_tokens = out.prompt_tokens, out.completion_tokens
         return agg

@@ -58,6 +58,9 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings, matched on text")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
+    #: Per generated token, its log-probability and those of the `logprobs` likeliest tokens
+    #: (0..20), from the model's raw distribution (before temperature and any mask); None: off.
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("top_k")
     @classmethod
@@ -135,3 +138,7 @@ class RequestOutput:
     #: Prompt tokens whose KV came from the prefix cache when the request was first scheduled
     #: (0 until then, and with caching off): OpenAI's usage.prompt_tokens_details.cached_tokens.
     cached_tokens: int = 0
+    #: With SamplingParams.logprobs: one entry per id of `token_ids`, in order, as JSON-ready
+    #: dicts {"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}, ...]} (top ones
+    #: likeliest first). None when the request did not ask.
+    logprobs: list[dict] | None = None
