@@ -15,13 +15,14 @@ response completes as usual; `drain_outbox`, a task of the gateway's lifespan, i
 outbox's events (those a previous process left behind too) with backoff and removes each one
 only after its commit. A replay of an event that did reach the database is ignored (same request
 id), so an insert that failed after its commit is still billed once. The happy path does no
-outbox work: the outbox is touched only after a failed insert, and by the drainer.
+outbox work: the outbox is touched only after a failed insert, and by the drainer. An outbox
+event written before a field existed (cached_tokens) is recorded with that field's default.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import anyio
@@ -58,6 +59,29 @@ class Usage:
     duration_ms: float
     base_model: str | None = None  # the base model that served it (billing prices by it)
     cached_tokens: int = 0  # of prompt_tokens, those served from the engine's prefix cache
+
+    def __post_init__(self):
+        # Billing charges prompt_tokens - cached_tokens at the input price: a count outside
+        # [0, prompt_tokens] would bill a negative amount, so it is bounded here, where every
+        # recorded request passes, and said in the log.
+        bounded = min(max(self.cached_tokens, 0), self.prompt_tokens)
+        if bounded != self.cached_tokens:
+            log.warning("request %s: cached_tokens %r is outside [0, prompt_tokens=%d]; recorded as %d",
+                        self.request_id, self.cached_tokens, self.prompt_tokens, bounded)
+            self.cached_tokens = bounded
+
+
+#: The Usage fields an event stored by an older gateway (an outbox file) may lack, with the value
+#: they mean there: cached_tokens 0, base_model unknown.
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(Usage) if f.default is not MISSING}
+
+
+def _complete(values: dict) -> dict:
+    """An outbox event as a full usage_events row: a field it predates gets its default (one
+    insert of many rows needs the same keys in every row)."""
+    for name, default in _FIELD_DEFAULTS.items():
+        values.setdefault(name, default)
+    return values
 
 
 def used_in_month(session_factory: sessionmaker, *, tenant_id: int, month: Period) -> int:
@@ -174,7 +198,7 @@ class Meter:
         with self._boxes_lock:
             boxes = [b for b in [self._outbox, *self._adopted] if b is not None]
         for box in boxes:
-            events = box.peek(batch)
+            events = [(i, _complete(values)) for i, values in box.peek(batch)]
             if not events:
                 continue
             try:

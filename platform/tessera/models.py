@@ -92,6 +92,9 @@ class UsageEvent(Base):
     priority: Mapped[str] = mapped_column(String(16))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
+    #: Of prompt_tokens, those whose KV the engine's prefix cache already held (0 <= cached_tokens
+    #: <= prompt_tokens, metering.Usage keeps it so); billing prices them as the cached_input kind.
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     status: Mapped[str] = mapped_column(String(16))
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     ttft_ms: Mapped[float | None] = mapped_column(Float)

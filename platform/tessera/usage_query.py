@@ -5,12 +5,15 @@ returns {"object": "page", "data": [bucket, ...], "has_more", "next_page"} where
 [start_time, end_time) is present (empty ones too) as
     {"object": "bucket", "start_time", "end_time", "results": [result, ...]}
 and each result sums the tenant's usage events in that bucket:
-    {"object": "usage.result", "input_tokens", "output_tokens", "num_model_requests",
-     "cost_micros", "amount": {"value", "currency"}, "unpriced_tokens",
+    {"object": "usage.result", "input_tokens", "input_cached_tokens", "output_tokens",
+     "num_model_requests", "cost_micros", "amount": {"value", "currency"}, "unpriced_tokens",
      plus, per group_by field: "adapter" (adapter name; null = the base model), "priority",
      "api_key_id"}
+input_tokens are all prompt tokens and input_cached_tokens those of them the engine's prefix
+cache served, as in OpenAI's usage API.
 Cost is the tenant's price (its contract price, else the book's, in effect on each event's UTC
-day; tessera.billing.prices) times the tokens, summed exactly and rounded once to micro-units;
+day; tessera.billing.prices) times the tokens, summed exactly and rounded once to micro-units
+(cached input tokens at the cached_input price, else the input price, as billing does);
 it is what billing charges before any included-token credit. When some of a result's tokens
 have no price, cost_micros and amount are null and unpriced_tokens counts them (billing holds
 those, it never bills them at zero).
@@ -155,18 +158,22 @@ def _results(session: Session, tenant_id: int, group_by: list[str], start_time: 
     for row in session.execute(_sums_query(session, tenant_id, cols, w)):
         b, *keys = row[:len(cols)]
         d, base_model, priority = row[len(cols):len(cols) + 3]
-        prompt, completion, n = row[len(cols) + 3:]
+        prompt, cached, completion, n = row[len(cols) + 3:]
         group = _group_of(keys, group_by)
         r = results.setdefault(int(b), {}).setdefault(tuple(group.items()), {
-            "object": "usage.result", "input_tokens": 0, "output_tokens": 0, "num_model_requests": 0,
-            "cost_micros": None, "amount": None, "unpriced_tokens": 0, **group})
-        prompt, completion = int(prompt or 0), int(completion or 0)
+            "object": "usage.result", "input_tokens": 0, "input_cached_tokens": 0, "output_tokens": 0,
+            "num_model_requests": 0, "cost_micros": None, "amount": None, "unpriced_tokens": 0, **group})
+        prompt, cached, completion = int(prompt or 0), int(cached or 0), int(completion or 0)
         r["input_tokens"] += prompt
+        r["input_cached_tokens"] += cached
         r["output_tokens"] += completion
         r["num_model_requests"] += int(n)
         d = d if isinstance(d, date) else date.fromisoformat(d)
-        for tokens, kind in ((prompt, "input"), (completion, "output")):
-            price = book.price(base_model, priority, kind, d)
+        input_price = book.price(base_model, priority, "input", d)
+        cached_price = book.price(base_model, priority, "cached_input", d)
+        for tokens, price in ((prompt - cached, input_price),
+                              (cached, input_price if cached_price is None else cached_price),
+                              (completion, book.price(base_model, priority, "output", d))):
             if price is None:
                 r["unpriced_tokens"] += tokens
             else:
@@ -176,13 +183,13 @@ def _results(session: Session, tenant_id: int, group_by: list[str], start_time: 
 
 
 def _sums_query(session: Session, tenant_id: int, cols: list, w: _Window):
-    """SELECT cols, day, base model, priority, prompt and completion token sums, count over the
+    """SELECT cols, day, base model, priority, prompt, cached and completion token sums, count over the
     tenant's events in [w.lo, w.hi), grouped by all but the sums."""
     # What a price depends on, grouped too (a handful of rows more, priced in Python below).
     day = usage_day(UsageEvent.created_at, session.get_bind().dialect.name)
     pricing = [day, func.coalesce(UsageEvent.base_model, UsageEvent.model), UsageEvent.priority]
-    return (select(*cols, *pricing, func.sum(UsageEvent.prompt_tokens), func.sum(UsageEvent.completion_tokens),
-                   func.count())
+    return (select(*cols, *pricing, func.sum(UsageEvent.prompt_tokens), func.sum(UsageEvent.cached_tokens),
+                   func.sum(UsageEvent.completion_tokens), func.count())
             .where(UsageEvent.tenant_id == tenant_id,
                    UsageEvent.created_at >= datetime.fromtimestamp(w.lo, timezone.utc),
                    UsageEvent.created_at < datetime.fromtimestamp(w.hi, timezone.utc))

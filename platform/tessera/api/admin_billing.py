@@ -1,5 +1,7 @@
 """Admin billing API (Bearer admin token, or the web UI's session). Money is in integer
 micro-units of the platform's currency (`*_micros`), exact line amounts in picos (1e-12).
+Token kinds: input, cached_input, output; `input_tokens` count every prompt token and
+`cached_input_tokens` those of them the prefix cache served (see tessera.billing.models).
 
   GET  /admin/v1/billing/prices[?tenant=T]              the book (and T's contract prices), base models
   PUT  /admin/v1/billing/prices                         set one price (tenant: null = the book)
@@ -41,7 +43,7 @@ from tessera.auth import AdminDep, GatewayDep
 from tessera.billing import jobs
 from tessera.billing.exports import CONTENT_TYPES, download_name, fetch_export, list_exports
 from tessera.billing.invoices import list_periods, period_summary, round_picos
-from tessera.billing.models import Export, Invoice, LineItem, Price
+from tessera.billing.models import TOKEN_KINDS, Export, Invoice, LineItem, Price
 from tessera.billing.periods import Period, PeriodError
 from tessera.billing.prices import list_prices, set_price
 from tessera.billing.rollup import held_usage
@@ -54,7 +56,7 @@ class PriceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     base_model: str = Field(min_length=1, max_length=200)
     priority: Literal[PRIORITY_NAMES]  # type: ignore[valid-type]  # one of the engine's classes
-    token_kind: Literal["input", "output"]
+    token_kind: Literal[TOKEN_KINDS]  # type: ignore[valid-type]  # cached_input: prompt tokens the prefix cache served
     micros_per_mtok: int = Field(ge=0, le=MAX_PRICE_MICROS, description="micro-units of the currency per million tokens")
     effective_from: date
     tenant: str | None = None  # a contract price of this tenant; None: the book
@@ -91,7 +93,7 @@ def _invoice(i: Invoice, tenant: str) -> dict:
     return {"id": i.id, "tenant": tenant, "period": Period(i.period_start).name, "status": "closed",
             "period_start": i.period_start.isoformat(), "period_end": i.period_end.isoformat(), "currency": i.currency,
             "line_items": i.line_items, "requests": i.requests, "input_tokens": i.input_tokens,
-            "output_tokens": i.output_tokens, "subtotal_micros": i.subtotal_micros,
+            "cached_input_tokens": i.cached_input_tokens, "output_tokens": i.output_tokens, "subtotal_micros": i.subtotal_micros,
             "allowance_tokens": i.allowance_tokens, "allowance_used_tokens": i.allowance_used_tokens,
             "allowance_credit_micros": i.allowance_credit_micros, "total_micros": i.total_micros,
             "total": _money(i.total_micros), "held": i.held, "closed_at": i.closed_at.isoformat()}
@@ -101,7 +103,8 @@ def _line_item(li: LineItem) -> dict:
     status = "invoiced" if li.invoice_id is not None else ("held" if li.amount_picos is None else "pending")
     return {"usage_day": li.usage_day.isoformat(), "base_model": li.base_model, "adapter": li.adapter or None,
             "priority": li.priority, "requests": li.requests, "input_tokens": li.input_tokens,
-            "output_tokens": li.output_tokens, "input_price_micros_per_mtok": li.input_price,
+            "cached_input_tokens": li.cached_input_tokens, "output_tokens": li.output_tokens,
+            "input_price_micros_per_mtok": li.input_price, "cached_input_price_micros_per_mtok": li.cached_input_price,
             "output_price_micros_per_mtok": li.output_price, "amount_picos": li.amount_picos,
             # The same exact amount as a string of currency units: JSON numbers past 2^53 lose
             # digits in JavaScript and other clients.

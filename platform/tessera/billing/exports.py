@@ -4,9 +4,13 @@
   pending items with usage in it), one row per (usage day, base model, adapter, priority), with
   prices in micro-units per million tokens and the exact amount (picos, and currency units as
   a 12-decimal string / decimal128(38, 12)). status is invoiced, pending or held (no price).
+  input_tokens are all prompt tokens; cached_input_tokens are those of them the prefix cache
+  served, billed at cached_input_price (the cached_input price, else the input price), so
+  amount = (input - cached_input) x input price + cached_input x cached_input price + output x
+  output price, in picos.
 - jsonl: one CloudEvents 1.0 JSON object per request with usage in the period (by its time),
   `id` = uuid5 of the request id, so a meter (OpenMeter, Lago, Stripe meter events) that
-  receives it twice counts it once.
+  receives it twice counts it once. Its input_tokens include its cached_input_tokens, as above.
 
 Every byte is a function of the database rows: fixed column order, rows sorted on a unique
 key, JSON with sorted keys, no write timestamps (Parquet's footer names only the writer's
@@ -42,8 +46,8 @@ EVENT_ID_NAMESPACE = uuid.UUID("6f1c2e0a-7d4b-5a39-9a47-2b8e5c1d0f31")
 CLOUDEVENT_TYPE = "dev.tessera.usage.v1"
 CLOUDEVENT_SOURCE = "//tessera/gateway"
 LINE_ITEM_COLUMNS = ("period", "tenant", "usage_day", "base_model", "adapter", "priority", "requests",
-                     "input_tokens", "output_tokens", "input_price_micros_per_mtok", "output_price_micros_per_mtok",
-                     "amount_picos", "amount", "currency", "status", "invoice_id")
+                     "input_tokens", "cached_input_tokens", "output_tokens", "input_price_micros_per_mtok",
+                     "cached_input_price_micros_per_mtok", "output_price_micros_per_mtok", "amount_picos", "amount", "currency", "status", "invoice_id")
 CONTENT_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet",
                  "jsonl": "application/x-ndjson"}
 
@@ -73,8 +77,10 @@ def _item_row(period: Period, tenant: Tenant, item: LineItem, currency: str) -> 
     status = "invoiced" if item.invoice_id is not None else ("held" if item.amount_picos is None else "pending")
     return {"period": period.name, "tenant": tenant.name, "usage_day": item.usage_day, "base_model": item.base_model,
             "adapter": item.adapter or None, "priority": item.priority, "requests": item.requests,
-            "input_tokens": item.input_tokens, "output_tokens": item.output_tokens,
-            "input_price_micros_per_mtok": item.input_price, "output_price_micros_per_mtok": item.output_price,
+            "input_tokens": item.input_tokens, "cached_input_tokens": item.cached_input_tokens,
+            "output_tokens": item.output_tokens, "input_price_micros_per_mtok": item.input_price,
+            "cached_input_price_micros_per_mtok": item.cached_input_price,
+            "output_price_micros_per_mtok": item.output_price,
             "amount_picos": item.amount_picos, "amount": _amount(item.amount_picos), "currency": currency,
             "status": status, "invoice_id": item.invoice_id}
 
@@ -95,8 +101,9 @@ def _write_parquet(rows: list[dict], out: Path) -> None:
     schema = pa.schema([
         ("period", pa.string()), ("tenant", pa.string()), ("usage_day", pa.date32()), ("base_model", pa.string()),
         ("adapter", pa.string()), ("priority", pa.string()), ("requests", pa.int64()),
-        ("input_tokens", pa.int64()), ("output_tokens", pa.int64()),
-        ("input_price_micros_per_mtok", pa.int64()), ("output_price_micros_per_mtok", pa.int64()),
+        ("input_tokens", pa.int64()), ("cached_input_tokens", pa.int64()), ("output_tokens", pa.int64()),
+        ("input_price_micros_per_mtok", pa.int64()), ("cached_input_price_micros_per_mtok", pa.int64()),
+        ("output_price_micros_per_mtok", pa.int64()),
         ("amount_picos", pa.int64()), ("amount", pa.decimal128(38, 12)), ("currency", pa.string()),
         ("status", pa.string()), ("invoice_id", pa.int64())])
     table = pa.Table.from_pylist(rows, schema=schema)
@@ -106,19 +113,21 @@ def _write_parquet(rows: list[dict], out: Path) -> None:
 def _write_jsonl(session: Session, tenant: Tenant, period: Period, out: Path) -> int:
     e = UsageEvent
     stmt = (select(e.request_id, e.created_at, e.api_key_id, e.model, e.base_model, e.adapter_version, e.priority,
-                   e.prompt_tokens, e.completion_tokens, e.status, e.finish_reason)
+                   e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.status, e.finish_reason)
             .where(e.tenant_id == tenant.id, e.created_at >= period.start_datetime(), e.created_at < period.end_datetime())
             .order_by(e.created_at, e.request_id)
             .execution_options(yield_per=10_000))
     n = 0
     with open(out, "w", encoding="utf-8") as f:
-        for (rid, created, key_id, model, base, version, prio, prompt, completion, status, finish) in session.execute(stmt):
+        for (rid, created, key_id, model, base, version, prio, prompt, cached, completion, status,
+             finish) in session.execute(stmt):
             adapter = None if version is None else model.split("@", 1)[0]
             event = {"specversion": "1.0", "id": event_id(rid), "source": CLOUDEVENT_SOURCE, "type": CLOUDEVENT_TYPE,
                      "subject": tenant.name, "time": _rfc3339(created), "datacontenttype": "application/json",
                      "data": {"request_id": rid, "tenant": tenant.name, "api_key_id": key_id,
                               "base_model": base or model, "adapter": adapter, "adapter_version": version,
-                              "priority": prio, "input_tokens": prompt, "output_tokens": completion,
+                              "priority": prio, "input_tokens": prompt, "cached_input_tokens": cached,
+                              "output_tokens": completion,
                               "total_tokens": prompt + completion, "status": status, "finish_reason": finish}}
             f.write(json.dumps(event, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n")
             n += 1

@@ -14,7 +14,8 @@ Periods are UTC calendar months. `close_period(tenant, period)`:
 
 Totals: subtotal = the exact sum of the items' amounts in picos. A plan's monthly included
 tokens are credited against the period's own usage, first day first (within a day by base
-model, adapter, priority; input tokens before output), each token at its item's own price.
+model, adapter, priority; uncached input tokens, then cached input tokens, then output), each
+token at its item's own price for its kind.
 The invoice's total is rounded once, half up, to micro-units; subtotal and credit are rounded
 the same way so that subtotal - credit = total exactly as printed.
 """
@@ -56,10 +57,13 @@ def apply_allowance(items: list[LineItem], allowance: int, period: Period) -> Al
     own = sorted((i for i in items if period.start <= i.usage_day < period.end),
                  key=lambda i: (i.usage_day, i.base_model, i.adapter, i.priority))
     for item in own:
-        for tokens, price in ((item.input_tokens, item.input_price), (item.output_tokens, item.output_price)):
+        for tokens, price in ((item.input_tokens - item.cached_input_tokens, item.input_price),
+                              (item.cached_input_tokens, item.cached_input_price),
+                              (item.output_tokens, item.output_price)):
             take = min(left, tokens)
-            credit += take * price
-            left -= take
+            if take:
+                credit += take * price
+                left -= take
         if left == 0:
             break
     return AllowanceResult(allowance - left, credit)
@@ -79,7 +83,8 @@ def _close_one(db: Engine, tenant_id: int, period: Period, currency: str) -> Inv
         if existing is not None:  # closed meanwhile by someone else
             return existing
         invoice = Invoice(tenant_id=tenant_id, period_start=period.start, period_end=period.end, currency=currency,
-                          line_items=0, requests=0, input_tokens=0, output_tokens=0, subtotal_micros=0,
+                          line_items=0, requests=0, input_tokens=0, cached_input_tokens=0, output_tokens=0,
+                          subtotal_micros=0,
                           allowance_tokens=0, allowance_used_tokens=0, allowance_credit_micros=0, total_micros=0,
                           held=[], closed_at=utcnow())
         session.add(invoice)
@@ -94,6 +99,7 @@ def _close_one(db: Engine, tenant_id: int, period: Period, currency: str) -> Inv
         invoice.line_items = len(items)
         invoice.requests = sum(i.requests for i in items)
         invoice.input_tokens = sum(i.input_tokens for i in items)
+        invoice.cached_input_tokens = sum(i.cached_input_tokens for i in items)
         invoice.output_tokens = sum(i.output_tokens for i in items)
         invoice.total_micros = round_picos(subtotal - credit.credit_picos)
         invoice.subtotal_micros = round_picos(subtotal)
@@ -181,14 +187,15 @@ def list_periods(session: Session, *, tenant_id: int) -> list[dict]:
     the invoice's totals or the pending amounts so far, and held (unpriced) tokens."""
     invoices = {i.period_start: i for i in session.scalars(select(Invoice).where(Invoice.tenant_id == tenant_id))}
     pending: dict[date, dict] = {}
-    rows = session.execute(select(LineItem.usage_day, LineItem.requests, LineItem.input_tokens, LineItem.output_tokens,
-                                  LineItem.amount_picos)
+    rows = session.execute(select(LineItem.usage_day, LineItem.requests, LineItem.input_tokens,
+                                  LineItem.cached_input_tokens, LineItem.output_tokens, LineItem.amount_picos)
                            .where(LineItem.tenant_id == tenant_id, LineItem.invoice_id.is_(None)))
-    for day, n, tin, tout, amount in rows:
-        p = pending.setdefault(Period.of(day).start, {"requests": 0, "input_tokens": 0, "output_tokens": 0,
-                                                      "amount_picos": 0, "held_tokens": 0})
+    for day, n, tin, tcached, tout, amount in rows:
+        p = pending.setdefault(Period.of(day).start, {"requests": 0, "input_tokens": 0, "cached_input_tokens": 0,
+                                                      "output_tokens": 0, "amount_picos": 0, "held_tokens": 0})
         p["requests"] += n
         p["input_tokens"] += tin
+        p["cached_input_tokens"] += tcached
         p["output_tokens"] += tout
         if amount is None:
             p["held_tokens"] += tin + tout

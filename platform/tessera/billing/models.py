@@ -3,7 +3,14 @@
 Money is integer, never float. A price is `micros_per_mtok`: micro-units of the currency per
 million tokens, which is numerically the same as pico-units (1e-12) per token. So a line item's
 exact amount is `tokens x price` in picos (`amount_picos`), with no rounding anywhere; rounding
-to micro-units happens once, on an invoice's total (see invoices.py). A line item (one tenant,
+to micro-units happens once, on an invoice's total (see invoices.py).
+
+Token kinds: `input` (prompt tokens), `output` (completion tokens) and `cached_input` (the prompt
+tokens the engine's prefix cache served). Token counts follow OpenAI's usage: `input_tokens` are
+all prompt tokens and `cached_input_tokens` are those of them that were cached, so an item's
+amount is (input - cached_input) x input price + cached_input x cached_input price + output x
+output price. With no cached_input price in effect, cached tokens are billed at the input price,
+which is exactly the amount they had before the kind existed. A line item (one tenant,
 day, model, adapter and class) holds up to 2^63 picos, 9.2 million currency units; past that
 Postgres refuses the rollup (integer overflow) rather than bill a wrong amount.
 """
@@ -29,7 +36,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from adapter_registry.db import Base, utcnow
 
-TOKEN_KINDS = ("input", "output")
+TOKEN_KINDS = ("input", "cached_input", "output")
 EXPORT_FORMATS = ("csv", "parquet", "jsonl")
 #: picos per micro-unit: an amount in picos / PICOS_PER_MICRO is micro-units.
 PICOS_PER_MICRO = 1_000_000
@@ -42,7 +49,7 @@ class Price(Base):
 
     __tablename__ = "billing_prices"
     __table_args__ = (
-        CheckConstraint("token_kind IN ('input', 'output')", name="token_kind"),
+        CheckConstraint("token_kind IN ('input', 'cached_input', 'output')", name="token_kind"),
         CheckConstraint("micros_per_mtok >= 0", name="non_negative"),
         Index("uq_billing_prices_book", "base_model", "priority", "token_kind", "effective_from", unique=True,
               sqlite_where=text("tenant_id IS NULL"), postgresql_where=text("tenant_id IS NULL")),
@@ -54,7 +61,7 @@ class Price(Base):
     tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id"))
     base_model: Mapped[str] = mapped_column(String(200))
     priority: Mapped[str] = mapped_column(String(16))
-    token_kind: Mapped[str] = mapped_column(String(8))
+    token_kind: Mapped[str] = mapped_column(String(16))
     micros_per_mtok: Mapped[int] = mapped_column(BigInteger)
     effective_from: Mapped[date] = mapped_column(Date)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -87,6 +94,7 @@ class Invoice(Base):
     line_items: Mapped[int] = mapped_column(Integer)
     requests: Mapped[int] = mapped_column(BigInteger)
     input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))  # of input_tokens
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     subtotal_micros: Mapped[int] = mapped_column(BigInteger)
     allowance_tokens: Mapped[int] = mapped_column(BigInteger)  # the plan's monthly included tokens
@@ -118,9 +126,12 @@ class LineItem(Base):
     adapter: Mapped[str] = mapped_column(String(200))
     priority: Mapped[str] = mapped_column(String(16))
     requests: Mapped[int] = mapped_column(BigInteger)
-    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)  # all prompt tokens, cached ones included
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))  # of input_tokens
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     input_price: Mapped[int | None] = mapped_column(BigInteger)  # micros per 1M tokens
+    #: What cached_input_tokens are billed at: the cached_input price, else the input price.
+    cached_input_price: Mapped[int | None] = mapped_column(BigInteger)
     output_price: Mapped[int | None] = mapped_column(BigInteger)
     amount_picos: Mapped[int | None] = mapped_column(BigInteger)
     invoice_id: Mapped[int | None] = mapped_column(ForeignKey("billing_invoices.id"), index=True)

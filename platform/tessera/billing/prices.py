@@ -4,7 +4,9 @@
 rollup uses to price every pending line item in one statement; `PriceBook` does it in Python
 for small reads (the usage API's cost). Both pick, for (tenant, base model, priority, kind, day):
 the tenant's own entries if it has any in effect that day, else the book's; among those, the
-latest effective_from <= day.
+latest effective_from <= day. Each kind is looked up on its own; the callers bill cached input
+tokens at the input price where the cached_input lookup finds nothing (rollup.price_pending,
+usage_query).
 """
 from __future__ import annotations
 

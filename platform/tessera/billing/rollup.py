@@ -11,6 +11,8 @@ One rollup, in one transaction:
    write lock keeps any event from committing between the two statements;
 3. prices every pending line item from the price book (one UPDATE with correlated subqueries):
    a missing price leaves the item's price and amount NULL, so it is held, never billed at zero.
+   Cached prompt tokens take the cached_input price, or the input price where there is none
+   (so an item's amount with no cached_input price is exactly what it was before the kind).
 
 Because every event is marked exactly once, in the same transaction that sums it, re-running a
 rollup adds nothing, and any interleaving of rollups gives the same line items. Events are
@@ -26,7 +28,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from adapter_registry.db import utcnow
-from tessera.billing.models import BillingRun, LineItem
+from tessera.billing.models import TOKEN_KINDS, BillingRun, LineItem
 from tessera.billing.prices import price_expr
 from tessera.models import UsageEvent
 
@@ -94,17 +96,20 @@ def _sum_into_line_items(src, dialect: str):
     adapter = adapter_name(src.c.model, src.c.adapter_version, dialect)
     base = func.coalesce(src.c.base_model, src.c.model)  # base_model is NULL only in pre-billing events
     keys = [src.c.tenant_id, day, base, adapter, src.c.priority]
-    agg = (select(*keys, func.count(), func.sum(src.c.prompt_tokens), func.sum(src.c.completion_tokens))
+    agg = (select(*keys, func.count(), func.sum(src.c.prompt_tokens), func.sum(src.c.cached_tokens),
+                  func.sum(src.c.completion_tokens))
            .where(true())  # SQLite: keeps "ON CONFLICT" from parsing as a join constraint
            .group_by(*keys))
     li = LineItem.__table__
     stmt = _insert(dialect)(li).from_select(
-        ["tenant_id", "usage_day", "base_model", "adapter", "priority", "requests", "input_tokens", "output_tokens"], agg)
+        ["tenant_id", "usage_day", "base_model", "adapter", "priority", "requests", "input_tokens",
+         "cached_input_tokens", "output_tokens"], agg)
     return stmt.on_conflict_do_update(
         index_elements=["tenant_id", "usage_day", "base_model", "adapter", "priority"],
         index_where=li.c.invoice_id.is_(None),
         set_={"requests": li.c.requests + stmt.excluded.requests,
               "input_tokens": li.c.input_tokens + stmt.excluded.input_tokens,
+              "cached_input_tokens": li.c.cached_input_tokens + stmt.excluded.cached_input_tokens,
               "output_tokens": li.c.output_tokens + stmt.excluded.output_tokens})
 
 
@@ -112,26 +117,32 @@ def price_pending(conn: Connection) -> None:
     """(Re-)price every pending line item from the price book; amount NULL where a price is missing.
 
     Prices are looked up once per distinct (tenant, base model, priority, day), not per item
-    (items differ by adapter too), and only rows whose price or amount changes are written."""
+    (items differ by adapter too), and only rows whose price or amount changes are written.
+    Cached input tokens are priced at the cached_input price, else the input price; the amount is
+    exact picos per kind: (input - cached) x input + cached x cached_input + output x output."""
     li = LineItem.__table__
     keys = (li.c.tenant_id, li.c.base_model, li.c.priority, li.c.usage_day)
     distinct = select(*keys).where(li.c.invoice_id.is_(None)).distinct().subquery("k")
-    lookup = select(*distinct.c,
-                    price_expr(*distinct.c, "input").label("input_price"),
-                    price_expr(*distinct.c, "output").label("output_price")).subquery("p")
+    raw = select(*distinct.c, *(price_expr(*distinct.c, kind).label(kind) for kind in TOKEN_KINDS)).subquery("r")
+    lookup = select(*(raw.c[col.name] for col in keys), raw.c.input.label("input_price"),
+                    func.coalesce(raw.c.cached_input, raw.c.input).label("cached_input_price"),
+                    raw.c.output.label("output_price")).subquery("p")
+    prices = ("input_price", "cached_input_price", "output_price")
     conn.execute(update(li)
                  .where(li.c.invoice_id.is_(None), *(col == lookup.c[col.name] for col in keys),
-                        or_(li.c.input_price.is_distinct_from(lookup.c.input_price),
-                            li.c.output_price.is_distinct_from(lookup.c.output_price)))
-                 .values(input_price=lookup.c.input_price, output_price=lookup.c.output_price))
-    amount = li.c.input_tokens * li.c.input_price + li.c.output_tokens * li.c.output_price
+                        or_(*(li.c[p].is_distinct_from(lookup.c[p]) for p in prices)))
+                 .values({p: lookup.c[p] for p in prices}))
+    amount = ((li.c.input_tokens - li.c.cached_input_tokens) * li.c.input_price
+              + li.c.cached_input_tokens * li.c.cached_input_price + li.c.output_tokens * li.c.output_price)
     conn.execute(update(li).where(li.c.invoice_id.is_(None), li.c.amount_picos.is_distinct_from(amount))
                  .values(amount_picos=amount))
 
 
 def held_usage(conn: Connection, *, tenant_id: int | None = None, before: date | None = None) -> list[HeldUsage]:
     """Pending usage without a price, per missing (base model, priority, token kind); optionally
-    one tenant's, with usage days before `before`."""
+    one tenant's, with usage days before `before`. A missing input price holds all the item's
+    input tokens, cached ones too (they fall back to it); a cached_input price is never missing
+    on its own."""
     li = LineItem.__table__
     where = [li.c.invoice_id.is_(None)]
     if tenant_id is not None:
@@ -168,7 +179,7 @@ def rollup(db: Engine, *, cutoff: datetime | None = None) -> RollupReport:
         run_id = conn.execute(insert(BillingRun.__table__).values(started_at=utcnow(), cutoff=cutoff, events=0)
                               .returning(BillingRun.__table__.c.id)).scalar_one()
         cols = (e.c.tenant_id, e.c.created_at, e.c.base_model, e.c.model, e.c.adapter_version, e.c.priority,
-                e.c.prompt_tokens, e.c.completion_tokens)
+                e.c.prompt_tokens, e.c.cached_tokens, e.c.completion_tokens)
         if dialect == "postgresql":
             marked = update(e).where(pending).values(billing_run_id=run_id).returning(*cols).cte("marked")
             summed = _sum_into_line_items(marked, dialect).cte("summed")

@@ -20,14 +20,17 @@ from datetime import date
 from pathlib import Path
 
 
-class _PriorityNames:
-    """argparse `choices`: engine.sampling_params.PRIORITY_NAMES, imported only when a priority is
-    checked or the help is shown (registering the CLI's commands stays free of the engine)."""
+class _LazyChoices:
+    """argparse `choices`: the tuple `module.name`, imported only when a value is checked or the
+    help is shown (registering the CLI's commands stays free of the engine and the database models)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
 
     def __iter__(self):
-        from engine.sampling_params import PRIORITY_NAMES
+        import importlib
 
-        return iter(PRIORITY_NAMES)
+        return iter(getattr(importlib.import_module(self.module), self.name))
 
     def __contains__(self, value) -> bool:
         return value in tuple(self)
@@ -39,8 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = cmds.add_parser("price", help="set a price (micro-units per million tokens) from a day on")
     c.add_argument("base_model")
-    c.add_argument("priority", choices=_PriorityNames(), metavar="priority", help="class: %(choices)s")
-    c.add_argument("token_kind", choices=["input", "output"])
+    c.add_argument("priority", choices=_LazyChoices("engine.sampling_params", "PRIORITY_NAMES"), metavar="priority",
+                   help="class: %(choices)s")
+    c.add_argument("token_kind", choices=_LazyChoices("tessera.billing.models", "TOKEN_KINDS"), metavar="token_kind",
+                   help="%(choices)s (cached_input: prompt tokens the prefix cache served; without a cached_input "
+                        "price they are billed at the input price)")
     c.add_argument("micros_per_mtok", type=int)
     c.add_argument("--from", dest="effective_from", required=True, help="first UTC day it applies (YYYY-MM-DD)")
     c.add_argument("--tenant", default=None, help="a contract price of this tenant (default: the book)")

@@ -9,6 +9,8 @@ that one record into these series (no per-token work, nothing on the streaming p
   tessera_request_tpot_seconds{tenant, priority}          histogram, (duration - ttft) / (completion - 1)
   tessera_request_duration_seconds{tenant, priority}      histogram, end to end
   tessera_prompt_tokens_total{tenant}, tessera_completion_tokens_total{tenant}
+  tessera_cached_prompt_tokens_total{tenant}              of the prompt tokens, those the engine's
+                                                          prefix cache served
   tessera_quota_refusals_total{tenant, reason}            reason: requests | tokens | concurrency | budget
   tessera_usage_events_deferred_total, tessera_usage_outbox_depth   usage events the database could
                                                           not take at once / still waiting (metering.py)
@@ -59,6 +61,9 @@ DURATION = Histogram("tessera_request_duration_seconds", "End-to-end request lat
                      ["tenant", "priority"], buckets=DURATION_BUCKETS_S)
 PROMPT_TOKENS = Counter("tessera_prompt_tokens_total", "Prompt tokens billed.", ["tenant"])
 COMPLETION_TOKENS = Counter("tessera_completion_tokens_total", "Completion tokens billed.", ["tenant"])
+CACHED_PROMPT_TOKENS = Counter("tessera_cached_prompt_tokens_total",
+                               "Prompt tokens served from the engine's prefix cache (of tessera_prompt_tokens_total).",
+                               ["tenant"])
 QUOTA_REFUSALS = Counter("tessera_quota_refusals_total", "Requests refused with 429 by a quota.",
                          ["tenant", "reason"])
 ADAPTER_REQUESTS = Counter("tessera_adapter_requests_total", "Requests per adapter (metrics_adapter_labels).",
@@ -161,6 +166,8 @@ class GatewayMetrics:
         DURATION.labels(tenant, prio).observe(usage.duration_ms / 1000.0)
         if usage.prompt_tokens:
             PROMPT_TOKENS.labels(tenant).inc(usage.prompt_tokens)
+        if usage.cached_tokens:
+            CACHED_PROMPT_TOKENS.labels(tenant).inc(usage.cached_tokens)
         if usage.completion_tokens:
             COMPLETION_TOKENS.labels(tenant).inc(usage.completion_tokens)
         if usage.ttft_ms is not None:
