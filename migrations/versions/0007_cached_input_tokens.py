@@ -5,7 +5,8 @@ it); billing_line_items.cached_input_tokens and cached_input_price; billing_invo
 Existing rows get 0 cached tokens, and pending line items the price their cached tokens would be
 billed at without a cached_input price (their input price), so their amounts stay exactly as they
 were. Adding a column with a constant default rewrites no table on Postgres (11+) and none on
-SQLite; only billing_prices (small) is copied on SQLite, to change its CHECK constraint.
+SQLite (a literal default: batch mode copies a table for an expression); only billing_prices
+(small, referenced by no foreign key) is copied on SQLite, to change its CHECK constraint.
 
 Revision ID: 0007
 Revises: 0006
@@ -28,16 +29,16 @@ _OLD_KINDS = "token_kind IN ('input', 'output')"
 
 def upgrade() -> None:
     with op.batch_alter_table('usage_events', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('cached_tokens', sa.Integer(), server_default=sa.text('0'), nullable=False))
+        batch_op.add_column(sa.Column('cached_tokens', sa.Integer(), server_default='0', nullable=False))
 
     with op.batch_alter_table('billing_line_items', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('cached_input_tokens', sa.BigInteger(), server_default=sa.text('0'),
+        batch_op.add_column(sa.Column('cached_input_tokens', sa.BigInteger(), server_default='0',
                                       nullable=False))
         batch_op.add_column(sa.Column('cached_input_price', sa.BigInteger(), nullable=True))
     op.execute("UPDATE billing_line_items SET cached_input_price = input_price")
 
     with op.batch_alter_table('billing_invoices', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('cached_input_tokens', sa.BigInteger(), server_default=sa.text('0'),
+        batch_op.add_column(sa.Column('cached_input_tokens', sa.BigInteger(), server_default='0',
                                       nullable=False))
 
     with op.batch_alter_table('billing_prices', schema=None) as batch_op:
@@ -57,12 +58,9 @@ def downgrade() -> None:
         batch_op.alter_column('token_kind', existing_type=sa.String(length=16), type_=sa.String(length=8),
                               existing_nullable=False)
 
-    with op.batch_alter_table('billing_invoices', schema=None) as batch_op:
-        batch_op.drop_column('cached_input_tokens')
-
-    with op.batch_alter_table('billing_line_items', schema=None) as batch_op:
-        batch_op.drop_column('cached_input_price')
-        batch_op.drop_column('cached_input_tokens')
-
-    with op.batch_alter_table('usage_events', schema=None) as batch_op:
-        batch_op.drop_column('cached_tokens')
+    # ALTER TABLE ... DROP COLUMN (SQLite >= 3.35 too), not batch mode: rebuilding billing_invoices
+    # on SQLite would drop a table the line items' foreign key points at.
+    op.drop_column('billing_invoices', 'cached_input_tokens')
+    op.drop_column('billing_line_items', 'cached_input_price')
+    op.drop_column('billing_line_items', 'cached_input_tokens')
+    op.drop_column('usage_events', 'cached_tokens')

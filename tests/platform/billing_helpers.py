@@ -58,13 +58,15 @@ class Ev:
     adapter: str | None = None
     base_model: str = BASE
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cached: int = 0  # of prompt, served from the prefix cache
 
 
 def write_events(ctx, events: list[Ev]) -> None:
     rows = [dict(request_id=e.request_id, tenant_id=e.tenant_id, api_key_id=None,
                  model=e.adapter or e.base_model, base_model=e.base_model,
                  adapter_version=None if e.adapter is None else uuid.uuid5(uuid.NAMESPACE_DNS, e.adapter).hex * 2,
-                 priority=e.priority, prompt_tokens=e.prompt, completion_tokens=e.completion, status="completed",
+                 priority=e.priority, prompt_tokens=e.prompt, cached_tokens=e.cached, completion_tokens=e.completion,
+                 status="completed",
                  finish_reason="stop", ttft_ms=1.0, duration_ms=2.0, created_at=e.at) for e in events]
     with ctx.engine.begin() as conn:
         for i in range(0, len(rows), 5000):
@@ -99,4 +101,8 @@ class PriceList:
         day = e.at.astimezone(timezone.utc).date()
         pi = self.lookup(e.tenant_id, e.base_model, e.priority, "input", day)
         po = self.lookup(e.tenant_id, e.base_model, e.priority, "output", day)
-        return None if pi is None or po is None else e.prompt * pi + e.completion * po
+        pc = self.lookup(e.tenant_id, e.base_model, e.priority, "cached_input", day)
+        pc = pi if pc is None else pc  # no cached_input price: cached tokens cost the input price
+        if pi is None or po is None:
+            return None
+        return (e.prompt - e.cached) * pi + e.cached * pc + e.completion * po
