@@ -102,6 +102,9 @@ class EngineConfig:
     backend: str = "cpu"
     #: Where weights, KV cache, LoRA slots and sampling live: "cpu", "cuda" or "cuda:N".
     device: str = "cpu"
+    #: Reuse the KV of full blocks across requests with the same cache salt, adapter version and
+    #: token prefix (engine.block_manager); cached blocks are evicted LRU only when needed.
+    enable_prefix_caching: bool = True
     #: Triton backend on CUDA: decode-only steps replay CUDA graphs captured per batch-size bucket.
     cuda_graphs: bool = True
     #: CPU backend: the C decode-step ops (RMSNorm, residual + RMSNorm, SwiGLU gate, decode

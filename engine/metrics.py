@@ -16,7 +16,11 @@ the live engines of this process (LLMEngine registers itself with `track`).
   tessera_engine_running_sequences{priority}       gauge (scrape time)
   tessera_engine_waiting_sequences{priority}       gauge (scrape time)
   tessera_engine_kv_cache_usage_ratio              gauge, used / all KV blocks
-  tessera_engine_kv_cache_blocks{state}            gauge, used | free
+  tessera_engine_kv_cache_blocks{state}            gauge, used | cached (free, holding a reusable
+                                                   prefix) | free (empty)
+  tessera_engine_prefix_cache_queries_total        counter, prompt tokens looked up in the prefix
+                                                   cache (once per request, when first scheduled)
+  tessera_engine_prefix_cache_hits_total           counter, of those, tokens whose KV was cached
   tessera_engine_adapters_resident{tier}           gauge, cpu | slot
   tessera_engine_adapter_cache_total{tier,result}  counter, cpu | slot x hit | miss
   tessera_engine_adapter_loads_total{tier}         counter, cpu (fetch + parse) | slot (copy in)
@@ -112,7 +116,8 @@ class EngineCollector:
         waiting = GaugeMetricFamily("tessera_engine_waiting_sequences", "Sequences waiting, by priority class.",
                                     labels=["priority"])
         run_n, wait_n = dict.fromkeys(PRIORITY_NAMES, 0), dict.fromkeys(PRIORITY_NAMES, 0)
-        used = total = 0
+        used = total = cached = 0
+        prefix = {"query_tokens": 0, "hit_tokens": 0}
         cpu_resident = slot_resident = 0
         stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
         load_hist = _LoadHistogram()
@@ -125,6 +130,9 @@ class EngineCollector:
             bm = e.block_manager
             total += bm.num_blocks
             used += bm.num_blocks - bm.num_free_blocks
+            cached += bm.num_cached_free_blocks
+            for k in prefix:
+                prefix[k] += bm.stats[k]
             lm = e.lora_manager
             if lm is not None:
                 cpu_resident += len(lm._cpu)
@@ -145,8 +153,14 @@ class EngineCollector:
                                 value=used / total if total else 0.0)
         blocks = GaugeMetricFamily("tessera_engine_kv_cache_blocks", "KV cache blocks by state.", labels=["state"])
         blocks.add_metric(["used"], used)
-        blocks.add_metric(["free"], total - used)
+        blocks.add_metric(["cached"], cached)
+        blocks.add_metric(["free"], total - used - cached)
         yield blocks
+        yield CounterMetricFamily("tessera_engine_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache when first scheduled.",
+                                  value=prefix["query_tokens"])
+        yield CounterMetricFamily("tessera_engine_prefix_cache_hits",
+                                  "Prompt tokens whose KV the prefix cache already held.", value=prefix["hit_tokens"])
         resident = GaugeMetricFamily("tessera_engine_adapters_resident", "Adapter versions held, by tier.",
                                      labels=["tier"])
         resident.add_metric(["cpu"], cpu_resident)

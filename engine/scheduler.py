@@ -9,7 +9,9 @@ Each step:
    tenant's recent share, arrival). The effective class of a waiting request improves by one
    for every `aging_seconds` it has waited, so batch work is never starved. Inside a class the
    tenant that received the fewest tokens recently goes first (fair share).
-3. Adapters: at most `max_loras` distinct adapters run in one step; a waiting request whose
+3. A sequence admitted with a cached prefix (engine.block_manager) starts after it: only its
+   uncached tokens take step budget and new blocks.
+4. Adapters: at most `max_loras` distinct adapters run in one step; a waiting request whose
    adapter is not ready on this engine (still loading) or would exceed that bound is skipped,
    not blocking the requests behind it.
 """
@@ -148,10 +150,12 @@ class Scheduler:
                         or not self.adapter_ready(seq.adapter)):
                     skipped.add(seq.seq_id)  # wait for a slot or the load, without blocking others
                     continue
-                n = min(seq.num_uncomputed_tokens, budget)
-                if not self.block_manager.can_allocate(seq, n):
+                # Blocks whose KV is already cached (prefix caching) count as computed.
+                hit = self.block_manager.cached_prefix(seq)
+                n = min(seq.num_uncomputed_tokens - len(hit) * self.block_manager.block_size, budget)
+                if not self.block_manager.can_allocate(seq, n, hit):
                     break  # keep order: a later, smaller request must not overtake on memory
-                self.block_manager.allocate(seq, n)
+                self.block_manager.allocate(seq, n, hit)
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)

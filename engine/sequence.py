@@ -50,8 +50,9 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, *, tenant_id: str = "default",
                  priority: Priority = Priority.standard, adapter: str | None = None,
-                 device: torch.device | str = "cpu"):
-        """`device`: where the engine samples (a non-greedy request's generator lives there)."""
+                 cache_salt: str | None = None, device: torch.device | str = "cpu"):
+        """`device`: where the engine samples (a non-greedy request's generator lives there).
+        `cache_salt`: the prefix-cache scope (engine.block_manager)."""
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.tenant_id = tenant_id
@@ -63,6 +64,14 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt + output, appended in place
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.cache_salt = cache_salt
+        #: Chained content hashes of the full blocks of token_ids computed so far (the block
+        #: manager extends it lazily), and how many leading blocks of block_table it has offered
+        #: to the prefix cache.
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        #: Prompt tokens served from the prefix cache when first scheduled; None before that.
+        self.num_cached_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
         self.detokenizer = detokenizer
@@ -100,6 +109,7 @@ class Sequence:
         """After preemption: the KV is gone; prompt + output so far will be prefilled again."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.num_committed_blocks = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 
