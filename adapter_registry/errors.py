@@ -23,6 +23,13 @@ class UploadRejected(RegistryError, http_status=422):
     """The upload is refused before anything is stored (unsafe archive, pickle file, missing file...)."""
 
 
+class BaseModelRefused(UploadRejected):
+    """The upload names no served base model, or an ambiguous one; the message says how to name it
+    (the upload's `base_model` field, `--base-model`, an alias)."""
+
+    param = "base_model"
+
+
 class QuotaExceeded(RegistryError, http_status=413):
     """The upload would exceed the tenant's limits (adapter size, number of adapters)."""
 

@@ -34,7 +34,7 @@ _VALIDATION_REASONS = (
     ("adapter_config.json", "config"), ("tensor", "tensors"),
 )
 _UPLOAD_REASONS = (
-    ("pickle", "pickle"), ("zip bomb", "archive_limits"), ("entries", "archive_limits"),
+    ("base model", "base_model"), ("pickle", "pickle"), ("zip bomb", "archive_limits"), ("entries", "archive_limits"),
     ("unsafe path", "unsafe_archive"), ("link", "unsafe_archive"), ("encrypted", "unsafe_archive"),
     ("regular file", "unsafe_archive"), ("sparse", "unsafe_archive"), ("header record", "archive_limits"),
     ("not a readable", "corrupt_archive"), ("corrupt", "corrupt_archive"),

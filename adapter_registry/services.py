@@ -38,6 +38,7 @@ from adapter_registry.archive import ArchiveLimits, stage_upload
 from adapter_registry.content import blob_key, sha256_file, version_digest
 from adapter_registry.db import utcnow
 from adapter_registry.errors import (
+    BaseModelRefused,
     Conflict,
     NotFound,
     ObjectStoreError,
@@ -49,7 +50,7 @@ from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.objectstore import ObjectStore
 from adapter_registry.settings import RegistrySettings
 from adapter_registry.task_queue import STUCK_SLACK_S, send_validation
-from adapter_registry.validation import AdapterRejected, validate_in_sandbox
+from adapter_registry.validation import AdapterRejected, base_model_of_upload, validate_in_sandbox
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,9 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
     or stuck one is validated again, a deleted one restored; a quarantined one stays quarantined).
     A version becomes current once ready unless a newer one already is.
 
-    Raises UploadRejected (unsafe archive, pickle weights, missing files), QuotaExceeded (size or
-    adapter count over the tenant's limits), Conflict (tenant suspended), RegistryUnavailable
+    Raises UploadRejected (unsafe archive, pickle weights, missing files; BaseModelRefused when
+    neither `base_model` nor the config names a served base model: validation.base_model_of_upload),
+    QuotaExceeded (size or adapter count over the tenant's limits), Conflict (tenant suspended), RegistryUnavailable
     (database, object store or task queue failed; nothing half-made remains).
     """
     _check_name(name, "adapter")
@@ -231,6 +233,10 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
             raise QuotaExceeded(
                 f"adapter weights are {weights_size} bytes; tenant {tenant.name!r} may upload at most {max_bytes} bytes"
             )
+        try:  # refused before anything is stored; the version records the served name
+            base_model = base_model_of_upload(config_path=staged.config_path, base_model=base_model, settings=settings)
+        except AdapterRejected as e:
+            raise BaseModelRefused(str(e)) from None
         config_sha, config_size = sha256_file(staged.config_path)
         weights_sha, weights_size = sha256_file(staged.weights_path)
         digest = version_digest(config_sha, weights_sha)

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from adapter_registry.base_models import aliases_in_effect
 from engine.lora.peft_format import KNOWN_BASE_MODELS, SMOLLM2_135M_INSTRUCT
 
 MiB = 1024 * 1024
@@ -44,6 +45,12 @@ class RegistrySettings(BaseSettings):
     served_base_models: list[str] = Field(
         default_factory=lambda: [SMOLLM2_135M_INSTRUCT.name],
         description="Base models the platform serves; adapters for any other base are rejected.",
+    )
+    base_model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Alias or local path -> served base model, for adapters whose base_model_name_or_path "
+        "names the base some other way (JSON in TESSERA_BASE_MODEL_ALIASES). Every target must be served; "
+        "after validation it also holds the built-in aliases of each served model.",
     )
     max_rank: int = Field(64, ge=1, description="Highest LoRA rank accepted.")
     allowed_dtypes: list[str] = Field(default_factory=lambda: ["F16", "BF16", "F32"], description="safetensors dtypes accepted.")
@@ -78,6 +85,11 @@ class RegistrySettings(BaseSettings):
     @classmethod
     def _known_bases(cls, v: list[str]) -> list[str]:
         return _only_known(v, KNOWN_BASE_MODELS, "unknown base models {}; known: " + str(sorted(KNOWN_BASE_MODELS)))
+
+    @model_validator(mode="after")
+    def _aliases_name_served_models(self) -> "RegistrySettings":
+        self.base_model_aliases = aliases_in_effect(self.base_model_aliases, self.served_base_models)
+        return self
 
     @model_validator(mode="after")
     def _s3_credentials_pair(self) -> "RegistrySettings":

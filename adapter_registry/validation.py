@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass
-from pathlib import Path, PurePosixPath
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adapter_registry.base_models import ALIASES_ENV, final_segment_matches, match_base_model
 from adapter_registry.sandbox import SandboxFailure, run_sandboxed
 from engine.lora.peft_format import (
     KNOWN_BASE_MODELS,
@@ -82,26 +83,66 @@ class ValidationLimits:
     max_rank: int
     allowed_dtypes: list[str]
     validation_activation_bound: float
+    base_model_aliases: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, settings: "RegistrySettings | ValidationLimits") -> "ValidationLimits":
         return cls(served_base_models=list(settings.served_base_models), max_rank=settings.max_rank,
                    allowed_dtypes=list(settings.allowed_dtypes),
-                   validation_activation_bound=settings.validation_activation_bound)
+                   validation_activation_bound=settings.validation_activation_bound,
+                   base_model_aliases=dict(settings.base_model_aliases))
 
 
-def resolve_base_model(name: str | None, served: list[str]) -> BaseModelShape:
-    """The served base model `name` refers to: its exact name, or a path ending in the same final
-    segment (PEFT records local paths such as /models/SmolLM2-135M-Instruct). Else AdapterRejected."""
+# Longest base model name a refusal quotes; a config may hold a name of any length.
+_QUOTED_NAME_CHARS = 200
+
+
+def _how_to_name_base(served: list[str]) -> str:
+    return ("pass the base model with the upload form's 'Base model' field (API: multipart field base_model) or "
+            f"`tessera adapters upload --base-model NAME`; served: {', '.join(served)}; "
+            f"or add an alias ({ALIASES_ENV})")
+
+
+def resolve_base_model(name: object, served: list[str], aliases: dict[str, str] | None = None, *,
+                       given: bool = False) -> BaseModelShape:
+    """The served base model `name` refers to (adapter_config.json's base_model_name_or_path, or
+    the uploader's name for it when `given`): a served name or alias (`aliases`: alias or local
+    path -> served name), or a local path whose final segment is one, case-insensitively
+    (adapter_registry.base_models). Else AdapterRejected, saying how to name the base model."""
+    origin = "given at upload" if given else "adapter_config.json's base_model_name_or_path"
     if not name:
-        raise AdapterRejected(
-            "adapter_config.json has no base_model_name_or_path; name the base model when uploading "
-            f"(served: {', '.join(served)})"
-        )
-    for s in served:
-        if name == s or PurePosixPath(name.rstrip("/")).name.lower() == PurePosixPath(s).name.lower():
-            return KNOWN_BASE_MODELS[s]
-    raise AdapterRejected(f"base model {name!r} is not served by this platform (served: {', '.join(served)})")
+        raise AdapterRejected(f"adapter_config.json has no base_model_name_or_path; {_how_to_name_base(served)}")
+    if not isinstance(name, str):
+        raise AdapterRejected(f"{origin} is not a string; {_how_to_name_base(served)}")
+    matches = match_base_model(name, served, aliases or {})
+    quoted = repr(name if len(name) <= _QUOTED_NAME_CHARS else name[:_QUOTED_NAME_CHARS] + "...")
+    if not matches:
+        local = final_segment_matches(name, served, aliases or {})
+        hint = (f" (a hub id must match in full; if this is a local copy of {local[0]}, name that)"
+                if len(local) == 1 else "")
+        raise AdapterRejected(f"base model {quoted} ({origin}) is not served by this platform{hint}; "
+                              f"{_how_to_name_base(served)}")
+    if len(matches) > 1:
+        raise AdapterRejected(f"base model {quoted} ({origin}) is ambiguous: it could be {' or '.join(matches)}; "
+                              f"{_how_to_name_base(served)}")
+    return KNOWN_BASE_MODELS[matches[0]]
+
+
+def base_model_of_upload(*, config_path: Path, base_model: str | None,
+                         settings: "RegistrySettings | ValidationLimits") -> str | None:
+    """The served name of the base model an upload is for: `base_model` (the uploader's, when
+    given) or the config's base_model_name_or_path, resolved by `resolve_base_model` (its
+    AdapterRejected when neither names a served model). None when the config cannot be read: the
+    content validation rejects that with its own reason. Reads at most MAX_CONFIG_BYTES."""
+    if base_model:
+        return resolve_base_model(base_model, settings.served_base_models, settings.base_model_aliases,
+                                  given=True).name
+    try:
+        raw = _read_config(config_path)
+    except AdapterRejected:
+        return None
+    return resolve_base_model(raw.get("base_model_name_or_path"), settings.served_base_models,
+                              settings.base_model_aliases).name
 
 
 def _read_config(path: Path) -> dict:
@@ -109,7 +150,7 @@ def _read_config(path: Path) -> dict:
         raise AdapterRejected(f"adapter_config.json is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         config = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise AdapterRejected(f"adapter_config.json is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise AdapterRejected("adapter_config.json must hold a JSON object")
@@ -241,7 +282,8 @@ def validate_adapter_files(*, config_path: Path, weights_path: Path,
     Reads the weights in chunks of whole rows, never a whole tensor at once.
     """
     raw = _read_config(config_path)
-    base = resolve_base_model(base_model or raw.get("base_model_name_or_path"), settings.served_base_models)
+    base = resolve_base_model(base_model or raw.get("base_model_name_or_path"), settings.served_base_models,
+                              settings.base_model_aliases, given=bool(base_model))
     try:
         config = parse_adapter_config(raw, num_layers=base.num_layers)
     except UnsupportedAdapterError as e:

@@ -85,3 +85,31 @@ def test_console_entry_point_in_a_fresh_process(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout) == [], r.stdout + r.stderr
     r = tessera("show", "--tenant", "acme", "bot@1")
     assert r.returncode == 2 and r.stderr.startswith("tessera: error:") and "Traceback" not in r.stderr
+
+
+def test_a_base_model_the_platform_cannot_tell_is_one_line_naming_the_flag(tmp_path):
+    """An adapter saved from a local base checkout: refused in one line that names --base-model,
+    nothing stored; accepted with --base-model, or with an alias in TESSERA_BASE_MODEL_ALIASES."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {
+        "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path / 't.db'}", "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects")}
+
+    def tessera(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tessera.cli", "adapters", *args], cwd=REPO, env=env | extra_env,
+                              capture_output=True, text=True, timeout=120)
+
+    src = write_adapter(tmp_path / "a", config_overrides={"base_model_name_or_path": "/home/me/ckpt/base"})
+    r = tessera("upload", "--tenant", "acme", "--create-tenant", "bot", str(src))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("tessera: error: base model '/home/me/ckpt/base'")
+    assert "`tessera adapters upload --base-model NAME`" in r.stderr and "TESSERA_BASE_MODEL_ALIASES" in r.stderr
+    r = tessera("list", "--tenant", "acme", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stdout + r.stderr
+
+    r = tessera("upload", "--tenant", "acme", "bot", str(src), "--base-model", "SmolLM2-135M-Instruct")
+    assert r.returncode == 0 and "bot@1 ready" in r.stdout, r.stderr
+    other = write_adapter(tmp_path / "b", seed=3, config_overrides={"base_model_name_or_path": "/home/me/ckpt/base"})
+    r = tessera("upload", "--tenant", "acme", "bot", str(other),
+                TESSERA_BASE_MODEL_ALIASES='{"/home/me/ckpt/base": "HuggingFaceTB/SmolLM2-135M-Instruct"}')
+    assert r.returncode == 0 and "bot@2 ready" in r.stdout, r.stderr
+    r = tessera("list", "--tenant", "acme", "bot", "--json")
+    assert [v["base_model"] for v in json.loads(r.stdout)] == ["HuggingFaceTB/SmolLM2-135M-Instruct"] * 2

@@ -16,7 +16,7 @@ from registry_calls import create_tenant, upload
 from registry_helpers import write_adapter
 
 from adapter_registry.content import BLOB_PREFIX
-from adapter_registry.errors import QuotaExceeded, UploadRejected
+from adapter_registry.errors import BaseModelRefused, QuotaExceeded, UploadRejected
 from adapter_registry.models import AdapterVersion
 
 
@@ -193,16 +193,17 @@ def test_disallowed_dtype_is_rejected(reg, tenant, tmp_path):
     assert_rejected(reg, tenant, d, "tensor dtype F64 is not allowed (allowed: F16, BF16, F32)")
 
 
-def test_base_model_not_served_is_rejected(reg, tenant, tmp_path):
+def test_base_model_not_served_is_refused(reg, tenant, tmp_path):
     d = write_adapter(tmp_path / "a", config_overrides={"base_model_name_or_path": "mistralai/Mistral-7B-v0.1"})
-    assert_rejected(reg, tenant, d, "base model 'mistralai/Mistral-7B-v0.1' is not served by this platform")
+    assert_refused_and_nothing_stored(reg, tenant, d, BaseModelRefused,
+                                      "base model 'mistralai/Mistral-7B-v0.1' .* is not served by this platform")
 
 
 def test_base_model_given_at_upload_overrides_a_local_path(reg, tenant, tmp_path):
     d = write_adapter(tmp_path / "a", config_overrides={"base_model_name_or_path": "/home/me/checkpoints/base"})
-    assert_rejected(reg, tenant, d, "'/home/me/checkpoints/base' is not served")
-    d2 = write_adapter(tmp_path / "b", seed=5, config_overrides={"base_model_name_or_path": "/home/me/checkpoints/base"})
-    assert upload(reg, tenant, d2, base_model="HuggingFaceTB/SmolLM2-135M-Instruct").status == "ready"
+    assert_refused_and_nothing_stored(reg, tenant, d, BaseModelRefused, "'/home/me/checkpoints/base' .* is not served")
+    v = upload(reg, tenant, d, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (v.status, v.base_model) == ("ready", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 @pytest.mark.parametrize("override, message", [

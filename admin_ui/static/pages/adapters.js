@@ -1,7 +1,7 @@
 // Adapters: upload a PEFT adapter (drag-and-drop or file picker) with upload progress and the
 // validation status live; versions, the current version, delete.
 import { api, upload } from "../api.js";
-import { badge, busy, clear, confirmDialog, emptyState, errorBox, field, fmt, h, tenantPickerOrNotice, toast } from "../ui.js";
+import { badge, busy, clear, confirmDialog, emptyState, errorBox, field, fmt, h, newId, tenantPickerOrNotice, toast } from "../ui.js";
 
 export const title = "Adapters";
 
@@ -14,10 +14,14 @@ export async function render(main, ctx) {
   const tenant = picker.value;
   const enc = encodeURIComponent(tenant);
   const listBox = h("div");
+  // The served base models, offered in the upload form's "Base model" field.
+  const baseModels = h("datalist", { id: newId("base-models") });
 
   async function refresh() {
-    const adapters = (await api("GET", `/tenants/${enc}/adapters`)).data;
+    const answer = await api("GET", `/tenants/${enc}/adapters`);
     if (ctx.signal.aborted) return;
+    clear(baseModels, (answer.served_base_models || []).map((m) => h("option", { value: m })));
+    const adapters = answer.data;
     if (!adapters.length) {
       clear(listBox, emptyState("No adapters yet",
         `Upload ${tenant}'s first LoRA adapter above: the adapter_config.json and adapter_model.safetensors that PEFT saves, or a .zip of them.`));
@@ -85,15 +89,19 @@ export async function render(main, ctx) {
   clear(main,
     h("h1", {}, "Adapters"),
     h("div", { class: "toolbar" }, picker.element),
-    uploadCard(tenant, ctx, refresh),
+    uploadCard(tenant, ctx, refresh, baseModels),
     h("section", { class: "card-list", "aria-label": `Adapters of ${tenant}` }, h("h2", {}, `Adapters of ${tenant}`), listBox));
   await refresh();
 }
 
-function uploadCard(tenant, ctx, refresh) {
+function uploadCard(tenant, ctx, refresh, baseModels) {
   const enc = encodeURIComponent(tenant);
   let files = [];
   const name = h("input", { name: "adapter_name", required: true, maxlength: 64, autocomplete: "off", placeholder: "e.g. support-bot" });
+  // Optional: the server reads the base model from adapter_config.json, and refuses (422, naming
+  // this field) one it cannot tell, such as the path of a local checkout it has no alias for.
+  const baseModel = h("input", { name: "base_model", autocomplete: "off", spellcheck: "false",
+    list: baseModels.id, placeholder: "from adapter_config.json" });
   // The file input stays in the tab order (Enter or Space opens the picker); its label is the
   // visible button.
   const input = h("input", { type: "file", id: "adapter-files", name: "files", multiple: true,
@@ -134,7 +142,10 @@ function uploadCard(tenant, ctx, refresh) {
 
   const form = h("form", { class: "upload-form" },
     field("Adapter name", name, "A new name creates an adapter; an existing one gets a new version."),
-    zone, h("div", { class: "actions" }, submit), progressRow, status, errors);
+    zone,
+    field("Base model (optional)", baseModel,
+      "Leave empty unless the upload is refused for its base model: adapter_config.json may name a local path this server cannot tell. Then choose the served model the adapter was trained on."),
+    baseModels, h("div", { class: "actions" }, submit), progressRow, status, errors);
 
   function showStatus(v) {
     if (v.status === "validating") {
@@ -177,6 +188,7 @@ function uploadCard(tenant, ctx, refresh) {
     }
     const data = new FormData();
     for (const f of files) data.append("files", f, f.name);
+    if (baseModel.value.trim()) data.append("base_model", baseModel.value.trim());
     busy(submit, async () => {
       progressRow.hidden = false;
       progress.value = 0;

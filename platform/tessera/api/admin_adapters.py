@@ -8,9 +8,11 @@
   DELETE /admin/v1/tenants/{tenant}/adapters/{name}/versions/{N}      delete one version
 
 Upload: multipart form with `files` = adapter_config.json + adapter_model.safetensors, or one
-.zip / .tar.gz holding them; optional `base_model` when the config names a local path. The
-answer (201) is the version: 'ready' or 'rejected' with its reason when validation ran inline
-(embedded mode), else 'validating' until the Celery worker decides; poll GET .../{name}.
+.zip / .tar.gz holding them; optional `base_model` when the config's base_model_name_or_path is
+neither a served model nor an alias of one (a local path ending in one counts; the list answers
+`served_base_models`); without it such an upload is refused with 422 (param "base_model"),
+nothing stored. The answer (201) is the version: 'ready' or 'rejected' with its reason when
+validation ran inline (embedded mode), else 'validating' until the Celery worker decides; poll GET .../{name}.
 An unsafe or incomplete upload (pickle weights, missing file, bad archive) is refused with 422
 and nothing stored. The body may be up to settings.max_upload_bytes (app.py lets this route
 past the general body limit), and the registry's size and count limits apply.
@@ -32,6 +34,7 @@ from fastapi import APIRouter, File, Form, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapter_registry import services as registry
+from adapter_registry.errors import BaseModelRefused
 from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.errors import ApiError
@@ -71,8 +74,8 @@ def _adapter_dict(session, tenant, adapter) -> dict:
 async def list_adapters(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         t = attach(session, tenant)
-        return {"tenant": t.name, "data": [_adapter_dict(session, t, a)
-                                           for a in registry.list_adapters(session=session, tenant=t)]}
+        return {"tenant": t.name, "served_base_models": list(gw.settings.served_base_models),
+                "data": [_adapter_dict(session, t, a) for a in registry.list_adapters(session=session, tenant=t)]}
 
     return await run_db(gw, run, changes=False)
 
@@ -113,8 +116,11 @@ async def upload_version(_: AdminDep, tenant: PathTenant, name: str, gw: Gateway
         def run(session):
             t = attach(session, tenant)
             source = _save_upload(files, Path(work))
-            v = registry.upload_adapter(session=session, store=gw.store, settings=gw.settings, tenant=t, name=name,
-                                        source=source, base_model=base_model or None)
+            try:
+                v = registry.upload_adapter(session=session, store=gw.store, settings=gw.settings, tenant=t, name=name,
+                                            source=source, base_model=base_model or None)
+            except BaseModelRefused as e:
+                raise ApiError(422, str(e), param=e.param, code="base_model_not_served") from None
             return version_dict(v, v.adapter.current_version_id)
 
         return await run_db(gw, run, changes=False)

@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--tenant", required=True, help="tenant name")
     up.add_argument("name", help="adapter name within the tenant")
     up.add_argument("path", help="folder with adapter_config.json + adapter_model.safetensors, or a .zip/.tar.gz")
-    up.add_argument("--base-model", default=None, help="base model, when adapter_config.json names a local path")
+    up.add_argument("--base-model", default=None, metavar="NAME",
+                    help="served base model (or an alias), when adapter_config.json's base_model_name_or_path "
+                         "names neither (e.g. a local path the platform cannot tell)")
     up.add_argument("--create-tenant", action="store_true", help="create the tenant if it does not exist")
     up.set_defaults(func=_upload)
 
