@@ -93,7 +93,8 @@ def _invoice(i: Invoice, tenant: str) -> dict:
     return {"id": i.id, "tenant": tenant, "period": Period(i.period_start).name, "status": "closed",
             "period_start": i.period_start.isoformat(), "period_end": i.period_end.isoformat(), "currency": i.currency,
             "line_items": i.line_items, "requests": i.requests, "input_tokens": i.input_tokens,
-            "cached_input_tokens": i.cached_input_tokens, "output_tokens": i.output_tokens, "subtotal_micros": i.subtotal_micros,
+            "cached_input_tokens": i.cached_input_tokens, "output_tokens": i.output_tokens,
+            "subtotal_micros": i.subtotal_micros,
             "allowance_tokens": i.allowance_tokens, "allowance_used_tokens": i.allowance_used_tokens,
             "allowance_credit_micros": i.allowance_credit_micros, "total_micros": i.total_micros,
             "total": _money(i.total_micros), "held": i.held, "closed_at": i.closed_at.isoformat()}

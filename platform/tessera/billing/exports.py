@@ -47,7 +47,8 @@ CLOUDEVENT_TYPE = "dev.tessera.usage.v1"
 CLOUDEVENT_SOURCE = "//tessera/gateway"
 LINE_ITEM_COLUMNS = ("period", "tenant", "usage_day", "base_model", "adapter", "priority", "requests",
                      "input_tokens", "cached_input_tokens", "output_tokens", "input_price_micros_per_mtok",
-                     "cached_input_price_micros_per_mtok", "output_price_micros_per_mtok", "amount_picos", "amount", "currency", "status", "invoice_id")
+                     "cached_input_price_micros_per_mtok", "output_price_micros_per_mtok", "amount_picos", "amount",
+                     "currency", "status", "invoice_id")
 CONTENT_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet",
                  "jsonl": "application/x-ndjson"}
 
