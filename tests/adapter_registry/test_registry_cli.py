@@ -57,6 +57,16 @@ def test_user_errors_are_one_line_and_non_zero(cli, capsys, tmp_path):
     assert "adapter 'nope' not found" in capsys.readouterr().err
 
 
+def test_an_alias_for_a_model_not_served_is_one_line_at_start(cli, capsys, monkeypatch):
+    monkeypatch.setenv("TESSERA_BASE_MODEL_ALIASES", '{"/data/base": "mistralai/Mistral-7B-v0.1"}')
+    get_settings.cache_clear()
+    assert cli(["adapters", "list", "--tenant", "acme"]) == 2
+    assert capsys.readouterr().err == (
+        "tessera: error: settings: TESSERA_BASE_MODEL_ALIASES: alias '/data/base' names 'mistralai/Mistral-7B-v0.1', "
+        "which is not served (served_base_models: HuggingFaceTB/SmolLM2-135M-Instruct)\n")
+    monkeypatch.delenv("TESSERA_BASE_MODEL_ALIASES")  # the fixture's teardown reads the settings
+
+
 def test_console_entry_point_in_a_fresh_process(tmp_path):
     """upload, list, show and delete, each a fresh `tessera` process on the same database."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {

@@ -48,10 +48,18 @@ def _context():
     from adapter_registry.context import get_context
     from adapter_registry.migrate import upgrade
     from adapter_registry.settings import get_settings
+    from pydantic import ValidationError
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except ValidationError as e:  # e.g. TESSERA_BASE_MODEL_ALIASES naming a model that is not served
+        raise CLIError("settings: " + "; ".join(
+            f"{'.'.join(map(str, err['loc'])) + ': ' if err['loc'] else ''}{err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors())) from None
+    except ValueError as e:  # pydantic-settings: a TESSERA_* value that does not parse (JSON fields)
+        raise CLIError(f"settings: {e}") from None
     try:
         if settings.database_url.startswith("sqlite"):
             upgrade(settings)  # embedded mode: create/migrate the local database
