@@ -77,10 +77,14 @@ def machine() -> dict:
 
 
 def fixed_requests(tokenizer, n: int, new_tokens: int, prefix: str = "r", adapters=None) -> list[GenerationRequest]:
+    """`n` greedy chat requests over PROMPTS, each under its own prefix-cache salt: the prompts
+    repeat across runs and requests, and throughput figures measure computing them, not the
+    prefix cache (bench/prefix_cache.py measures that)."""
     reqs = []
     for i in range(n):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
         reqs.append(GenerationRequest(f"{prefix}{i}", prompt=prompt, adapter=adapters[i] if adapters else None,
+                                      cache_salt=f"{prefix}{i}",
                                       params=SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)))
     return reqs
 

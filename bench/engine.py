@@ -62,7 +62,7 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
     long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]
     ttfts = []
     for i in range(3):
-        eng.add_request(GenerationRequest(f"ttft{i}", prompt_token_ids=long_prompt,
+        eng.add_request(GenerationRequest(f"ttft{i}", prompt_token_ids=long_prompt, cache_salt=f"ttft{i}",
                                           params=SamplingParams(max_tokens=1, temperature=0)))
         sync(args.device)
         t0 = time.perf_counter()
