@@ -89,8 +89,13 @@ def install_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = _validation_error(exc)
+        if request.url.path.startswith("/v1/"):
+            # The OpenAI-compatible API answers every invalid body 400, as OpenAI does (its
+            # clients raise BadRequestError naming `param`); the admin API keeps 422.
+            err.status = 400
+        return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException):

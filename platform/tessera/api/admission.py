@@ -69,9 +69,10 @@ async def refuse_early(*, gw: Gateway, caller: Caller, body: Body) -> None:
 
 
 async def admit(*, gw: Gateway, caller: Caller, job: Job) -> Decision:
-    """Reserve prompt + max_tokens in every limit (the Decision's reservation is settled once,
-    by the response); 429 when a limit refuses, 503 when the counters cannot be reached."""
-    tokens = len(job.prompt_ids) + job.params.max_tokens
+    """Reserve prompt + n * max_tokens (the prompt is computed once for all `n` choices) in every
+    limit (the Decision's reservation is settled once, by the response); 429 when a limit
+    refuses, 503 when the counters cannot be reached."""
+    tokens = len(job.prompt_ids) + job.n * job.params.max_tokens
     try:
         if caller.policy.limits.monthly_token_budget is not None:
             await _seed_budget(gw, caller)

@@ -39,6 +39,8 @@ class Job:
     params: SamplingParams
     stream: bool
     include_usage: bool  # streaming: a last chunk with the usage
+    n: int = 1  # choices: n engine requests with the same prompt (generation.py)
+    user: str | None = None  # the body's `user`: the tenant's end user, for its own records
     started: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,22 +91,44 @@ def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
                      vocab_size=gw.engine.tokenizer.vocab_size if _given_as_ids(body) else None)
     except InvalidRequestError as e:
         raise invalid(e) from None
-    if body.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise ApiError(400, "presence_penalty and frequency_penalty are not supported (use 0)", param="presence_penalty")
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    _refuse_unsupported(body)
     raw = {"max_tokens": max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(body, name) is not None:
             raw[name] = getattr(body, name)
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        if body.logprobs:
+            raw["logprobs"] = body.top_logprobs or 0
+    elif body.logprobs is not None:
+        raw["logprobs"] = body.logprobs
     if body.stop is not None:
         raw["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     try:
         return SamplingParams.from_dict(raw)
     except InvalidRequestError as e:
         raise invalid(e) from None
+
+
+#: OpenAI fields this server does not implement, with the values that mean "not used": any
+#: other value is a 400 naming the field.
+_NO_OP_VALUES = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "tools": (None, []),
+                 "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                 "echo": (False,), "suffix": (None, "")}
+
+
+def _refuse_unsupported(body: Body) -> None:
+    """Raise the 400 for the first field OpenAI has but this server does not implement that the
+    body sets to something other than its no-op value."""
+    for name, no_op in _NO_OP_VALUES.items():
+        if name in body.model_fields_set and getattr(body, name) not in no_op:
+            raise ApiError(400, f"{name} is not supported by this server (leave it out)", param=name,
+                           code="unsupported_parameter")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise ApiError(400, "best_of is not supported by this server (leave it out, or set it to n)",
+                       param="best_of", code="unsupported_parameter")
 
 
 def _prompt_param(body: Body) -> str:

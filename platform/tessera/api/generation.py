@@ -1,24 +1,35 @@
-"""The response to an admitted completion request: the engine call, then either an SSE stream or
+"""The response to an admitted completion request: the engine calls, then either an SSE stream or
 one JSON answer; every way it ends records one usage event and settles the quota reservation to
 the tokens really used (`Generation.finish`, exactly once).
 
 The first delta is awaited before answering (`start`), so a refusal or a failure before any
 token is a 4xx/503, not a broken stream. Billing of a client that disconnects: the engine
-request is aborted (its KV blocks freed) and the usage event (status "aborted") counts the
+requests are aborted (their KV blocks freed) and the usage event (status "aborted") counts the
 completion tokens the client was sent: a stream's forwarded tokens, a JSON answer's none.
+
+`n` choices are `n` engine requests with the same prompt (ids: the job's, then the job's + "-i"):
+choice 0 starts first and its first delta is awaited, by when the engine's prefix cache holds the
+prompt's KV blocks; choices 1..n-1 then start together and reuse them. With a `seed`, choice i
+samples with seed + i (wrapped into int64): the choices differ, and repeat. Their deltas are
+read in turn (the engine steps them together) and answered as choices[i] / chunks with index i.
+The one usage event counts the prompt once and the completion tokens of every choice, and
+cached_tokens from choice 0; an engine error in any choice, an abort or a disconnect ends (and
+aborts) all of them.
 """
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
+from engine.sampling_params import SEED_MIN, GenerationRequest, InvalidRequestError, Priority, RequestOutput
+from tessera.api import logprobs as api_logprobs
 from tessera.api.completions_request import Job, invalid
 from tessera.api.failures import engine_error, unavailable
 from tessera.engine_client import EngineUnavailable
@@ -35,21 +46,41 @@ from tessera.streaming import (
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
+_INT64 = 1 << 64
+
+
+@dataclass
+class Choice:
+    """One of the request's `n` completions: its engine request and what its answer needs."""
+
+    index: int
+    stream: AsyncGenerator[RequestOutput, None]  # the engine's deltas; aclose() aborts the request
+    logprobs: api_logprobs.ChoiceLogprobs | None  # when the request asked for logprobs
+    first: RequestOutput | None = None  # the first delta (set by `start`)
+    error: Exception | None = None  # what awaiting the first delta raised
+
+    async def first_delta(self) -> None:
+        """Await the first delta; an exception is kept in `error` for `start` to answer (a
+        cancellation propagates)."""
+        try:
+            self.first = await self.stream.__anext__()
+        except Exception as e:  # noqa: BLE001 - answered by `start`, the same for every choice
+            self.error = e
 
 
 @dataclass
 class Generation:
-    """One admitted request from its engine call to its usage event: what every step of the
+    """One admitted request from its engine calls to its usage event: what every step of the
     response needs."""
 
     gw: Gateway
     caller: Caller
     job: Job
     decision: Decision  # holds the quota reservation `finish` settles
-    stream: AsyncGenerator[RequestOutput, None]  # the engine's deltas; aclose() aborts the request
     headers: dict[str, str]  # rate-limit headers and x-request-id, on every answer
-    first: RequestOutput | None = None  # the first delta (set by `start`)
-    ttft: float | None = None  # seconds from the request's start to the first delta
+    choices: list[Choice] = field(default_factory=list)
+    ttft: float | None = None  # seconds from the request's start to choice 0's first delta
+    cached_tokens: int = 0  # prompt tokens choice 0 found in the prefix cache (its latest delta's)
 
     async def finish(self, *, status: str, finish_reason: str | None, completion_tokens: int) -> Usage:
         """Record the usage event, then settle the quota to the tokens really used (shielded:
@@ -63,48 +94,126 @@ class Generation:
                           prompt_tokens=prompt, completion_tokens=completion_tokens, status=status,
                           finish_reason=finish_reason, ttft_ms=None if self.ttft is None else self.ttft * 1000.0,
                           duration_ms=(time.perf_counter() - job.started) * 1000.0,
-                          base_model=gw.engine.model_name)
+                          base_model=gw.engine.model_name, cached_tokens=min(self.cached_tokens, prompt))
             await gw.meter.record(usage)
             await gw.quota.settle(self.decision.reservation, used_tokens=prompt + completion_tokens)
             return usage
+
+    async def close(self) -> None:
+        """Abort every choice's engine request that is still running (shielded)."""
+        with anyio.CancelScope(shield=True):
+            for c in self.choices:
+                await c.stream.aclose()
+
+    def seen(self, c: Choice, out: RequestOutput) -> None:
+        """Note a delta of choice `c` (choice 0's carries the prompt's cached tokens)."""
+        if c.index == 0:
+            self.cached_tokens = out.cached_tokens
+        if c.logprobs is not None:
+            c.logprobs.push(out.logprobs)
 
     def failed(self, out: RequestOutput) -> ApiError:
         return engine_error(request_id=self.job.request_id, model=self.job.model, out=out)
 
 
+def choice_request(job: Job, caller: Caller, i: int) -> GenerationRequest:
+    """Choice i's engine request: the job's id (choice 0) or the job's id + "-i", and seed + i."""
+    params = job.params
+    if i and params.seed is not None:
+        params = params.model_copy(update={"seed": (params.seed + i - SEED_MIN) % _INT64 + SEED_MIN})
+    return GenerationRequest(request_id=job.request_id if i == 0 else f"{job.request_id}-{i}",
+                             prompt_token_ids=job.prompt_ids, params=params, tenant_id=str(caller.tenant_id),
+                             priority=Priority.parse(job.priority), adapter=job.adapter,
+                             cache_salt=f"tenant:{caller.tenant_id}")
+
+
 async def start(*, gw: Gateway, caller: Caller, job: Job, decision: Decision,
                 headers: dict[str, str]) -> Generation:
-    """Submit the job to the engine and wait for its first delta. Raises ApiError (after
-    settling the reservation): 400 when the engine refuses the request, 503 when no engine is
-    available, the engine's error when it fails before any token."""
-    request = GenerationRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, params=job.params,
-                                tenant_id=str(caller.tenant_id), priority=Priority.parse(job.priority),
-                                adapter=job.adapter, cache_salt=f"tenant:{caller.tenant_id}")
-    gen = Generation(gw=gw, caller=caller, job=job, decision=decision, stream=gw.engine.generate(request),
-                     headers=headers)
+    """Submit the job's choices to the engine (module docstring) and wait for their first
+    deltas. Raises ApiError (after aborting every choice and settling the reservation): 400 when
+    the engine refuses the request, 503 when no engine is available, the engine's error when a
+    choice fails before any token."""
+    gen = Generation(gw=gw, caller=caller, job=job, decision=decision, headers=headers)
+    texts = api_logprobs.token_texts(gw.engine.tokenizer) if job.params.logprobs is not None else None
+
+    def add(i: int) -> Choice:
+        c = Choice(index=i, stream=gw.engine.generate(choice_request(job, caller, i)),
+                   logprobs=api_logprobs.ChoiceLogprobs(texts, job.kind) if texts else None)
+        gen.choices.append(c)
+        return c
+
     try:
-        gen.first = await gen.stream.__anext__()
-    except InvalidRequestError as e:
-        # The caller's mistake, caught by the engine before any work: nothing to bill, and not a
-        # server error (a usage event with status "error" would count against availability
-        # SLOs). Release the reservation like every other 4xx, which never reaches the engine.
-        with anyio.CancelScope(shield=True):
-            await gw.quota.settle(decision.reservation, used_tokens=0)
-        raise invalid(e) from None
-    except EngineUnavailable as e:
-        await gen.finish(status="error", finish_reason=None, completion_tokens=0)
-        raise unavailable(job.request_id, "no engine is available", e, code="engine_unavailable") from None
+        await add(0).first_delta()
+        await _check_firsts(gen)
+        gen.ttft = time.perf_counter() - job.started
+        if job.n > 1:
+            async with anyio.create_task_group() as tg:
+                for i in range(1, job.n):
+                    tg.start_soon(add(i).first_delta)
+            await _check_firsts(gen)
+    except ApiError:
+        raise
     except BaseException:
-        await gen.stream.aclose()
+        await gen.close()
         await gen.finish(status="aborted", finish_reason=None, completion_tokens=0)
         raise
-    if gen.first.finished and gen.first.finish_reason == "error":
+    for c in gen.choices:
+        gen.seen(c, c.first)
+    return gen
+
+
+async def _check_firsts(gen: Generation) -> None:
+    """Raise the answer to the first choice whose first delta failed (every choice aborted and
+    the reservation settled first); return if none did."""
+    for c in gen.choices:
+        if c.error is None and not (c.first.finished and c.first.finish_reason == "error"):
+            continue
+        await gen.close()
+        if isinstance(c.error, InvalidRequestError):
+            # The caller's mistake, caught by the engine before any work: nothing to bill, and not
+            # a server error (a usage event with status "error" would count against availability
+            # SLOs). Release the reservation like every other 4xx, which never reaches the engine.
+            with anyio.CancelScope(shield=True):
+                await gen.gw.quota.settle(gen.decision.reservation, used_tokens=0)
+            raise invalid(c.error) from None
+        if isinstance(c.error, EngineUnavailable):
+            await gen.finish(status="error", finish_reason=None, completion_tokens=0)
+            raise unavailable(gen.job.request_id, "no engine is available", c.error,
+                              code="engine_unavailable") from None
+        if c.error is not None:
+            raise c.error
         # Failed before any token (its adapter could not be loaded): an error status, streaming
         # or not, rather than a 200 whose only event is the error.
-        await gen.finish(status="error", finish_reason="error", completion_tokens=len(gen.first.token_ids))
-        raise gen.failed(gen.first)
-    gen.ttft = time.perf_counter() - job.started
-    return gen
+        await gen.finish(status="error", finish_reason="error", completion_tokens=len(c.first.token_ids))
+        raise gen.failed(c.first)
+
+
+class _Turns:
+    """The choices' deltas, one at a time: every first delta, then one delta of each unfinished
+    choice in turn (the engine steps them together, so none waits long behind another)."""
+
+    def __init__(self, choices: list[Choice]):
+        self._firsts = deque(choices)
+        self._turn: deque[Choice] = deque()
+
+    @property
+    def running(self) -> int:
+        """Choices not yet finished (their first delta not yet read counts as running)."""
+        return len(self._turn) + sum(1 for c in self._firsts if not c.first.finished)
+
+    async def next(self) -> tuple[Choice, RequestOutput] | None:
+        """The next (choice, delta), or None once every choice has finished."""
+        if self._firsts:
+            c = self._firsts.popleft()
+            out = c.first
+        elif self._turn:
+            c = self._turn.popleft()
+            out = await c.stream.__anext__()
+        else:
+            return None
+        if not out.finished:
+            self._turn.append(c)
+        return c, out
 
 
 async def respond(gen: Generation, http: Request) -> Response:
@@ -121,102 +230,134 @@ async def respond(gen: Generation, http: Request) -> Response:
 
 
 async def _collect(gen: Generation) -> JSONResponse:
-    """The whole completion as one JSON body (chat.completion or text_completion)."""
+    """The whole completion as one JSON body (chat.completion or text_completion), n choices."""
     job = gen.job
-    parts, out, completion = [], gen.first, 0
+    turns = _Turns(gen.choices)
+    texts: list[list[str]] = [[] for _ in gen.choices]
+    lps: list[list[dict]] = [[] for _ in gen.choices]
+    finals: dict[int, RequestOutput] = {}
+    completion = 0
     try:
-        while True:
-            parts.append(out.text)
+        while (item := await turns.next()) is not None:
+            c, out = item
+            if out is not c.first:
+                gen.seen(c, out)
+            texts[c.index].append(out.text)
             completion += len(out.token_ids)
+            if c.logprobs is not None and (part := c.logprobs.release(out.text)) is not None:
+                lps[c.index].append(part)
             if out.finished:
-                break
-            out = await gen.stream.__anext__()
+                finals[c.index] = out
+                if out.finish_reason == "error":
+                    break
     except EngineUnavailable as e:
+        await gen.close()
         await gen.finish(status="error", finish_reason=None, completion_tokens=completion)
         raise unavailable(job.request_id, "the engine failed mid-request", e, code="engine_unavailable") from None
     except BaseException:  # cancelled: the client went away before the answer was ready
-        await gen.stream.aclose()
+        await gen.close()
         # Billed for what it was sent, as a stream that disconnects is: here nothing.
         await gen.finish(status="aborted", finish_reason=None, completion_tokens=0)
         raise
-    if out.finish_reason == "error":
+    failed = next((o for o in finals.values() if o.finish_reason == "error"), None)
+    if failed is not None:
+        await gen.close()  # the other choices
         await gen.finish(status="error", finish_reason="error", completion_tokens=completion)
-        raise gen.failed(out)
-    await gen.finish(status="completed", finish_reason=out.finish_reason, completion_tokens=completion)
-    text = "".join(parts)
-    finish = _FINISH.get(out.finish_reason, "stop")
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    return JSONResponse({"id": job.request_id, "object": obj, "created": job.created, "model": job.model,
-                         "choices": [choice], "usage": _usage_dict(len(job.prompt_ids), completion)},
+        raise gen.failed(failed)
+    await gen.finish(status="completed", finish_reason=finals[0].finish_reason, completion_tokens=completion)
+    choices = []
+    for c in gen.choices:
+        text, finish = "".join(texts[c.index]), _FINISH.get(finals[c.index].finish_reason, "stop")
+        logprobs = api_logprobs.merge(job.kind, lps[c.index]) if c.logprobs is not None else None
+        if job.kind == "chat":
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": finish})
+        else:
+            choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+    return JSONResponse({"id": job.request_id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                         "created": job.created, "model": job.model, "choices": choices,
+                         "usage": _usage_dict(len(job.prompt_ids), completion, gen.cached_tokens)},
                         headers=gen.headers)
 
 
 async def _events(gen: Generation):
-    """SSE body: one chunk per engine delta, the usage chunk if asked, then [DONE]. Chunks produced
-    at the same moment go out in one write (the role chunk with the first delta; the last delta,
-    usage, [DONE] and the end of the body together). The usage event is durable before the last
-    write; on a disconnect the `finally` records what was forwarded."""
+    """SSE body: one chunk per engine delta that has text (each with its choice's index), the
+    usage chunk if asked, then [DONE]. Chunks produced at the same moment go out in one write
+    (the role chunks with the first delta; the last delta, usage, [DONE] and the end of the body
+    together). The usage event is durable before the last write; on a disconnect the `finally`
+    records what was forwarded."""
     job = gen.job
-    completion, done = 0, False
+    turns = _Turns(gen.choices)
+    completion, done, failed, finish_reason = 0, False, None, None
     try:
-        pending = _sse(_chunk(job, None, None, first=True)) if job.kind == "chat" else b""
-        out = gen.first
-        while True:
+        pending = b"".join(_sse(_chunk(job, c.index, None, None, first=True)) for c in gen.choices) \
+            if job.kind == "chat" else b""
+        while (item := await turns.next()) is not None:
+            c, out = item
+            if out is not c.first:
+                gen.seen(c, out)
             completion += len(out.token_ids)  # counted as forwarded: the chunk is written next
-            if out.finished:
+            if out.finish_reason == "error":
+                failed = out
                 break
-            if out.text:
-                yield pending + _sse(_chunk(job, out.text, None))
+            lp = c.logprobs.release(out.text) if c.logprobs is not None else None
+            if not out.finished:
+                if out.text:
+                    yield pending + _sse(_chunk(job, c.index, out.text, None, lp))
+                    pending = b""
+                continue
+            finish = _FINISH.get(out.finish_reason, "stop")
+            if c.index == 0:
+                finish_reason = out.finish_reason
+            if job.kind == "chat":
+                if out.text or lp:
+                    pending += _sse(_chunk(job, c.index, out.text, None, lp))
+                pending += _sse(_chunk(job, c.index, None, finish))
+            else:
+                pending += _sse(_chunk(job, c.index, out.text, finish, lp))
+            if turns.running:  # the last choice's end goes out with the usage and [DONE]
+                yield pending
                 pending = b""
-            out = await gen.stream.__anext__()
         done = True
-        if out.finish_reason == "error":
+        if failed is not None:
+            await gen.close()  # the other choices
             await gen.finish(status="error", finish_reason="error", completion_tokens=completion)
-            yield Final(pending + _sse(gen.failed(out).body()))
+            yield Final(pending + _sse(gen.failed(failed).body()))
             return
-        finish = _FINISH.get(out.finish_reason, "stop")
-        if job.kind == "chat":
-            if out.text:
-                pending += _sse(_chunk(job, out.text, None))
-            pending += _sse(_chunk(job, None, finish))
-        else:
-            pending += _sse(_chunk(job, out.text, finish))
-        await gen.finish(status="completed", finish_reason=out.finish_reason, completion_tokens=completion)
+        await gen.finish(status="completed", finish_reason=finish_reason, completion_tokens=completion)
         if job.include_usage:
             pending += _sse({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
                              "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-                             "usage": _usage_dict(len(job.prompt_ids), completion)})
+                             "usage": _usage_dict(len(job.prompt_ids), completion, gen.cached_tokens)})
         yield Final(pending + _sse("[DONE]"))
     except EngineUnavailable as e:
         if not done:
             done = True
+            await gen.close()
             await gen.finish(status="error", finish_reason=None, completion_tokens=completion)
             yield Final(_sse(unavailable(job.request_id, "the engine failed mid-request", e,
                                          code="engine_unavailable").body()))
     finally:
-        with anyio.CancelScope(shield=True):
-            await gen.stream.aclose()  # aborts the engine request if it is still running
-            if not done:
-                await gen.finish(status="aborted", finish_reason="abort", completion_tokens=completion)
+        await gen.close()  # aborts the engine requests still running (shielded)
+        if not done:
+            await gen.finish(status="aborted", finish_reason="abort", completion_tokens=completion)
 
 
-def _usage_dict(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage_dict(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
 
 
-def _chunk(job: Job, text: str | None, finish: str | None, *, first: bool = False) -> dict:
-    """One SSE chunk object: chat.completion.chunk (the first one carries the role) or text_completion."""
+def _chunk(job: Job, index: int, text: str | None, finish: str | None, logprobs: dict | None = None, *,
+           first: bool = False) -> dict:
+    """One SSE chunk object of choice `index`: chat.completion.chunk (the first one carries the
+    role) or text_completion."""
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     c = {"id": job.request_id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
     if job.include_usage:

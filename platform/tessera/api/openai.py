@@ -56,7 +56,8 @@ async def serve_completion(*, gw: Gateway, caller: Caller, body: Body, kind: str
     ids = await checks.prompt_ids(gw, body)
     job = Job(kind=kind, request_id=request_id, model=body.model, adapter=adapter, priority=priority,
               prompt_ids=ids, params=checks.sampling_params(gw, body, ids), stream=body.stream,
-              include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage))
+              include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+              n=body.n, user=body.user)
     decision = await admission.admit(gw=gw, caller=caller, job=job)
     headers = admission.ratelimit_headers(decision) | {"x-request-id": request_id}
     gen = await generation.start(gw=gw, caller=caller, job=job, decision=decision, headers=headers)

@@ -1,6 +1,6 @@
-"""Request bodies of the OpenAI-compatible API. Unknown fields are refused (422) so a typo never
-silently changes behaviour; fields OpenAI has but this server does not implement are accepted
-only with their no-op values."""
+"""Request bodies of the OpenAI-compatible API. Unknown fields are refused (a 400 naming the
+field: tessera.errors) so a typo never silently changes behaviour; fields OpenAI has but this
+server does not implement are accepted only with their no-op values."""
 from __future__ import annotations
 
 from typing import Literal
@@ -12,6 +12,8 @@ from tessera.errors import OUT_OF_RANGE
 
 #: OpenAI's `seed` is an int64.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+#: The most choices one request may ask for (`n`): its quota reservation covers all of them.
+MAX_N = 16
 
 
 class TextPart(BaseModel):
@@ -51,10 +53,17 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    #: The end user, for the tenant's own records (passed on to the request's Job).
+    user: str | None = Field(None, max_length=256)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    #: OpenAI fields not implemented here, accepted only with their no-op values (None, empty,
+    #: "none"); completions_request.sampling_params answers another value 400 naming the field.
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     #: Extension: priority class (realtime, standard, batch); default: the tenant's plan default.
     priority: str | None = None
 
@@ -69,8 +78,17 @@ class _Common(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    #: Per generated token its logprob; with top_logprobs (0..20) that many likeliest alternatives.
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    functions: list[dict] | None = None  # no-op values only (see _Common.logit_bias)
+    function_call: str | dict | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    #: Per generated token its logprob and the `logprobs` (0..5) likeliest alternatives.
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = None  # no-op values only: None or n (see _Common.logit_bias)
+    suffix: str | None = None

@@ -1,0 +1,232 @@
+"""The OpenAI request fields people use, driven by the official `openai` client: n, logprobs /
+top_logprobs, stop lists, seed, user, max_completion_tokens, stream_options; and what is not
+supported is a 400 naming the field."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from .conftest import wait_engine_idle
+from .test_gateway_usage import free_blocks, wait_events
+
+BASE = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "Tell me a short story about a cat."}]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ------------------------------------------------------------------------------------------ n
+
+
+def test_n_choices_repeat_with_seed_plus_index_and_count_the_prompt_once(platform):
+    t = platform.tenant()
+    client = platform.openai(t)
+    r = client.chat.completions.create(model=BASE, messages=ASK, n=3, seed=41, temperature=1.0, max_tokens=12)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    # Choice i samples with seed + i: the same text as a one-choice request with that seed.
+    alone = [client.chat.completions.create(model=BASE, messages=ASK, seed=41 + i, temperature=1.0, max_tokens=12)
+             for i in range(3)]
+    assert [c.message.content for c in r.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    # One usage event for the request, with the same counts.
+    events = [e for e in platform.usage_events(t.name) if e.request_id == r.id]
+    assert [(e.prompt_tokens, e.completion_tokens, e.status) for e in events] == [
+        (r.usage.prompt_tokens, r.usage.completion_tokens, "completed")]
+
+
+def test_n_streams_each_choice_under_its_index(platform):
+    t = platform.tenant()
+    client = platform.openai(t)
+    kw = dict(model=BASE, messages=ASK, n=2, seed=7, temperature=1.0, max_tokens=10)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == full.choices[i].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == [full.choices[i].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_n_reserves_quota_for_every_choice(platform):
+    t = platform.tenant(tokens_per_minute=400)
+    client = platform.openai(t)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=BASE, messages=FRANCE, n=4, max_tokens=100)
+    r = client.chat.completions.create(model=BASE, messages=FRANCE, n=1, max_tokens=100, temperature=0)
+    assert r.choices[0].message.content
+
+
+def test_a_disconnect_aborts_every_choice_and_bills_what_was_sent(platform, aengine):
+    wait_engine_idle(aengine)
+    total = free_blocks(aengine)
+    t = platform.tenant()
+    body = {"model": BASE, "messages": ASK, "max_tokens": 200, "n": 3, "temperature": 1.0, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{platform.url}/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {t.key}"}) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            seen = 0
+            for line in r.iter_lines():
+                seen += '"content":"' in line and '"content":""' not in line
+                if seen == 6:
+                    break
+    wait_engine_idle(aengine)
+    assert free_blocks(aengine) == total
+    [event] = wait_events(platform, t.name, 1)
+    assert event.request_id == rid and event.status == "aborted"
+    assert 6 <= event.completion_tokens < 3 * 200
+
+
+# ----------------------------------------------------------------------------------- logprobs
+
+
+def test_chat_logprobs_cover_the_answer_token_by_token(platform):
+    client = platform.openai(platform.tenant())
+    r = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0.0 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+        assert len(e.top_logprobs) == 3
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+        assert e.top_logprobs[0].token == e.token  # greedy: the likeliest token was taken
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    # Without logprobs=True there are none.
+    plain = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_logprobs_are_the_answers_and_come_with_their_chunks(platform):
+    client = platform.openai(platform.tenant())
+    kw = dict(model=BASE, messages=ASK, max_tokens=16, temperature=0, logprobs=True, top_logprobs=1)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in full.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in full.choices[0].logprobs.content],
+                                                          abs=1e-4)
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs:
+            # A chunk's logprobs are those of the tokens its text starts.
+            assert c.choices[0].delta.content
+
+
+def test_stop_list_cuts_the_answer_and_its_logprobs(platform):
+    client = platform.openai(platform.tenant())
+    free = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=16, temperature=0)
+    assert "Paris" in free.choices[0].message.content
+    r = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=16, temperature=0,
+                                       stop=["Paris", "Lyon", "\n\n"], logprobs=True)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert text == free.choices[0].message.content[:free.choices[0].message.content.index("Paris")]
+    # The logprobs are those of the tokens whose text the client got: the last starts inside it.
+    tokens = [e.token for e in r.choices[0].logprobs.content]
+    assert "".join(tokens).startswith(text) and len("".join(tokens[:-1])) < len(text)
+
+
+def test_completions_logprobs_in_the_legacy_shape(platform):
+    client = platform.openai(platform.tenant())
+    r = client.completions.create(model=BASE, prompt="The quick brown fox", max_tokens=8, temperature=0, logprobs=2)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert "".join(lp.tokens) == text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and top[tok] == pytest.approx(logprob)  # greedy: the likeliest
+
+
+def test_logprobs_out_of_range_are_refused_naming_the_field(platform):
+    client = platform.openai(platform.tenant())
+    for kw, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                      ({"top_logprobs": 2}, "top_logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, **kw)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=BASE, prompt="hi", max_tokens=2, logprobs=6)
+    assert e.value.body["param"] == "logprobs"
+
+
+# ------------------------------------------------------------- seed, user, max_completion_tokens
+
+
+def test_seed_repeats_an_answer_and_another_seed_changes_it(platform):
+    client = platform.openai(platform.tenant())
+
+    def ask(seed):
+        return client.chat.completions.create(model=BASE, messages=ASK, max_tokens=16, temperature=1.0,
+                                              seed=seed).choices[0].message.content
+
+    assert ask(2**63 - 1) == ask(2**63 - 1)
+    assert ask(5) != ask(6)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(platform):
+    client = platform.openai(platform.tenant())
+    r = client.chat.completions.create(model=BASE, messages=ASK, temperature=0, max_tokens=50,
+                                       max_completion_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_user_is_accepted_and_bounded(platform):
+    client = platform.openai(platform.tenant())
+    r = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, user="end-user-42")
+    assert r.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, user="u" * 257)
+    assert e.value.body["param"] == "user"
+
+
+def test_usage_reports_cached_prompt_tokens_without_streaming_too(platform):
+    client = platform.openai(platform.tenant())
+    r = client.completions.create(model=BASE, prompt="Water boils at", max_tokens=3, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
+
+
+# -------------------------------------------------------------------------------- unsupported
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1.0}, "frequency_penalty"),
+    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"n": 17}, "n"),
+    ({"extra_body": {"mirostat": 2}}, "mirostat"),
+    ({"extra_body": {"function_call": "auto"}}, "function_call"),
+])
+def test_unsupported_chat_fields_are_a_400_naming_the_field(platform, kw, param):
+    client = platform.openai(platform.tenant())
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, **kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+    assert param in e.value.body["message"] or "field" in e.value.body["message"]
+
+
+def test_unsupported_completion_fields_are_a_400_naming_the_field(platform):
+    client = platform.openai(platform.tenant())
+    for kw, param in [({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=BASE, prompt="hi", max_tokens=2, **kw)
+        assert e.value.body["param"] == param
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(platform):
+    client = platform.openai(platform.tenant())
+    r = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, presence_penalty=0,
+                                       frequency_penalty=0, logit_bias={}, tool_choice="none",
+                                       parallel_tool_calls=False, stream_options=None)
+    assert r.choices[0].message.content is not None
+    r = client.completions.create(model=BASE, prompt="hi", max_tokens=2, echo=False, best_of=1)
+    assert r.choices[0].text is not None
