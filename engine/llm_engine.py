@@ -441,6 +441,7 @@ class LLMEngine:
         seq.emitted_text_len = end
         seq.emitted_token_len = len(seq.output_token_ids)
         out = RequestOutput(seq.request_id, text, toks, prompt_tokens=seq.num_prompt_tokens,
+                            cached_tokens=seq.num_cached_tokens or 0,
                             completion_tokens=len(seq.output_token_ids))
         if seq.params.logprobs is not None:
             # Every appended token's entry was kept when it was sampled: they match `toks`.
@@ -480,7 +481,8 @@ class LLMEngine:
                 if out.finished:
                     a.finished, a.finish_reason, a.error = True, out.finish_reason, out.error
                     a.adapter_fault = out.adapter_fault
+                    a.prompt_tokens, a.completion_tokens = out.prompt_tokens, out.completion_tokens
+                    a.cached_tokens = out.cached_tokens
                 if out.logprobs is not None:
                     a.logprobs = (a.logprobs or []) + out.logprobs
-                    a.prompt_tokens, a.completion_tokens = out.prompt_tokens, out.completion_tokens
         return agg
