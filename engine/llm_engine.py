@@ -95,7 +95,7 @@ class LLMEngine:
         sink = 1 if self.backend.paged_attention else 0
         self.kv = KVCache(model_cfg.num_layers, num_blocks + sink, ec.block_size, model_cfg.num_kv_heads,
                           model_cfg.head_dim, ec.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, ec.block_size)
+        self.block_manager = BlockManager(num_blocks, ec.block_size, enable_prefix_caching=ec.enable_prefix_caching)
         # A sequence must fit the cache on its own, or it could never be scheduled.
         self.max_model_len = min(self.max_model_len, num_blocks * ec.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -150,7 +150,8 @@ class LLMEngine:
         if request.adapter is not None and self.lora_manager is None:
             raise InvalidRequestError("this engine serves no adapters", "model")
         seq = Sequence(request.request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
-                       tenant_id=request.tenant_id, priority=priority, adapter=request.adapter, device=self.device)
+                       tenant_id=request.tenant_id, priority=priority, adapter=request.adapter,
+                       cache_salt=request.cache_salt, device=self.device)
         if request.adapter is not None:
             self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
         self.requests[seq.request_id] = seq
@@ -206,6 +207,7 @@ class LLMEngine:
             logits, seqs = self._forward_isolating(sched, e, outputs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.commit(s.seq)  # its full blocks become prefix-cache hits
         if seqs and self.device.type != "cpu":
             # Logprobs from the raw logits, before the sampling path scales or masks them.
             tokens = self._sample_on_device(logits, seqs, outputs, engine_logprobs.compute(logits, seqs))
@@ -353,11 +355,12 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, reason: str, kind: str, *, adapter_cause: str | None = None) -> RequestOutput:
         """Finish `seq` with finish_reason "error" and `reason` after a fault in a step (`kind`
-        labels the metric): its KV blocks are zeroed (they may hold non-finite values) and freed.
+        labels the metric): the KV blocks it alone holds are zeroed (they may hold non-finite
+        values) and dropped from the prefix cache, and every block it holds is released.
         With `adapter_cause` and an adapter, the version is quarantined for that cause (the
         requests naming it fail at the next step's start) and the output names it."""
         engine_metrics.REQUEST_FAULTS.labels(kind).inc()
-        self.runner.clear_blocks(seq.block_table)
+        self.runner.clear_blocks(self.block_manager.discard(seq))
         version = seq.adapter if adapter_cause is not None and self.lora_manager is not None else None
         if version is not None:
             reason = f"{reason}; adapter version {version} is quarantined"
@@ -379,7 +382,7 @@ class LLMEngine:
                     continue
                 err = self.lora_manager.load_error(seq.adapter)
                 if err is not None:
-                    self.runner.clear_blocks(seq.block_table)
+                    self.runner.clear_blocks(self.block_manager.discard(seq))
                     out = self._finish(seq, "error", error=err)
                     if self.lora_manager.is_quarantined(seq.adapter):
                         out.adapter_fault = seq.adapter
