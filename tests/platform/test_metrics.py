@@ -83,7 +83,9 @@ def test_requests_tokens_latency_and_refusals_per_tenant(platform):
 
     # The in-process engine's series are on the same endpoint.
     assert value(m, "tessera_engine_step_seconds_count") > 0
-    assert value(m, "tessera_engine_batch_tokens_sum") >= sum(u.prompt_tokens for u in usages)
+    # Every prompt token was computed in a step, or found in the prefix cache.
+    assert value(m, "tessera_engine_batch_tokens_sum") + value(m, "tessera_engine_prefix_cache_hits_total") >= sum(
+        u.prompt_tokens for u in usages)
     assert value(m, "tessera_engine_kv_cache_blocks", state="free") > 0
     assert ("tessera_engine_running_sequences", frozenset({("priority", "realtime")})) in m
 
