@@ -15,6 +15,7 @@ state reads "failed" (retries go on at the longest backoff).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -88,6 +89,10 @@ class AsyncLLMEngine:
         if state != READY:
             raise EngineDeadError(f"the engine is {state}")
         loop = asyncio.get_running_loop()
+        if request.params.response_format is not None and request.grammar is None:
+            # Compiling takes milliseconds: on a worker thread, so the step loop never compiles.
+            grammar = await loop.run_in_executor(None, self.engine.structured.compile, request.params.response_format)
+            request = dataclasses.replace(request, grammar=grammar)
         q: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
         self._streams[request.request_id] = (loop, q, accepted)

@@ -41,6 +41,7 @@ from engine.sampler import sample, sample_tokens
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured_output import GrammarRejected, StructuredOutput
 from engine.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class LLMEngine:
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
+        #: response_format grammars: the compile cache and the constrained requests' matchers.
+        self.structured = StructuredOutput(tokenizer, model_cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         #: Logprobs entries of the tokens a request has appended but not yet emitted in a delta
         #: (requests that asked for logprobs only; `_delta` takes them).
@@ -145,6 +148,10 @@ class LLMEngine:
         else:
             raise InvalidRequestError("prompt is required", "prompt")
         params = request.params
+        # AsyncLLMEngine compiles off the step thread and passes the grammar; a direct caller of
+        # this synchronous API compiles here (InvalidRequestError when it cannot be compiled).
+        grammar = None if params.response_format is None else (
+            request.grammar or self.structured.compile(params.response_format))
         check_prompt(ids, max_model_len=self.max_model_len, max_tokens=params.max_tokens, vocab_size=vocab)
         priority = Priority.parse(request.priority)
         if request.adapter is not None and self.lora_manager is None:
@@ -155,6 +162,8 @@ class LLMEngine:
         if request.adapter is not None:
             self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
         self.requests[seq.request_id] = seq
+        if grammar is not None:
+            self.structured.start(seq.request_id, grammar)
         self.scheduler.add(seq)
         return seq
 
@@ -180,6 +189,7 @@ class LLMEngine:
             seq.finish_reason = "abort"
         self.requests.clear()
         self._logprobs.clear()
+        self.structured.clear()
         self.scheduler.reset()
         if self.lora_manager is not None:
             self.lora_manager.reset()
@@ -299,6 +309,17 @@ class LLMEngine:
         log.warning("sampling failed for request %s", seq.request_id, exc_info=error)
         return self._fail(seq, f"sampling failed for this request ({type(error).__name__})", "exception")
 
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> torch.Tensor:
+        """The logits to sample from: the rows of requests with a response_format masked to the
+        tokens their grammar allows (a copy; `logits` stays raw), the others as they are. A
+        request whose grammar cannot go on fails here (its row is sampled, then dropped)."""
+        if not self.structured.active:
+            return logits
+        masked, failures = self.structured.constrain(logits, [q.request_id for q in seqs])
+        for i, e in failures.items():
+            outputs.append(self._fail(seqs[i], str(e), "grammar"))
+        return masked
+
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput],
                           lp: engine_logprobs.StepLogprobs | None = None) -> list[int | None]:
         """Sampling where the logits live off the host: rows that are not finite (one row sum) are
@@ -308,6 +329,7 @@ class LLMEngine:
         sequences (token None)."""
         finite = torch.isfinite(logits.sum(dim=1))
         safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        safe = self._constrain(safe, seqs, outputs)
         errors: dict[int, Exception] = {}
         tokens_dev = sample_tokens(safe, seqs, errors)
         n = len(seqs)
@@ -337,6 +359,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling raises fails (its token is None).
         Should sample() raise as a whole, each sequence is sampled on its own."""
+        logits = self._constrain(logits, seqs, outputs)
         errors: dict[int, Exception] = {}
         try:
             tokens = sample(logits, seqs, errors)
@@ -405,6 +428,10 @@ class LLMEngine:
 
     def _postprocess_one(self, seq: Sequence, tok: int) -> RequestOutput | None:
         """Append `tok` to `seq`: its delta, its final output if it finished, or None."""
+        try:
+            complete = self.structured.accept(seq.request_id, tok)
+        except GrammarRejected as e:
+            return self._fail(seq, str(e), "grammar")
         seq.append_token(tok)
         p = seq.params
         reason = None
@@ -416,6 +443,8 @@ class LLMEngine:
             seq.output_text += seq.detokenizer.push(tok)
             if p.stop and self._truncate_at_stop(seq):
                 reason = "stop"
+            elif complete:
+                reason = "stop"  # the response_format grammar is complete: only EOS could follow
         if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -463,6 +492,7 @@ class LLMEngine:
         out.finish_reason = reason
         out.error = error
         self.requests.pop(seq.request_id, None)
+        self.structured.release(seq.request_id)
         return out
 
     def _adapter_ready(self, adapter: str) -> bool:

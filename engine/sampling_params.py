@@ -5,6 +5,9 @@ import enum
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from engine import response_format as _response_format
 
 
 #: The seeds SamplingParams accepts: the signed 64-bit range of the OpenAI API's `seed`.
@@ -61,6 +64,10 @@ class SamplingParams(BaseModel):
     #: Per generated token, its log-probability and those of the `logprobs` likeliest tokens
     #: (0..20), from the model's raw distribution (before temperature and any mask); None: off.
     logprobs: int | None = Field(None, ge=0, le=20)
+    #: OpenAI's response_format, normalized (engine.response_format.normalize): None (free text),
+    #: {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}; the output is
+    #: constrained to it (engine.structured_output).
+    response_format: dict | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -84,6 +91,14 @@ class SamplingParams(BaseModel):
         if any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, v):
+        try:
+            return _response_format.normalize(v)
+        except ValueError as e:
+            raise PydanticCustomError("response_format", str(e)) from None
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +133,10 @@ class GenerationRequest:
     #: Prefix-cache scope: requests share cached KV blocks only with requests of the same salt
     #: (and adapter version). The gateway passes the tenant, so tenants never share KV.
     cache_salt: str | None = None
+    #: The compiled grammar of params.response_format (engine.structured_output.Grammar), set by
+    #: AsyncLLMEngine off the step thread; None: LLMEngine.add_request compiles it. Never sent
+    #: over the worker protocol.
+    grammar: object | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -105,6 +105,8 @@ def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
         raw["logprobs"] = body.logprobs
     if body.stop is not None:
         raw["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.response_format is not None and body.response_format.type != "text":
+        raw["response_format"] = body.response_format.model_dump(by_alias=True, exclude_none=True)
     try:
         return SamplingParams.from_dict(raw)
     except InvalidRequestError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tessera.errors import OUT_OF_RANGE
@@ -41,6 +41,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(BaseModel):
+    """response_format.json_schema as OpenAI shapes it; the schema's size and depth are checked
+    with the sampling parameters (engine.response_format), what it means by the engine."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema
+    (`json_schema`, given exactly with that type)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _spec_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only with it")
+        return self
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -66,6 +92,8 @@ class _Common(BaseModel):
     parallel_tool_calls: bool | None = None
     #: Extension: priority class (realtime, standard, batch); default: the tenant's plan default.
     priority: str | None = None
+    #: The output's format (engine.structured_output constrains it to the grammar).
+    response_format: ResponseFormat | None = None
 
     @field_validator("seed")
     @classmethod

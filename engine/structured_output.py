@@ -1,0 +1,217 @@
+"""Structured output: a request's `response_format` becomes a grammar over the engine's vocabulary,
+and each step masks the logits rows of constrained requests to the tokens their grammar allows.
+
+Library: llguidance (bench/RESULTS.md, "Structured output", says why), imported lazily: an engine
+without it serves everything else and refuses a request with a response_format (400, naming
+`response_format`).
+
+Contracts:
+- `compile` turns a validated response_format (SamplingParams.response_format) into a `Grammar`.
+  It may take milliseconds (the tokenizer's tables, once per engine, take a fraction of a second),
+  so it runs off the step thread: AsyncLLMEngine.generate calls it on a worker thread and passes
+  the result in GenerationRequest.grammar. Compiled grammars are kept in an LRU cache keyed by the
+  canonical JSON of the response_format (at most `cache_size` of them: bounded memory).
+- What the library cannot compile is InvalidRequestError naming `response_format`, with the
+  library's reason. The schema's size and depth are bounded before it gets here (SamplingParams);
+  each mask computation is bounded by the library's per-step fuel (LLParserLimits), so one
+  tenant's grammar cannot stall the step for the others.
+- Per request, `start` makes a matcher (a copy of the compiled grammar's pristine one), `constrain`
+  masks the batch's constrained rows (a copy of the logits: the raw rows stay raw for whoever
+  reads them), `accept` advances a matcher by the sampled token and says whether the grammar is
+  complete, `release` drops it. All of these run on the step thread.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import InvalidRequestError
+
+#: Compiled grammars kept per engine.
+DEFAULT_CACHE_SIZE = 256
+#: The longest library message passed on to a client (its parser state is not the client's concern).
+_MAX_REASON_CHARS = 300
+
+
+class GrammarRejected(RuntimeError):
+    """A request's matcher refused a token or failed to compute its mask (the request fails)."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled response_format: `key` is its canonical JSON; `template` the library's matcher
+    in its start state, copied for each request (never advanced itself)."""
+
+    key: str
+    template: object
+
+
+def library_available() -> bool:
+    """Whether the grammar library can be imported here."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _library():
+    try:
+        import llguidance
+    except ImportError:
+        raise InvalidRequestError(
+            "response_format is not supported by this engine (the llguidance package is not installed)",
+            "response_format") from None
+    return llguidance
+
+
+def schema_of(response_format: dict) -> dict:
+    """The JSON schema a validated response_format constrains the output to: any JSON object for
+    json_object (and for a json_schema without a schema), else the given schema."""
+    if response_format["type"] == "json_schema":
+        return response_format["json_schema"].get("schema") or {"type": "object"}
+    return {"type": "object"}
+
+
+class StructuredOutput:
+    """The engine's grammars: the compile cache (thread-safe) and the matchers of its requests."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, cache_size: int = DEFAULT_CACHE_SIZE):
+        """`tokenizer`: the engine's TextTokenizer; `vocab_size`: the logits' width (tokens the
+        tokenizer does not have are never allowed); `eos_token_ids`: the tokens that end a
+        completion, allowed once the grammar is complete. Nothing is imported or built yet."""
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ll_tokenizer = None
+        self._matchers: dict[str, object] = {}
+        # [max rows, words] int32, grown on demand; reused every step (step thread only).
+        self._bitmask: torch.Tensor | None = None
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    # -- compiling (any thread) -----------------------------------------------------------------
+
+    def compile(self, response_format: dict) -> Grammar:
+        """The grammar of a validated response_format (SamplingParams.response_format), from the
+        cache or compiled now. Raises InvalidRequestError naming `response_format` when the
+        library is missing or cannot compile it."""
+        key = json.dumps(response_format, sort_keys=True, separators=(",", ":"))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        ll = _library()
+        schema = schema_of(response_format)
+        try:
+            # Compact JSON: flexible whitespace would let a model emit blank lines until
+            # max_tokens; the schema's own x-guidance options cannot turn that back on.
+            text = ll.LLMatcher.grammar_from_json_schema(
+                schema, overrides={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"response_format: the schema cannot be compiled: {_short(str(e))}",
+                                      "response_format") from None
+        template = ll.LLMatcher(self._llguidance_tokenizer(ll), text, log_level=0,
+                                limits=ll.LLParserLimits(verbose_errors=False))
+        if template.is_error():
+            raise InvalidRequestError(
+                f"response_format: the schema cannot be compiled: {_short(template.get_error())}", "response_format")
+        grammar = Grammar(key, template)
+        with self._lock:
+            self._cache[key] = grammar
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def cached(self) -> int:
+        """How many compiled grammars the cache holds."""
+        with self._lock:
+            return len(self._cache)
+
+    def _llguidance_tokenizer(self, ll):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = ll.LLTokenizer(self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                                    eos_token=self._eos)
+            return self._ll_tokenizer
+
+    # -- requests (the step thread) --------------------------------------------------------------
+
+    def start(self, request_id: str, grammar: Grammar) -> None:
+        """Constrain `request_id`'s completion to `grammar` from its first token."""
+        self._matchers[request_id] = grammar.template.deep_copy()
+
+    def release(self, request_id: str) -> None:
+        """Forget `request_id`'s matcher (it finished or was dropped); a no-op if it has none."""
+        self._matchers.pop(request_id, None)
+
+    def clear(self) -> None:
+        """Forget every request's matcher (the engine was reset); the compile cache stays."""
+        self._matchers.clear()
+
+    @property
+    def active(self) -> bool:
+        """Whether any request in the engine is constrained."""
+        return bool(self._matchers)
+
+    def constrain(self, logits: torch.Tensor, request_ids: list[str]) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """logits: [N, V] with row i for request_ids[i] -> (logits whose constrained rows allow
+        only their grammar's next tokens, failures). The input is never written: with any
+        constrained row the result is a copy. `failures` maps the rows whose matcher could not
+        compute a mask (or allows nothing) to a GrammarRejected; those rows are left unmasked
+        and their requests must fail."""
+        if not self._matchers:
+            return logits, {}
+        rows = [(i, m) for i, rid in enumerate(request_ids) if (m := self._matchers.get(rid)) is not None]
+        if not rows:
+            return logits, {}
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
+            self._bitmask = torch.zeros(max(len(rows), 8), words, dtype=torch.int32)
+        bitmask = self._bitmask[:len(rows)]
+        failures: dict[int, Exception] = {}
+        ok: list[int] = []
+        for j, (i, m) in enumerate(rows):
+            row = self._bitmask[j]
+            m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if m.is_error():
+                failures[i] = GrammarRejected(f"the response_format grammar failed: {_short(m.get_error())}")
+            elif not bool(bitmask[j].any()):
+                failures[i] = GrammarRejected("the response_format grammar allows no further token")
+            else:
+                ok.append(j)
+        if not ok:
+            return logits, failures
+        index = torch.tensor([rows[j][0] for j in ok], device=logits.device)
+        mask = bitmask[ok] if len(ok) < len(rows) else bitmask
+        allowed = ((mask.unsqueeze(-1) >> self._bits) & 1).view(len(ok), -1)[:, :logits.shape[1]]
+        allowed = allowed.to(logits.device, non_blocking=True).bool()
+        out = logits.clone()
+        sub = out.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        out.index_copy_(0, index, sub)
+        return out, failures
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance `request_id`'s matcher by the sampled `token`: True when its grammar is now
+        complete (the completion must stop), False when it goes on or the request is not
+        constrained. Raises GrammarRejected when the grammar does not allow `token`."""
+        m = self._matchers.get(request_id)
+        if m is None:
+            return False
+        if not m.consume_token(token):
+            raise GrammarRejected(f"the response_format grammar rejected token {token}: {_short(m.get_error())}")
+        return m.is_stopped()
+
+
+def _short(reason: str) -> str:
+    """The first line of a library message, bounded in length."""
+    line = reason.strip().splitlines()[0] if reason.strip() else "unknown reason"
+    return line if len(line) <= _MAX_REASON_CHARS else line[:_MAX_REASON_CHARS] + "..."
