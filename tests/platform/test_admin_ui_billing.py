@@ -24,7 +24,7 @@ from .ui_browser import (  # noqa: F401 (chromium_browser: the browser fixture)
 # The same book prices, from the same day, as test_billing_api.py sets: the book is shared by the
 # session's tests, so whichever runs first, both see the same prices. Realtime stays unpriced
 # (its usage is held), which test_billing_api.py relies on too.
-PRICES = {"input": ("0.075", 75_000), "output": ("0.30", 300_000)}  # batch, per million tokens
+PRICES = {"input": ("0.075", 75_000), "cached_input": ("0.015", 15_000), "output": ("0.30", 300_000)}  # batch, per Mtok
 EFFECTIVE_FROM = "2020-01-01"
 
 pytestmark = pytest.mark.usefixtures("needs_chromium")  # missing: skip, or fail under CI=true
@@ -91,12 +91,19 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
 
         # The tenant calls the API: through its adapter at batch (priced), and at realtime (no price).
         client = platform.openai(t)
-        client.chat.completions.create(model="pirate", messages=[{"role": "user", "content": "Say hello."}],
-                                       max_tokens=4, temperature=0, extra_body={"priority": "batch"})
+        for _ in range(2):  # the second finds the first's prompt in the prefix cache: cached input tokens
+            client.chat.completions.create(model="pirate", messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=4, temperature=0, extra_body={"priority": "batch"})
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=2, temperature=0, extra_body={"priority": "realtime"})
-        events = {e.priority: e for e in platform.usage_events(t.name)}
+        usage = platform.usage_events(t.name)
+        events = {e.priority: e for e in usage}
         assert set(events) == {"batch", "realtime"}
+        batch = [e for e in usage if e.priority == "batch"]
+        prompt, cached = sum(e.prompt_tokens for e in batch), sum(e.cached_tokens for e in batch)
+        completion = sum(e.completion_tokens for e in batch)
+        assert cached > 0
+        picos = (prompt - cached) * 75_000 + cached * 15_000 + completion * 300_000
 
         # Roll up now (from the keyboard): the page says what was billed and what is held.
         page.get_by_role("button", name="Roll up now").focus()
@@ -115,8 +122,7 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
         row.wait_for()
         api_period = platform.admin.get(f"/admin/v1/tenants/{t.name}/billing/periods").json()["data"][0]
         amount = api_period["pending"]["amount_micros"]
-        b = events["batch"]
-        assert amount == (b.prompt_tokens * 75_000 + b.completion_tokens * 300_000 + 500_000) // 1_000_000 > 0
+        assert amount == (picos + 500_000) // 1_000_000 > 0
         assert money(amount) in row.inner_text() and "open" in row.inner_text()
         realtime_tokens = events["realtime"].prompt_tokens + events["realtime"].completion_tokens
         assert f"{realtime_tokens:,} not billed" in row.inner_text()
@@ -127,8 +133,8 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
         item = page.locator("#line-items tr[data-adapter='pirate']")
         text = item.inner_text()
         assert "batch" in text and "pending" in text and "0.075 USD" in text and "0.30 USD" in text
-        assert f"{b.prompt_tokens:,}" in text and f"{b.completion_tokens:,}" in text
-        picos = b.prompt_tokens * 75_000 + b.completion_tokens * 300_000
+        assert f"{prompt:,}" in text and f"{cached:,}" in text and f"{completion:,}" in text
+        assert "0.015 USD" in text  # the cached input tokens' price
         assert exact(picos) in text  # the exact amount, every pico, not a rounded float
         base = page.locator("#line-items tr[data-priority='realtime']")
         assert "held" in base.inner_text() and "no price" in base.inner_text()
@@ -157,7 +163,8 @@ def test_finance_admin_prices_bills_and_exports_a_month(context, platform):
         assert set(by_priority) == {"batch", "realtime"}
         assert by_priority["batch"]["adapter"] == "pirate" and by_priority["batch"]["status"] == "pending"
         assert (int(by_priority["batch"]["input_tokens"]), int(by_priority["batch"]["output_tokens"])) == (
-            b.prompt_tokens, b.completion_tokens)
+            prompt, completion)
+        assert int(by_priority["batch"]["cached_input_tokens"]) == cached
         assert int(by_priority["batch"]["amount_picos"]) == picos
         assert by_priority["realtime"]["status"] == "held" and by_priority["realtime"]["amount_picos"] == ""
         assert export_row.locator("code").inner_text()[:12] in platform.admin.get(

@@ -438,6 +438,7 @@ function invoiceSummary(inv) {
       ["Line items", fmt.int(inv.line_items)],
       ["Requests", fmt.int(inv.requests)],
       ["Input / output tokens", `${fmt.int(inv.input_tokens)} / ${fmt.int(inv.output_tokens)}`],
+      ["Cached input tokens", `${fmt.int(inv.cached_input_tokens || 0)} of the input tokens`],
     ]),
     held.length ? h("p", { class: "notice warn" }, h("strong", {}, "Held out of this invoice for want of a price: "),
       held.map((x) => `${plural(x.tokens, "token")} of ${x.base_model}, ${x.priority}, ${x.token_kind}`).join("; "),
@@ -450,10 +451,12 @@ function pendingSummary(items, cur) {
   let heldTokens = 0;
   let requests = 0;
   let input = 0;
+  let cached = 0;
   let output = 0;
   for (const li of items) {
     requests += Number(li.requests);
     input += Number(li.input_tokens);
+    cached += Number(li.cached_input_tokens || 0);
     output += Number(li.output_tokens);
     if (li.amount_picos === null || li.amount_picos === undefined) heldTokens += Number(li.input_tokens) + Number(li.output_tokens);
     else picos += BigInt(li.amount_picos);
@@ -465,6 +468,7 @@ function pendingSummary(items, cur) {
       ["Currency", cur],
       ["Requests", fmt.int(requests)],
       ["Input / output tokens", `${fmt.int(input)} / ${fmt.int(output)}`],
+      ["Cached input tokens", `${fmt.int(cached)} of the input tokens`],
       heldTokens ? ["Held tokens", h("span", { class: "warn-text" }, `${fmt.int(heldTokens)}, not billed`)] : null,
     ]),
   ];
@@ -475,8 +479,8 @@ function lineItemsTable(items, cur, name, year) {
     ? h("span", { class: "warn-text" }, "no price") : fmt.micros(micros, cur, 2));
   return h("div", { class: "table-wrap" }, h("table", { class: "stack", id: "line-items" },
     h("caption", {}, `Line items of ${name}: usage per day, base model, adapter and priority class; prices per million tokens`),
-    headRow([["Day"], ["Base model"], ["Adapter"], ["Priority"], ["Requests", "num"], ["Input tokens", "num"], ["Output tokens", "num"],
-      ["Input price", "num"], ["Output price", "num"], ["Amount", "num"], ["Status"]]),
+    headRow([["Day"], ["Base model"], ["Adapter"], ["Priority"], ["Requests", "num"], ["Input tokens", "num"], ["Cached input", "num"],
+      ["Output tokens", "num"], ["Input price", "num"], ["Cached input price", "num"], ["Output price", "num"], ["Amount", "num"], ["Status"]]),
     h("tbody", {}, items.map((li) => h("tr", { dataset: { adapter: li.adapter || "", priority: li.priority } },
       h("th", { scope: "row", "data-label": "Day" }, day(li.usage_day, year)),
       cell("Base model", h("code", {}, li.base_model)),
@@ -484,8 +488,10 @@ function lineItemsTable(items, cur, name, year) {
       cell("Priority", li.priority),
       cell("Requests", fmt.int(li.requests), "num"),
       cell("Input tokens", fmt.int(li.input_tokens), "num"),
+      cell("Cached input", fmt.int(li.cached_input_tokens || 0), "num"),
       cell("Output tokens", fmt.int(li.output_tokens), "num"),
       cell("Input price", price(li.input_price_micros_per_mtok), "num"),
+      cell("Cached input price", Number(li.cached_input_tokens || 0) ? price(li.cached_input_price_micros_per_mtok) : h("span", { class: "muted" }, "–"), "num"),
       cell("Output price", price(li.output_price_micros_per_mtok), "num"),
       cell("Amount", li.amount_picos === null || li.amount_picos === undefined
         ? h("span", { class: "warn-text" }, "not billed") : fmt.picos(li.amount_picos, cur), "num"),
@@ -505,7 +511,7 @@ class PriceForm {
     this.models = h("datalist", { id: listId });
     this.baseModel = h("input", { name: "base_model", required: true, autocomplete: "off", list: listId, spellcheck: "false" });
     this.priority = select("priority", Object.fromEntries(page.state.priorityClasses.map((p) => [p, p])), "standard");
-    this.kind = select("token_kind", { input: "input tokens", output: "output tokens" }, "input");
+    this.kind = select("token_kind", { input: "input tokens", cached_input: "cached input tokens (prefix cache; else the input price)", output: "output tokens" }, "input");
     this.price = h("input", { name: "price", required: true, inputmode: "decimal", autocomplete: "off", placeholder: "e.g. 0.15" });
     this.from = h("input", { name: "effective_from", type: "date", required: true, value: todayUtc() });
     this.appliesTo = h("select", { name: "tenant" });
