@@ -3,11 +3,14 @@ top_logprobs, stop lists, seed, user, max_completion_tokens, stream_options; and
 supported is a 400 naming the field."""
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import openai
 import pytest
 
-from .conftest import wait_engine_idle
+from .conftest import Platform, ServerThread, wait_engine_idle
+from .test_gateway_http_engine import gateway_for, worker  # noqa: F401 - the worker fixture
 from .test_gateway_usage import free_blocks, wait_events
 
 BASE = "SmolLM2-135M-Instruct"
@@ -35,6 +38,19 @@ def test_n_choices_repeat_with_seed_plus_index_and_count_the_prompt_once(platfor
     events = [e for e in platform.usage_events(t.name) if e.request_id == r.id]
     assert [(e.prompt_tokens, e.completion_tokens, e.status) for e in events] == [
         (r.usage.prompt_tokens, r.usage.completion_tokens, "completed")]
+
+
+def test_n_choices_reuse_the_prompt_kv_of_choice_0(platform, aengine):
+    client = platform.openai(platform.tenant())
+    stats = aengine.engine.block_manager.stats
+    block = aengine.engine.config.block_size
+    fresh = [{"role": "user", "content": f"Story {uuid.uuid4().hex}: a cat, a moon and a very long road home."}]
+    before = stats["hit_tokens"]
+    r = client.chat.completions.create(model=BASE, messages=fresh, n=3, temperature=1.0, max_tokens=4)
+    # Choices 1 and 2 start once choice 0 has computed the prompt: its full blocks are hits.
+    assert stats["hit_tokens"] - before >= 2 * block * ((r.usage.prompt_tokens - 1) // block) > 0
+    # Usage reports choice 0's cached tokens: none, the prompt was new.
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_n_streams_each_choice_under_its_index(platform):
@@ -156,6 +172,21 @@ def test_logprobs_out_of_range_are_refused_naming_the_field(platform):
     assert e.value.body["param"] == "logprobs"
 
 
+def test_n_and_logprobs_through_an_engine_worker_match_in_process(platform, worker):
+    app, settings = gateway_for(platform, [worker.url])
+    t = platform.tenant()
+    kw = dict(model=BASE, messages=FRANCE, n=2, seed=3, temperature=1.0, max_tokens=6, logprobs=True,
+              top_logprobs=2)
+    direct = platform.openai(t).chat.completions.create(**kw)
+    with ServerThread(app) as server:
+        r = Platform(server.url, settings, app).openai(t).chat.completions.create(**kw)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in direct.choices]
+    for ours, theirs in zip(r.choices, direct.choices):
+        assert [e.token for e in ours.logprobs.content] == [e.token for e in theirs.logprobs.content]
+        assert [e.logprob for e in ours.logprobs.content] == pytest.approx(
+            [e.logprob for e in theirs.logprobs.content], abs=1e-3)
+
+
 # ------------------------------------------------------------- seed, user, max_completion_tokens
 
 
@@ -186,11 +217,19 @@ def test_user_is_accepted_and_bounded(platform):
     assert e.value.body["param"] == "user"
 
 
-def test_usage_reports_cached_prompt_tokens_without_streaming_too(platform):
-    client = platform.openai(platform.tenant())
-    r = client.completions.create(model=BASE, prompt="Water boils at", max_tokens=3, temperature=0)
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
-    assert r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
+def test_usage_reports_the_cached_prompt_tokens(platform):
+    t = platform.tenant()
+    client = platform.openai(t)
+    prompt = f"Note {uuid.uuid4().hex}: the quick brown fox jumps over the lazy dog, again and again and again."
+    first = client.completions.create(model=BASE, prompt=prompt, max_tokens=3, temperature=0)
+    again = client.completions.create(model=BASE, prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    chunks = list(client.completions.create(model=BASE, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+    events = {e.request_id: e for e in platform.usage_events(t.name)}
+    assert events[again.id].cached_tokens == again.usage.prompt_tokens_details.cached_tokens
 
 
 # -------------------------------------------------------------------------------- unsupported
