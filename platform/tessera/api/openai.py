@@ -6,7 +6,7 @@ resolve `model` within the caller's tenant (base model, adapter name or name@ver
 tenant's adapter is the same 404 as an unknown name) -> refuse a prompt whose UTF-8 size alone
 exceeds the context -> render and tokenize (off the event loop when long; message contents as
 plain text, never control tokens) and check the prompt and sampling fields -> reserve quota
-(prompt + max_tokens) -> stream from the engine -> record one usage event -> settle the quota to
+(prompt + n * max_tokens) -> stream from the engine -> record one usage event -> settle the quota to
 the real count.
 
 Where each step lives: completions_request.py (priority, prompt, sampling parameters),
