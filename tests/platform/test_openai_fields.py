@@ -100,6 +100,35 @@ def test_a_disconnect_aborts_every_choice_and_bills_what_was_sent(platform, aeng
     assert 6 <= event.completion_tokens < 3 * 200
 
 
+def test_an_engine_error_in_one_choice_fails_the_request_and_ends_every_choice(platform, aengine, monkeypatch):
+    wait_engine_idle(aengine)
+    total = free_blocks(aengine)
+    engine = aengine.engine
+    real = engine._postprocess_one
+
+    def failing(seq, tok):  # choice 1 of each request fails at its third token
+        if seq.request_id.endswith("-1") and len(seq.output_token_ids) >= 2:
+            raise RuntimeError("injected: choice 1 fails")
+        return real(seq, tok)
+
+    monkeypatch.setattr(engine, "_postprocess_one", failing)
+    t = platform.tenant()
+    client = platform.openai(t)
+    kw = dict(model=BASE, messages=ASK, n=3, temperature=1.0, max_tokens=40)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**kw)
+    assert e.value.status_code == 503 and e.value.body["code"] == "engine_error"
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{platform.url}/v1/chat/completions", json=kw | {"messages": ASK, "stream": True},
+                      headers={"authorization": f"Bearer {t.key}"}) as r:
+            lines = [line for line in r.iter_lines() if line]
+    assert '"engine_error"' in lines[-1] and "[DONE]" not in lines[-1]
+    wait_engine_idle(aengine)
+    assert free_blocks(aengine) == total
+    events = wait_events(platform, t.name, 2)
+    assert [e.status for e in events] == ["error", "error"]
+
+
 # ----------------------------------------------------------------------------------- logprobs
 
 
