@@ -48,6 +48,10 @@ class PlatformSettings(RegistrySettings):
     model_path: Path | None = Field(None, description="Base model GGUF/safetensors; unset takes the embedded SmolLM2.")
     engine_threads: int | None = Field(None, ge=1, description="Torch threads of an in-process engine.")
     engine_kv_cache_mib: int | None = Field(None, ge=16, description="KV cache of an engine, in MiB (default: 256 on the CPU, a share of free memory on CUDA).")
+    engine_prefix_caching: bool = Field(True, description="Reuse the KV of a tenant's repeated prompt prefixes "
+                                        "(per tenant and adapter version). A hit computes the same tokens in "
+                                        "fewer steps, equal in exact arithmetic but not bit for bit; off for "
+                                        "bitwise-reproducible greedy output.")
     engine_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where an engine runs: cpu, cuda or cuda:N.")
     engine_backend: Literal["cpu", "triton"] | None = Field(None, description="The engine's kernels (default: cpu on the CPU, triton on CUDA).")
 

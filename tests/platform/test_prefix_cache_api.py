@@ -27,3 +27,19 @@ def test_a_tenant_reuses_its_own_prompt_prefix_and_never_another_tenants(platfor
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert other.choices[0].message.content == second.choices[0].message.content
     assert other.usage.prompt_tokens == second.usage.prompt_tokens
+
+
+def test_operators_can_turn_prefix_caching_off(monkeypatch):
+    from engine.sampling_params import GenerationRequest, SamplingParams
+    from tessera.engine_client.inprocess import build_inprocess_client
+    from tessera.settings import PlatformSettings
+
+    monkeypatch.setenv("TESSERA_ENGINE_PREFIX_CACHING", "false")
+    client = build_inprocess_client(PlatformSettings())
+    client.aengine.shutdown()  # its step thread stops; the engine is driven directly below
+    engine = client.aengine.engine
+    assert engine.block_manager.enable_prefix_caching is False
+    for i in range(2):  # the same prompt twice: nothing is reused
+        out = engine.generate([GenerationRequest(f"r{i}", prompt_token_ids=list(range(100, 200)), cache_salt="t",
+                                                 params=SamplingParams(max_tokens=1, temperature=0))])
+        assert out[f"r{i}"].cached_tokens == 0

@@ -121,7 +121,8 @@ def _worker(args: argparse.Namespace) -> int:
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
                                    cache_dir=settings.adapter_cache_dir)
     config = engine_config(device=args.device or settings.engine_device, backend=args.backend or settings.engine_backend,
-                           kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads)
+                           kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads,
+                           enable_prefix_caching=settings.engine_prefix_caching)
     engine = LLMEngine(settings.model_path, config, adapter_source=source)
     aengine = AsyncLLMEngine(engine)
     app = create_worker_app(aengine, secret=secret)

@@ -49,6 +49,7 @@ def build_inprocess_client(settings, adapter_source=None) -> InProcessEngineClie
     from tessera.engine_config import engine_config
 
     config = engine_config(device=settings.engine_device, backend=settings.engine_backend,
+                           enable_prefix_caching=settings.engine_prefix_caching,
                            kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads)
     engine = LLMEngine(settings.model_path, config, adapter_source=adapter_source)
     return InProcessEngineClient(AsyncLLMEngine(engine), owns_engine=True)
