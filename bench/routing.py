@@ -20,6 +20,8 @@ Each replica, as the simulation models it:
 The gateway's view of the replicas is the HTTP client's own (tessera.engine_client.http._Replica):
 each replica's state as of its last poll, every --poll-s (the gateway's default, 0.5 s; 0: an
 exact view), plus the requests the gateway sent since.
+`cold_loads_per_1k_lower_bound`: what no router reaches below with these tier sizes (all replicas'
+CPU tiers holding the most popular adapters for good; see cold_load_lower_bound).
 Measured over the requests after the first --warmup (cold caches excluded): cold loads per 1,000
 requests, device-tier hit rate, max/mean replica load (the busy seat-seconds each replica was
 given), p50/p99 queueing delay (arrival to start of service, cold load included).
@@ -262,8 +264,22 @@ def main() -> None:
                 out[f"{prefix[policy]}_{k}_at_{tag}"] = v
     out["affinity_over_round_robin_cold_loads"] = round(
         out["affinity_cold_loads_per_1k"] / max(out["round_robin_cold_loads_per_1k"], 1e-9), 3)
+    bound = cold_load_lower_bound(args.adapters, args.zipf, args.replicas * cpu_capacity)
+    out["cold_loads_per_1k_lower_bound"] = round(1000 * bound, 1)
+    out["lower_bound_over_round_robin_cold_loads"] = round(
+        1000 * bound / max(out["round_robin_cold_loads_per_1k"], 1e-9), 3)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
+
+
+def cold_load_lower_bound(n: int, s: float, capacity: int) -> float:
+    """The least share of requests any placement and any cache policy loads cold: requests are
+    independent draws from the Zipf(s) popularity of `n` adapters and the fleet's CPU tiers hold
+    `capacity` adapters in all, so at best they hold the `capacity` most popular ones for good
+    (the optimal policy under independent references) and every other adapter's request is a
+    cold load."""
+    weights = [1.0 / (i + 1) ** s for i in range(n)]
+    return sum(weights[capacity:]) / sum(weights)
 
 
 if __name__ == "__main__":
