@@ -98,6 +98,10 @@ class StructuredOutput:
         self._matchers: dict[str, object] = {}
         # [max rows, words] int32, grown on demand; reused every step (step thread only).
         self._bitmask: torch.Tensor | None = None
+        # CPU fp32 logits: the bias rows and the masked logits, reused every step (step thread
+        # only; what `constrain` returns is valid until its next call).
+        self._bias: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
         self._bits = torch.arange(32, dtype=torch.int32)
 
     # -- compiling (any thread) -----------------------------------------------------------------
@@ -169,7 +173,8 @@ class StructuredOutput:
     def constrain(self, logits: torch.Tensor, request_ids: list[str]) -> tuple[torch.Tensor, dict[int, Exception]]:
         """logits: [N, V] with row i for request_ids[i] -> (logits whose constrained rows allow
         only their grammar's next tokens, failures). The input is never written: with any
-        constrained row the result is a copy. `failures` maps the rows whose matcher could not
+        constrained row the result is a copy (on CPU, a buffer reused by the next call: use it
+        before then). `failures` maps the rows whose matcher could not
         compute a mask (or allows nothing) to a GrammarRejected; those rows are left unmasked
         and their requests must fail."""
         if not self._matchers:
@@ -194,25 +199,34 @@ class StructuredOutput:
                 ok.append(j)
         if not ok:
             return logits, failures
-        index = torch.tensor([rows[j][0] for j in ok], device=logits.device)
         mask = bitmask[ok] if len(ok) < len(rows) else bitmask
-        if logits.device.type == "cpu":
+        n, vocab = logits.shape
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
             # Bit i of byte k allows token 8k + i (llguidance writes 32-bit words, bit b of word w
             # for token 32w + b, in the host's little-endian order). A table row per byte value
             # turns the mask into an additive bias (0 or -inf) with one gather, far cheaper on
-            # CPU than an elementwise select over the vocabulary.
-            by = mask.view(torch.uint8).reshape(-1).int()
-            bias = _BYTE_BIAS.index_select(0, by).view(len(ok), -1)[:, :logits.shape[1]].to(logits.dtype)
+            # CPU than an elementwise select over the vocabulary. Both results go to buffers kept
+            # across steps: fresh multi-megabyte tensors each step would cost page faults.
+            if self._bias is None or self._bias.shape[0] < len(ok) or self._out.shape[0] < n:
+                self._bias = torch.empty(max(len(ok), n, 8), words * 32)
+                self._out = torch.empty(max(len(ok), n, 8), words * 32)
+            bias = self._bias[:len(ok)]
+            torch.index_select(_BYTE_BIAS, 0, mask.view(torch.uint8).reshape(-1).int(), out=bias.view(-1, 8))
+            bias = bias[:, :vocab]
+            out = self._out[:n, :vocab]
+            out.copy_(logits)
         else:
             # The small bitmask crosses to the device; the expansion runs there.
             on_device = mask.to(logits.device, non_blocking=True)
             allowed = ((on_device.unsqueeze(-1) >> self._bits.to(logits.device)) & 1).view(len(ok), -1)
-            bias = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(len(ok), logits.shape[1])
-            bias = bias.masked_fill(allowed[:, :logits.shape[1]] == 0, float("-inf"))
-        if len(ok) == logits.shape[0]:
-            return logits + bias, failures
-        out = logits.clone()
-        out.index_copy_(0, index, logits.index_select(0, index) + bias)
+            bias = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(len(ok), vocab)
+            bias = bias.masked_fill(allowed[:, :vocab] == 0, float("-inf"))
+            out = logits.clone()
+        if len(ok) == n:
+            out.add_(bias)
+        else:
+            for k, j in enumerate(ok):
+                out[rows[j][0]].add_(bias[k])
         return out, failures
 
     def accept(self, request_id: str, token: int) -> bool:
