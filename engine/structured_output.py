@@ -118,16 +118,16 @@ class StructuredOutput:
                 return hit
         ll = _library()
         schema = schema_of(response_format)
+        tokenizer = self._llguidance_tokenizer(ll)
         try:
             # Compact JSON: flexible whitespace would let a model emit blank lines until
             # max_tokens; the schema's own x-guidance options cannot turn that back on.
             text = ll.LLMatcher.grammar_from_json_schema(
                 schema, overrides={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-        except (ValueError, TypeError) as e:
+            template = ll.LLMatcher(tokenizer, text, log_level=0, limits=ll.LLParserLimits(verbose_errors=False))
+        except Exception as e:  # noqa: BLE001 - whatever the library says about a schema is the client's 400
             raise InvalidRequestError(f"response_format: the schema cannot be compiled: {_short(str(e))}",
                                       "response_format") from None
-        template = ll.LLMatcher(self._llguidance_tokenizer(ll), text, log_level=0,
-                                limits=ll.LLParserLimits(verbose_errors=False))
         if template.is_error():
             raise InvalidRequestError(
                 f"response_format: the schema cannot be compiled: {_short(template.get_error())}", "response_format")
