@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-mb", type=int, default=256)
     args = ap.parse_args(argv)
     checkpoint, tokenizer = load_model()
-    engine = LLMEngine(config=EngineConfig(dtype=torch.float32, weight_format="auto", kv_cache_bytes=args.kv_cache_mb << 20,
-                                           max_num_seqs=64),
-                       checkpoint=checkpoint, tokenizer=tokenizer)
+    cfg = EngineConfig(dtype=torch.float32, weight_format="auto", kv_cache_bytes=args.kv_cache_mb << 20,
+                       max_num_seqs=64)
+    engine = LLMEngine(config=cfg, checkpoint=checkpoint, tokenizer=tokenizer)
     timings = {}
     for name, fmt in (("first_compile_ms", {"type": "json_object"}), ("schema_compile_ms", RESPONSE_FORMAT),
                       ("cached_compile_ms", RESPONSE_FORMAT)):

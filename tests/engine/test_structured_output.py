@@ -93,8 +93,8 @@ def test_mixed_batch_constrains_only_its_rows(lora_engine, tokenizer):
     alone = lora_engine.generate(free)
     again = [req(f"free-{a}", tokenizer, "Tell me about the sea.", adapter=a, max_tokens=12, temperature=0.8, seed=7)
              for a in adapters]
-    constrained = [req(f"json-{a}-{t}", tokenizer, "Describe a sailor.", adapter=a, max_tokens=80, temperature=t, seed=3,
-                       response_format=fmt) for a in adapters for t in (0.0, 1.0)]
+    constrained = [req(f"json-{a}-{t}", tokenizer, "Describe a sailor.", adapter=a, max_tokens=80, temperature=t,
+                       seed=3, response_format=fmt) for a in adapters for t in (0.0, 1.0)]
     mixed = lora_engine.generate(again + constrained)
     for r in again:
         assert mixed[r.request_id].token_ids == alone[r.request_id].token_ids, r.request_id

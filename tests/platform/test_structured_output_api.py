@@ -1,8 +1,8 @@
 """response_format through the OpenAI-compatible API (the official openai client): JSON that
 validates against the request's schema from the base model and the demo adapters, on both
 endpoints (the client's completions.create has no response_format argument: it goes in
-extra_body, as OpenAI-compatible servers take it), streamed or not; a bad shape or a schema that cannot be compiled is a 400 naming
-response_format."""
+extra_body, as OpenAI-compatible servers take it), streamed or not; a bad shape or a schema that
+cannot be compiled is a 400 naming response_format."""
 from __future__ import annotations
 
 import asyncio
@@ -106,8 +106,8 @@ def test_fifty_prompts_validate_against_their_schema(platform, tenant):
 def test_streamed_json_object_on_both_endpoints(platform, tenant):
     client = platform.openai(tenant)
     model = DEMO_NAMES[0] if DEMO_NAMES else BASE
-    chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give me a color as JSON."}],
-                                            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+    chunks = client.chat.completions.create(model=model, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "Give me a color as JSON."}],
                                             response_format=fmt("answer"))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), SCHEMAS["answer"])
@@ -123,9 +123,11 @@ def test_streamed_json_object_on_both_endpoints(platform, tenant):
     ({"type": "xml"}, "response_format.type"),
     ({"type": "json_schema"}, "response_format"),
     ({"type": "json_schema", "json_schema": {"name": "has space", "schema": {}}}, "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "extra": True}}, "response_format.json_schema.extra"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "extra": True}},
+     "response_format.json_schema.extra"),
     ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "strange"}}}, "response_format"),
-    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string", "pattern": "(("}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string", "pattern": "(("}}},
+     "response_format"),
 ])
 @pytest.mark.parametrize("endpoint", ["chat", "text"])
 def test_bad_response_format_is_a_400_naming_it(platform, tenant, response_format, param, endpoint):
