@@ -10,7 +10,7 @@ Contracts:
   It may take milliseconds (the tokenizer's tables, once per engine, take a fraction of a second),
   so it runs off the step thread: AsyncLLMEngine.generate calls it on a worker thread and passes
   the result in GenerationRequest.grammar. Compiled grammars are kept in an LRU cache keyed by the
-  canonical JSON of the response_format (at most `cache_size` of them: bounded memory).
+  canonical JSON of the schema (at most `cache_size` of them: bounded memory).
 - What the library cannot compile is InvalidRequestError naming `response_format`, with the
   library's reason. The schema's size and depth are bounded before it gets here (SamplingParams);
   each mask computation is bounded by the library's per-step fuel (LLParserLimits), so one
@@ -47,20 +47,11 @@ class GrammarRejected(RuntimeError):
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled response_format: `key` is its canonical JSON; `template` the library's matcher
+    """A compiled response_format: `key` is its schema's canonical JSON; `template` the library's matcher
     in its start state, copied for each request (never advanced itself)."""
 
     key: str
     template: object
-
-
-def library_available() -> bool:
-    """Whether the grammar library can be imported here."""
-    try:
-        import llguidance  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _library():
@@ -110,14 +101,15 @@ class StructuredOutput:
         """The grammar of a validated response_format (SamplingParams.response_format), from the
         cache or compiled now. Raises InvalidRequestError naming `response_format` when the
         library is missing or cannot compile it."""
-        key = json.dumps(response_format, sort_keys=True, separators=(",", ":"))
+        schema = schema_of(response_format)
+        # The schema alone decides the grammar (not its name or description).
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
         ll = _library()
-        schema = schema_of(response_format)
         tokenizer = self._llguidance_tokenizer(ll)
         try:
             # Compact JSON: flexible whitespace would let a model emit blank lines until

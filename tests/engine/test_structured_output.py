@@ -143,12 +143,12 @@ def test_response_format_survives_the_worker_round_trip():
     assert SamplingParams.from_dict(p.model_dump()) == p
 
 
-def test_compiled_grammars_are_cached_by_canonical_json(tokenizer):
+def test_compiled_grammars_are_cached_by_the_schemas_canonical_json(tokenizer):
     so = StructuredOutput(tokenizer, tokenizer.vocab_size, {tokenizer.eos_token_id}, cache_size=2)
     a = so.compile(schema_format({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}))
     b = so.compile(schema_format({"properties": {"y": {"type": "string"}, "x": {"type": "integer"}}, "type": "object"}))
     assert a is b and so.cached() == 1
-    so.compile({"type": "json_object"})
+    assert so.compile(schema_format({"type": "object"}, name="other")) is so.compile({"type": "json_object"})
     so.compile(schema_format({"type": "array"}))
     assert so.cached() == 2  # bounded: the least recently used one was dropped
     assert so.compile(schema_format({"type": "object", "properties": {"x": {"type": "integer"},
