@@ -18,8 +18,9 @@ from tessera.billing.exports import event_id
 from tessera.billing.periods import Period
 
 BASE = "SmolLM2-135M-Instruct"
-PRICES = {("standard", "input"): 150_000, ("standard", "output"): 600_000,
-          ("batch", "input"): 75_000, ("batch", "output"): 300_000}
+#: The same book as test_admin_ui_billing's (the modules share one platform and its prices).
+PRICES = {("standard", "input"): 150_000, ("standard", "cached_input"): 30_000, ("standard", "output"): 600_000,
+          ("batch", "input"): 75_000, ("batch", "cached_input"): 15_000, ("batch", "output"): 300_000}
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +44,17 @@ def _requests(platform, t, n=2):
 
 
 def _expected_picos(events) -> int:
-    return sum(e.prompt_tokens * PRICES[(e.priority, "input")] + e.completion_tokens * PRICES[(e.priority, "output")]
-               for e in events)
+    """Prompt tokens the prefix cache served at the cached-input price, the others at the input price."""
+    return sum((e.prompt_tokens - e.cached_tokens) * PRICES[(e.priority, "input")]
+               + e.cached_tokens * PRICES[(e.priority, "cached_input")]
+               + e.completion_tokens * PRICES[(e.priority, "output")] for e in events)
 
 
 def test_requests_are_billed_and_exported(platform, priced, tmp_path):
     t = platform.tenant(allowed_priorities=["standard", "batch"])
     events = _requests(platform, t)
     assert len(events) == 2 and all(e.base_model == priced for e in events)
+    assert sum(e.cached_tokens for e in events) > 0  # the second request reused the first's system prompt
     exact = _expected_picos(events)
 
     r = platform.admin.post("/admin/v1/billing/rollup")
