@@ -28,24 +28,59 @@ def prime(client, messages) -> None:
 # ------------------------------------------------------------------------------------------ n
 
 
-def test_n_choices_repeat_with_seed_plus_index_and_count_the_prompt_once(platform):
+class Recorded:
+    """The engine requests the gateway sent, and each one's text and final output."""
+
+    def __init__(self):
+        self.sent, self.text, self.finals = [], {}, {}
+
+    def clear(self):
+        self.sent.clear(), self.text.clear(), self.finals.clear()
+
+
+@pytest.fixture
+def recorded(platform, monkeypatch) -> Recorded:
+    rec, engine_client = Recorded(), platform.gateway.engine
+    generate = engine_client.generate
+
+    async def recording(request):
+        rec.sent.append(request)
+        async for out in generate(request):
+            rec.text[out.request_id] = rec.text.get(out.request_id, "") + out.text
+            if out.finished:
+                rec.finals[out.request_id] = out
+            yield out
+
+    monkeypatch.setattr(engine_client, "generate", recording)
+    return rec
+
+
+def test_n_choices_sample_with_seed_plus_index_and_count_the_prompt_once(platform, recorded):
+    sent, finals = recorded.sent, recorded.finals
     t = platform.tenant()
     client = platform.openai(t)
     prime(client, ASK)
+    recorded.clear()
     r = client.chat.completions.create(model=BASE, messages=ASK, n=3, seed=41, temperature=1.0, max_tokens=12)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    # Choice i samples with seed + i: the same text as a one-choice request with that seed.
-    alone = [client.chat.completions.create(model=BASE, messages=ASK, seed=41 + i, temperature=1.0, max_tokens=12)
-             for i in range(3)]
-    assert [c.message.content for c in r.choices] == [a.choices[0].message.content for a in alone]
+    # Choice i is one engine request sampling with seed + i, on the same prompt. (Its text is
+    # not compared with a one-choice request's: the CPU engine's weight format depends on the
+    # step's width, so the logits, and what a seed samples from them, do too.)
+    assert [q.params.seed for q in sent] == [41, 42, 43]
+    assert len({tuple(q.prompt_token_ids) for q in sent}) == 1
     assert len({c.message.content for c in r.choices}) > 1
-    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
-    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # The prompt counted once, the completions of every choice summed.
+    assert r.usage.prompt_tokens == finals[sent[0].request_id].prompt_tokens
+    assert r.usage.completion_tokens == sum(o.completion_tokens for o in finals.values())
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the primed prompt
     # One usage event for the request, with the same counts.
     events = [e for e in platform.usage_events(t.name) if e.request_id == r.id]
     assert [(e.prompt_tokens, e.completion_tokens, e.status) for e in events] == [
         (r.usage.prompt_tokens, r.usage.completion_tokens, "completed")]
+    # The seed wraps within int64: the last choice of a request at the top of the range.
+    recorded.clear()
+    client.chat.completions.create(model=BASE, messages=ASK, n=2, seed=2**63 - 1, temperature=1.0, max_tokens=2)
+    assert [q.params.seed for q in sent] == [2**63 - 1, -2**63]
 
 
 def test_n_choices_reuse_the_prompt_kv_of_choice_0(platform, aengine):
@@ -61,20 +96,24 @@ def test_n_choices_reuse_the_prompt_kv_of_choice_0(platform, aengine):
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_n_streams_each_choice_under_its_index(platform):
+def test_n_streams_each_choice_under_its_index(platform, recorded):
     t = platform.tenant()
     client = platform.openai(t)
     kw = dict(model=BASE, messages=ASK, n=2, seed=7, temperature=1.0, max_tokens=10)
     prime(client, ASK)
     full = client.chat.completions.create(**kw)
+    recorded.clear()
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    for i in range(2):
+    # Each index's chunks are its own engine request's text (seed 7 + i), whole and in order.
+    assert [q.params.seed for q in recorded.sent] == [7, 8]
+    for i, q in enumerate(recorded.sent):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert mine[0].delta.role == "assistant"
-        assert "".join(c.delta.content or "" for c in mine) == full.choices[i].message.content
-        assert [c.finish_reason for c in mine if c.finish_reason] == [full.choices[i].finish_reason]
+        assert "".join(c.delta.content or "" for c in mine) == recorded.text[q.request_id]
+        assert [c.finish_reason for c in mine if c.finish_reason] == [recorded.finals[q.request_id].finish_reason]
     usage = chunks[-1].usage
-    assert chunks[-1].choices == [] and usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].choices == []
+    assert usage.completion_tokens == sum(o.completion_tokens for o in recorded.finals.values())
     assert usage.prompt_tokens == full.usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens > 0
 
 
