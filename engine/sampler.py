@@ -20,8 +20,8 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence],
     tensor [N] on the logits' device (the caller copies it to the host once).
 
     Greedy rows take argmax. Other rows are sampled from their own torch.Generator (seeded from
-    the request's seed, on the logits' device), so a request's tokens do not depend on what else
-    is in the batch. With `errors`, a row whose sampling raises keeps its argmax, its exception
+    the request's seed, on the logits' device), so a request's random draws do not depend on
+    what else is in the batch. With `errors`, a row whose sampling raises keeps its argmax, its exception
     goes to errors[i], and the other rows are sampled as usual; without it the exception
     propagates.
     """
