@@ -136,5 +136,22 @@ def hf_chat_batch(tok, n: int, device: str = "cpu"):
     return batch if device == "cpu" else batch.to(device)
 
 
+def ttft_ms(engine, request_id: str, prompt_ids: list[int], device, *, cache_salt: str | None = None) -> float:
+    """Milliseconds from submitting a one-token greedy request for `prompt_ids` to its token, on
+    `engine` (idle: nothing else runs; the device synchronized at both ends)."""
+    engine.add_request(GenerationRequest(request_id, prompt_token_ids=prompt_ids, cache_salt=cache_salt,
+                                         params=SamplingParams(max_tokens=1, temperature=0)))
+    sync(device)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        if any(o.token_ids for o in engine.step()):
+            break
+    sync(device)
+    dt = (time.perf_counter() - t0) * 1000.0
+    while engine.has_unfinished():
+        engine.step()
+    return dt
+
+
 def median(xs):
     return statistics.median(xs)

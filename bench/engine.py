@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import (PROMPTS, add_model_args, engine_tok_s, fixed_requests, hf_baseline,  # noqa: E402
-                          hf_chat_batch, is_default_run, load_model, machine, median, run_info, sync)
+                          hf_chat_batch, is_default_run, load_model, machine, median, run_info, sync, ttft_ms)
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E402
 
 # weight format -> activation dtype. "auto"/"int8" keep fp32 activations (int8 weights for
 # decode-sized batches, a dense copy measured at start for wider ones); "bf16" runs everything
@@ -60,17 +59,8 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
     for c in concurrencies:
         res[f"tok_s_c{c}"] = round(engine_tok_s(eng, fixed_requests(tokenizer, c, args.new_tokens, f"c{c}-")), 2)
     long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]
-    ttfts = []
-    for i in range(3):
-        eng.add_request(GenerationRequest(f"ttft{i}", prompt_token_ids=long_prompt, cache_salt=f"ttft{i}",
-                                          params=SamplingParams(max_tokens=1, temperature=0)))
-        sync(args.device)
-        t0 = time.perf_counter()
-        while eng.has_unfinished():
-            outs = eng.step()
-            if any(o.token_ids for o in outs):
-                break
-        ttfts.append((time.perf_counter() - t0) * 1000)
+    # Each under its own cache salt: the same prompt must not be a prefix-cache hit.
+    ttfts = [ttft_ms(eng, f"ttft{i}", long_prompt, args.device, cache_salt=f"ttft{i}") for i in range(3)]
     res["ttft_ms_p50_512"] = round(median(ttfts), 1)
     return res
 

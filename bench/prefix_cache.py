@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (PROMPTS, add_model_args, is_default_run, load_model, machine, median,  # noqa: E402
-                          run_info, sync)
+                          run_info, sync, ttft_ms)
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E402
@@ -41,20 +41,6 @@ def system_prompt(tokenizer, n: int, variant: int) -> list[int]:
 
 def user_turn(tokenizer, i: int) -> list[int]:
     return tokenizer.encode(f"\nUser {i}: {PROMPTS[i % len(PROMPTS)]}\nAssistant:")
-
-
-def ttft_ms(engine: LLMEngine, rid: str, ids: list[int], device: str) -> float:
-    engine.add_request(GenerationRequest(rid, prompt_token_ids=ids, params=SamplingParams(max_tokens=1, temperature=0)))
-    sync(device)
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        if any(o.token_ids for o in engine.step()):
-            break
-    sync(device)
-    dt = (time.perf_counter() - t0) * 1000.0
-    while engine.has_unfinished():
-        engine.step()
-    return dt
 
 
 def shared_tok_s(engine: LLMEngine, system: list[int], tokenizer, streams: int, new_tokens: int, tag: str,

@@ -121,7 +121,7 @@ class BlockManager:
         seq's block table to fit `num_new_tokens` more tokens; call can_allocate first."""
         if not self.can_allocate(seq, num_new_tokens, hit):
             raise RuntimeError("KV cache out of blocks (call can_allocate first)")
-        if not seq.block_table and not seq.num_computed_tokens and seq.num_cached_tokens is None:
+        if seq.num_cached_tokens is None:
             # The first scheduling: what OpenAI's usage reports as cached prompt tokens.
             seq.num_cached_tokens = min(len(hit) * self.block_size, seq.num_prompt_tokens)
             self.stats["query_tokens"] += seq.num_prompt_tokens

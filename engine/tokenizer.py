@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
@@ -227,6 +227,23 @@ class TextTokenizer:
             add_bos_token=bool(conf.get("add_bos_token", False)),
             byte_level=_is_byte_level(tok),
         )
+
+
+@lru_cache(maxsize=1)
+def byte_level_chars() -> tuple[str, ...]:
+    """GPT-2's byte-level alphabet in byte order: the character that spells byte b in a byte-level
+    BPE vocabulary is byte_level_chars()[b] (printable bytes spell themselves, the others take
+    the characters from U+0100 on, in byte order)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) \
+        | set(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return tuple(chars)
 
 
 def _is_byte_level(tok: Tokenizer) -> bool:

@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
+from engine.tokenizer import byte_level_chars
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 BOS_ID, EOS_ID = 1, 2
@@ -195,20 +197,6 @@ def dequantize_blocks(qtype: GGMLQuantizationType, data: np.ndarray, cols: int) 
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet: the token text of each byte 0..255, in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def learn_merges(text: str, max_merges: int) -> list[tuple[str, str]]:
     """Byte-level BPE merges learned from `text`, deterministically: each step merges the most
     frequent adjacent pair (ties: the lexicographically smallest), until `max_merges` or no pair
@@ -251,7 +239,7 @@ def tokenizer_metadata(vocab_size: int) -> dict:
     base = len(SPECIAL_TOKENS) + 256
     if vocab_size < base + 8:
         raise ValueError(f"vocab_size must be at least {base + 8}")
-    tokens = list(SPECIAL_TOKENS) + _byte_tokens()
+    tokens = list(SPECIAL_TOKENS) + list(byte_level_chars())
     types = [_CONTROL] * len(SPECIAL_TOKENS) + [_NORMAL] * 256
     known = set(tokens)
     # Keep a few unused ids whatever the vocabulary size, as real vocabularies have.

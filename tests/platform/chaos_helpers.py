@@ -17,6 +17,10 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import create_engine, select
+
+from adapter_registry.models import Tenant
+from tessera.models import UsageEvent
 
 from tests.requirements import HOW, require
 
@@ -143,3 +147,15 @@ def metric_samples(text: str, name: str) -> list[tuple[dict, float]]:
     """(labels, value) of every sample of `name` in a Prometheus exposition."""
     return [(s.labels, s.value) for family in text_string_to_metric_families(text)
             for s in family.samples if s.name == name]
+
+
+def usage_events(database_url: str, tenant: str) -> list:
+    """The usage_events rows of `tenant` (by name) in the database at `database_url`, read
+    directly (the platform under test runs in other processes)."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as c:
+            tid = c.scalar(select(Tenant.id).where(Tenant.name == tenant))
+            return list(c.execute(select(UsageEvent).where(UsageEvent.tenant_id == tid)))
+    finally:
+        engine.dispose()

@@ -16,14 +16,11 @@ from dataclasses import dataclass
 import anyio
 import httpx
 import pytest
-from sqlalchemy import create_engine, select
 
 from adapter_registry.migrate import upgrade
-from adapter_registry.models import Tenant as TenantRow
 from adapter_registry.settings import RegistrySettings
-from tessera.models import UsageEvent
 
-from .chaos_helpers import TESSERA, PrivatePostgres, Service, free_port, metric_samples
+from .chaos_helpers import TESSERA, PrivatePostgres, Service, free_port, metric_samples, usage_events
 
 ADMIN_TOKEN = "chaos-admin-token-" + "a" * 16
 SECRET = "chaos-engine-secret-" + "s" * 16
@@ -49,13 +46,7 @@ class Stack:
         return name, r.json()["key"]
 
     def usage_events(self, tenant: str) -> list:
-        engine = create_engine(self.pg.url)
-        try:
-            with engine.connect() as c:
-                tid = c.scalar(select(TenantRow.id).where(TenantRow.name == tenant))
-                return list(c.execute(select(UsageEvent).where(UsageEvent.tenant_id == tid)))
-        finally:
-            engine.dispose()
+        return usage_events(self.pg.url, tenant)
 
     def metrics(self, name: str) -> list[tuple[dict, float]]:
         return metric_samples(httpx.get(f"{self.url}/metrics", timeout=10).text, name)

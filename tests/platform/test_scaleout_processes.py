@@ -17,16 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, select
 
 from adapter_registry.migrate import upgrade
-from adapter_registry.models import Tenant as TenantRow
 from adapter_registry.settings import RegistrySettings
-from tessera.models import UsageEvent
 
 from ..adapter_registry.conftest import create_pg_database, drop_pg_database, s3_settings
 from ..adapter_registry.registry_helpers import write_adapter
-from .chaos_helpers import TESSERA, Service, free_port
+from .chaos_helpers import TESSERA, Service, free_port, usage_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("needs_postgres", "needs_redis")]
 
@@ -120,16 +117,6 @@ def upload(url: str, tenant: str, name: str, folder: Path) -> int:
                 return version
             assert v["status"] == "validating" and time.monotonic() < deadline, v
             time.sleep(0.3)
-
-
-def usage_events(db: str, tenant: str) -> list:
-    engine = create_engine(db)
-    try:
-        with engine.connect() as c:
-            tid = c.scalar(select(TenantRow.id).where(TenantRow.name == tenant))
-            return list(c.execute(select(UsageEvent).where(UsageEvent.tenant_id == tid)))
-    finally:
-        engine.dispose()
 
 
 def chat(model: str, max_tokens: int, content: str = "Tell me a long story about the sea.", **kw) -> dict:

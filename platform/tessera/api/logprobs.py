@@ -17,22 +17,13 @@ from __future__ import annotations
 from collections import deque
 from functools import lru_cache
 
-from engine.tokenizer import TextTokenizer
+from engine.tokenizer import TextTokenizer, byte_level_chars
 
 
 @lru_cache(maxsize=1)
 def _byte_of_char() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the character that spells each byte -> the byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    return {c: b for b, c in enumerate(byte_level_chars())}
 
 
 class TokenTexts:
