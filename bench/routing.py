@@ -1,10 +1,13 @@
 """Routing simulation: adapter affinity with bounded load vs round robin vs plain hashing.
 
 Prints one JSON object. 10,000 adapters with Zipf popularity (exponent --zipf), `--replicas`
-engine replicas with the engine's own device-slot count (EngineConfig.max_loras), seats
-(EngineConfig.max_num_seqs) and CPU-tier budget (EngineConfig.lora_cpu_cache_bytes, divided by
-one adapter's bytes for --model's shape at --rank and --lora-dtype), Poisson arrivals at 70% and
-95% of the fleet's seat capacity (replicas x seats / mean service time). The affinity policy is
+engine replicas with real device-slot counts (max_loras), seats (max_num_seqs) and CPU-tier
+budgets (divided by one adapter's bytes for --model's shape at --rank and the tier's dtype):
+`--sizes chart` (the default) takes them from the Helm chart's engine values
+(infra/helm/tessera/values.yaml: the scale-out deployment, GPU engines keeping adapters in bf16),
+`--sizes engine` from EngineConfig's defaults (the embedded engine: a 1 GiB tier, adapters in
+--lora-dtype); --cpu-tier-mib overrides the tier. Poisson arrivals at 70% and 95% of the fleet's
+seat capacity (replicas x seats / mean service time). The affinity policy is
 the gateway's own code (tessera.engine_client.routing.route over ReplicaState objects the
 simulation keeps current); plain hashing is routing.plain_hash (the policy before replica state).
 
@@ -22,11 +25,13 @@ each replica's state as of its last poll, every --poll-s (the gateway's default,
 exact view), plus the requests the gateway sent since.
 `cold_loads_per_1k_lower_bound`: what no router reaches below with these tier sizes (all replicas'
 CPU tiers holding the most popular adapters for good; see cold_load_lower_bound).
-Measured over the requests after the first --warmup (cold caches excluded): cold loads per 1,000
+Measured over the requests after the first --warmup (cold caches excluded; a deployment serves for
+days, and with tiers that hold most of the catalogue the first touches of the Zipf tail take a few
+hundred thousand requests to fade, so the default leaves out 300,000): cold loads per 1,000
 requests, device-tier hit rate, max/mean replica load (the busy seat-seconds each replica was
 given), p50/p99 queueing delay (arrival to start of service, cold load included).
 
-    .venv/bin/python bench/routing.py [--requests 100000] [--model smollm2|llama3-8b] [--zipf 1.0]
+    .venv/bin/python bench/routing.py [--sizes chart|engine] [--cpu-tier-mib N] [--model smollm2|llama3-8b]
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ from tessera.engine_client.http import _Replica  # noqa: E402
 from tessera.engine_client.routing import DEFAULT_BALANCE, HashRing, ReplicaState, plain_hash, route  # noqa: E402
 
 STD = int(Priority.standard)
+CHART_VALUES = ROOT / "infra" / "helm" / "tessera" / "values.yaml"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
@@ -177,14 +183,33 @@ def zipf_sampler(n: int, s: float, rng: random.Random):
     return lambda: names[min(bisect.bisect(cum, rng.random()), n - 1)]
 
 
-def simulate(policy: str, *, load: float, args, cpu_capacity: int, seed: int) -> dict:
+def engine_sizes(which: str, lora_dtype: str) -> dict:
+    """{"max_loras", "max_num_seqs", "cpu_tier_mib", "lora_dtype"} of one replica: the Helm
+    chart's engine values (an empty value is the engine's default; GPU engines keep adapters in
+    their bf16 activations' dtype) or EngineConfig's defaults with `lora_dtype`."""
     ec = EngineConfig()
+    sizes = {"max_loras": ec.max_loras, "max_num_seqs": ec.max_num_seqs,
+             "cpu_tier_mib": ec.lora_cpu_cache_bytes >> 20, "lora_dtype": lora_dtype}
+    if which == "chart":
+        import yaml
+
+        engine = yaml.safe_load(CHART_VALUES.read_text())["engine"]
+        for key, value in (("max_loras", "maxLoras"), ("max_num_seqs", "maxNumSeqs"), ("cpu_tier_mib", "loraCpuCacheMiB")):
+            if engine.get(value) not in (None, ""):
+                sizes[key] = int(engine[value])
+        if engine.get("gpu", True):
+            sizes["lora_dtype"] = "bfloat16"
+    return sizes
+
+
+def simulate(policy: str, *, load: float, args, sizes: dict, cpu_capacity: int, seed: int) -> dict:
     rng = random.Random(seed)
     draw = zipf_sampler(args.adapters, args.zipf, random.Random(seed + 1))
-    replicas = [Replica(f"worker-{i}", ec.max_num_seqs, ec.max_loras, cpu_capacity) for i in range(args.replicas)]
+    seats = sizes["max_num_seqs"]
+    replicas = [Replica(f"worker-{i}", seats, sizes["max_loras"], cpu_capacity) for i in range(args.replicas)]
     states = [r.state for r in replicas]
     ring = HashRing([s.name for s in states])
-    capacity = args.replicas * ec.max_num_seqs / args.service_s  # requests per second
+    capacity = args.replicas * seats / args.service_s  # requests per second
     rate = load * capacity
     now, cold, hits, delays, measured = 0.0, 0, 0, [], 0
     busy_at_warmup = None
@@ -225,15 +250,19 @@ def simulate(policy: str, *, load: float, args, cpu_capacity: int, seed: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=100_000, help="requests per run (policy x load)")
-    ap.add_argument("--warmup", type=int, default=20_000, help="first requests left out of the figures")
+    ap.add_argument("--requests", type=int, default=400_000, help="requests per run (policy x load), warmup included")
+    ap.add_argument("--warmup", type=int, default=300_000, help="first requests left out of the figures")
+    ap.add_argument("--sizes", default="chart", choices=("chart", "engine"),
+                    help="slots, seats and CPU tier of a replica: the Helm chart's engine values or EngineConfig's defaults")
+    ap.add_argument("--cpu-tier-mib", type=int, default=None, help="CPU-tier budget of a replica (overrides --sizes)")
     ap.add_argument("--adapters", type=int, default=10_000)
     ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--model", default="smollm2", choices=sorted(set(SHAPES) - {"tiny"}), help="adapter shape")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-dtype", default="int8", choices=sorted(_DTYPE_BYTES),
-                    help="adapter storage (the engine's CPU default is int8 where its C kernel is built; bf16 on CUDA)")
+                    help="adapter storage with --sizes engine (the CPU engine's default is int8 where its C "
+                         "kernel is built; --sizes chart: bf16, as GPU engines keep them)")
     ap.add_argument("--service-s", type=float, default=2.0, help="mean time a request holds a seat")
     ap.add_argument("--cold-load-ms", type=float, default=100.0, help="fetch + load of an adapter not in the CPU tier")
     ap.add_argument("--poll-s", type=float, default=0.5,
@@ -242,21 +271,26 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    ec = EngineConfig()
-    nbytes = adapter_bytes(args.model, args.rank, args.lora_dtype)
-    cpu_capacity = max(1, ec.lora_cpu_cache_bytes // nbytes)
+    if not 0 <= args.warmup < args.requests:
+        ap.error("--warmup must be below --requests")
+    sizes = engine_sizes(args.sizes, args.lora_dtype)
+    if args.cpu_tier_mib is not None:
+        sizes["cpu_tier_mib"] = args.cpu_tier_mib
+    nbytes = adapter_bytes(args.model, args.rank, sizes["lora_dtype"])
+    cpu_capacity = max(1, (sizes["cpu_tier_mib"] << 20) // nbytes)
     t0 = time.perf_counter()
     out: dict = {"bench": "routing", "machine": _platform.machine(), "python": _platform.python_version(),
-                 "adapters": args.adapters, "zipf": args.zipf, "replicas": args.replicas,
-                 "max_loras": ec.max_loras, "max_num_seqs": ec.max_num_seqs, "model": args.model, "rank": args.rank,
-                 "lora_dtype": args.lora_dtype, "adapter_mib": round(nbytes / 2**20, 2),
-                 "cpu_tier_adapters": cpu_capacity, "service_s": args.service_s, "cold_load_ms": args.cold_load_ms,
+                 "adapters": args.adapters, "zipf": args.zipf, "replicas": args.replicas, "sizes": args.sizes,
+                 "max_loras": sizes["max_loras"], "max_num_seqs": sizes["max_num_seqs"], "model": args.model,
+                 "rank": args.rank, "lora_dtype": sizes["lora_dtype"], "adapter_mib": round(nbytes / 2**20, 2),
+                 "cpu_tier_mib": sizes["cpu_tier_mib"], "cpu_tier_adapters": cpu_capacity,
+                 "service_s": args.service_s, "cold_load_ms": args.cold_load_ms,
                  "balance": args.balance, "poll_s": args.poll_s, "requests": args.requests, "warmup": args.warmup,
-                 "capacity_rps": round(args.replicas * ec.max_num_seqs / args.service_s, 1)}
+                 "capacity_rps": round(args.replicas * sizes["max_num_seqs"] / args.service_s, 1)}
     prefix = {"affinity": "affinity", "round_robin": "round_robin", "hash": "hash"}
     for load, tag in ((0.70, "70"), (0.95, "95")):
         for policy in ("affinity", "round_robin", "hash"):
-            res = simulate(policy, load=load, args=args, cpu_capacity=cpu_capacity, seed=args.seed)
+            res = simulate(policy, load=load, args=args, sizes=sizes, cpu_capacity=cpu_capacity, seed=args.seed)
             for k, v in res.items():
                 # The issue's headline keys are at 95%; every figure is also given at both loads.
                 if tag == "95":

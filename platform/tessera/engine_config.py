@@ -7,6 +7,11 @@ in-process engine of `tessera serve` / `tessera demo` build the same engine from
   triton backend on CPU tensors (the interpreter, for tests);
 - KV cache: the MiB asked for, else 256 MiB on the CPU and a share of free memory on CUDA;
 - the CPU backend's kernel switches: TESSERA_CPU_*=0 in the environment turns one off.
+
+`engine_config_from_settings` is the same from a PlatformSettings, for the engines the platform
+runs (in process, or an engine worker): the sizes an operator sets (slots, seats, CPU tier, KV
+cache), and slots as wide as the highest rank the registry accepts, so every adapter an upload
+lets through fits the engine.
 """
 from __future__ import annotations
 
@@ -31,3 +36,15 @@ def engine_config(*, device: str = "cpu", backend: str | None = None, kv_cache_m
         fields.update(switches_from_env(environ))
     fields.update(overrides)
     return EngineConfig(**fields)
+
+
+def engine_config_from_settings(settings, *, device: str | None = None, backend: str | None = None):
+    """engine_config for a PlatformSettings; `device`/`backend` (CLI flags) win over its
+    engine_device/engine_backend. Unset sizes keep EngineConfig's defaults."""
+    sizes = {"max_loras": settings.engine_max_loras, "max_num_seqs": settings.engine_max_num_seqs,
+             "lora_cpu_cache_bytes": (settings.engine_lora_cpu_cache_mib << 20)
+             if settings.engine_lora_cpu_cache_mib is not None else None}
+    return engine_config(device=device or settings.engine_device, backend=backend or settings.engine_backend,
+                         kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads,
+                         enable_prefix_caching=settings.engine_prefix_caching, max_lora_rank=settings.max_rank,
+                         **{k: v for k, v in sizes.items() if v is not None})

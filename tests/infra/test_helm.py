@@ -281,6 +281,7 @@ def test_scrape_annotations_point_at_the_metrics_port():
     # values.schema.json: a misspelt key, a value out of range, a setting that is not TESSERA_*.
     ({"gatway": {"replicas": 3}}, r"additional properties 'gatway' not allowed"),
     ({"engine": {"replicas": 0}}, r"/engine/replicas': minimum: got 0, want 1"),
+    ({"engine": {"maxLoras": 0}}, r"/engine/maxLoras': minimum: got 0, want 1"),
     ({"settings": {"BILLING_CURRENCY": "EUR"}}, r"'BILLING_CURRENCY' does not match pattern '\^TESSERA_"),
 ])
 def test_bad_values_fail_the_render_with_what_to_fix(values, message):

@@ -46,7 +46,9 @@ def fleet(tmp_path_factory, s3_endpoint):
         _ensure_bucket(db, s3)
         shared = {"database_url": db, **s3, "redis_url": REDIS, "redis_key_prefix": f"tessera-scaleout-{tag}:",
                   "celery_eager": "false", "celery_queue": f"scaleout-{tag}", "celery_broker_url": REDIS,
-                  "engine_threads": 1, "engine_kv_cache_mib": 64}
+                  "engine_threads": 1, "engine_kv_cache_mib": 64,
+                  # An operator's sizes, which the workers publish (checked below).
+                  "engine_max_loras": 4, "engine_max_num_seqs": 16, "engine_lora_cpu_cache_mib": 64}
         worker_urls = []
         for i in range(2):
             port = free_port()
@@ -207,6 +209,7 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
     state = httpx.get(f"{fleet['worker_urls'][0]}/internal/state", headers={"authorization": f"Bearer {SECRET}"},
                       timeout=10).json()
     assert pirate in state["device_adapters"] and pirate in state["cpu_adapters"], state
+    assert (state["num_slots"], state["max_num_seqs"]) == (4, 16), state
 
     # A new version uploaded through gateway b is what "bot" means through gateway a.
     assert upload(b, tenant, "bot", PIRATE) == 2

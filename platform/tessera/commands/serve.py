@@ -107,7 +107,7 @@ def _worker(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from tessera.cli import CLIError
     from tessera.engine_client.worker import create_worker_app
-    from tessera.engine_config import engine_config
+    from tessera.engine_config import engine_config_from_settings
 
     settings = load_settings()
     secret = args.secret or (settings.engine_secret.get_secret_value() if settings.engine_secret else None)
@@ -120,9 +120,7 @@ def _worker(args: argparse.Namespace) -> int:
     ctx = build_context(settings)
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
                                    cache_dir=settings.adapter_cache_dir)
-    config = engine_config(device=args.device or settings.engine_device, backend=args.backend or settings.engine_backend,
-                           kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads,
-                           enable_prefix_caching=settings.engine_prefix_caching)
+    config = engine_config_from_settings(settings, device=args.device, backend=args.backend)
     engine = LLMEngine(settings.model_path, config, adapter_source=source)
     aengine = AsyncLLMEngine(engine)
     app = create_worker_app(aengine, secret=secret)

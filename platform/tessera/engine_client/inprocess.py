@@ -46,10 +46,8 @@ class InProcessEngineClient:
 def build_inprocess_client(settings, adapter_source=None) -> InProcessEngineClient:
     """Load the base model from settings (default: embedded SmolLM2) into an owned engine."""
     from engine.llm_engine import LLMEngine
-    from tessera.engine_config import engine_config
+    from tessera.engine_config import engine_config_from_settings
 
-    config = engine_config(device=settings.engine_device, backend=settings.engine_backend,
-                           enable_prefix_caching=settings.engine_prefix_caching,
-                           kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads)
+    config = engine_config_from_settings(settings)
     engine = LLMEngine(settings.model_path, config, adapter_source=adapter_source)
     return InProcessEngineClient(AsyncLLMEngine(engine), owns_engine=True)
