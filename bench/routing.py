@@ -22,7 +22,8 @@ Each replica, as the simulation models it:
   block (a request never waits for a slot), only as the hit rate.
 The gateway's view of the replicas is the HTTP client's own (tessera.engine_client.http._Replica):
 each replica's state as of its last poll, every --poll-s (the gateway's default, 0.5 s; 0: an
-exact view), plus the requests the gateway sent since.
+exact view), plus the requests the gateway sent since; each replica publishes the recent mean
+time its requests held a seat and its loads took, as an engine worker does (engine.durations).
 `cold_loads_per_1k_lower_bound`: what no router reaches below with these tier sizes (all replicas'
 CPU tiers holding the most popular adapters for good; see cold_load_lower_bound).
 Measured over the requests after the first --warmup (cold caches excluded; a deployment serves for
@@ -52,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0:1] = [str(ROOT), str(ROOT / "platform")]
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.durations import Durations  # noqa: E402
 from engine.loader.synthetic import SHAPES  # noqa: E402
 from engine.sampling_params import Priority  # noqa: E402
 from tessera.engine_client.http import _Replica  # noqa: E402
@@ -85,8 +87,11 @@ class Replica:
         self.device: OrderedDict[str, None] = OrderedDict()
         self.loading: dict[str, float] = {}  # adapter -> when its load ends
         self.cpu_capacity, self.slots = cpu_capacity, slots
-        # (time, +1 start / -1 finish, adapter, the gateway view's token of the request)
-        self.events: list[tuple[float, int, str, int]] = []
+        # (time, +1 start / -1 finish, adapter, the gateway view's token of the request, seat seconds)
+        self.events: list[tuple[float, int, str, int, float]] = []
+        # What the engine worker publishes for routing: recent mean seat and load times.
+        self.seat_times, self.load_times = Durations(alpha=0.02), Durations()  # as LLMEngine, LoRAManager
+        self.load_started: dict[str, float] = {}
         self.view = _Replica(name, url="")
         self.running_adapters: dict[str, int] = {}
         self.running = self.waiting = 0
@@ -98,13 +103,14 @@ class Replica:
         """Apply every start and finish up to `now` to the published state."""
         ev = self.events
         while ev and ev[0][0] <= now:
-            _, kind, adapter, token = heapq.heappop(ev)
+            _, kind, adapter, token, seat_s = heapq.heappop(ev)
             if kind > 0:  # started
                 self.waiting -= 1
                 self.running += 1
                 self.running_adapters[adapter] = self.running_adapters.get(adapter, 0) + 1
             else:
                 self.view.ended(token, STD)
+                self.seat_times.record(seat_s)
                 self.running -= 1
                 n = self.running_adapters[adapter] - 1
                 if n:
@@ -112,9 +118,10 @@ class Replica:
                 else:
                     del self.running_adapters[adapter]
         for adapter in [a for a, t in self.loading.items() if t <= now]:
-            del self.loading[adapter]
+            self.load_times.record(self.loading.pop(adapter) - self.load_started.pop(adapter))
             self._to_cpu(adapter)
         st = self.state
+        st.seat_s, st.load_s = self.seat_times.mean_s, self.load_times.mean_s
         st.running = {STD: self.running}
         st.waiting = {STD: self.waiting}
         st.free_slots = max(0, self.slots - len(self.running_adapters))
@@ -144,6 +151,7 @@ class Replica:
         else:
             cold = True
             ready = self.loading[adapter] = now + cold_load_s
+            self.load_started[adapter] = now
         start = max(ready, self.seats[0])
         end = start + service_s
         heapq.heapreplace(self.seats, end)
@@ -154,8 +162,8 @@ class Replica:
             self.device.popitem(last=False)
         self.waiting += 1
         token = self.view.sent(STD)
-        heapq.heappush(self.events, (start, 1, adapter, token))
-        heapq.heappush(self.events, (end, -1, adapter, token))
+        heapq.heappush(self.events, (start, 1, adapter, token, 0.0))
+        heapq.heappush(self.events, (end, -1, adapter, token, service_s))
         self.busy_s += service_s
         return cold, hit, start - now
 

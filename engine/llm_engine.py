@@ -31,6 +31,7 @@ from engine import metrics as engine_metrics
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.durations import Durations
 from engine.loader import default_model_path, load_checkpoint
 from engine.backends import create_backend
 from engine.model.attention import KVCache
@@ -119,6 +120,9 @@ class LLMEngine:
         #: (requests that asked for logprobs only; `_delta` takes them).
         self._logprobs: dict[str, list[dict]] = {}
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
+        #: How long finished requests held a seat (first scheduled to finished, however they
+        #: ended): an engine worker publishes the recent mean for routing.
+        self.seat_times = Durations(alpha=0.02)  # seat times vary widely: a mean over ~50 requests
         engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
 
     def _activation_reserve_bytes(self) -> int:
@@ -487,6 +491,8 @@ class LLMEngine:
         seq.finish_reason = reason
         if self.lora_manager is not None and seq.adapter is not None and not was_finished:
             self.lora_manager.release(seq.adapter)
+        if not was_finished and seq.first_scheduled_time is not None:
+            self.seat_times.record(time.monotonic() - seq.first_scheduled_time)
         out = self._delta(seq, final=True)
         out.finished = True
         out.finish_reason = reason

@@ -30,14 +30,13 @@ With several engines in one process (tests) the scrape-time values are summed ov
 """
 from __future__ import annotations
 
-import bisect
-import threading
 import weakref
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from engine.durations import ADAPTER_LOAD_BUCKETS_S
 from engine.sampling_params import PRIORITY_NAMES
 
 STEP_SECONDS = Histogram("tessera_engine_step_seconds", "Wall time of one engine step.",
@@ -52,8 +51,6 @@ PREEMPTIONS = Counter("tessera_engine_preemptions_total", "Sequences preempted f
 REQUEST_FAULTS = Counter("tessera_engine_request_faults_total",
                          "Requests failed by a fault traced to them in a step (the engine kept serving).", ["reason"])
 RESTARTS = Counter("tessera_engine_restarts_total", "Times the engine's step loop died and was reset and restarted.")
-
-ADAPTER_LOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -73,36 +70,17 @@ def observe_step(seconds: float, sched) -> None:
     STEP_ADAPTERS.observe(len(adapters))
 
 
-class _LoadHistogram:
-    """Cumulative buckets over a LoRA manager's list of load times, consumed incrementally."""
-
-    def __init__(self):
-        self.seen = 0
-        self.counts = [0] * (len(ADAPTER_LOAD_BUCKETS_S) + 1)
-        self.sum = 0.0
-
-    def update(self, load_ms: list[float]) -> None:
-        new = load_ms[self.seen:]
-        self.seen += len(new)
-        for ms in new:
-            s = ms / 1000.0
-            self.counts[bisect.bisect_left(ADAPTER_LOAD_BUCKETS_S, s)] += 1
-            self.sum += s
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, acc = [], 0
-        for bound, n in zip(ADAPTER_LOAD_BUCKETS_S + (float("inf"),), self.counts):
-            acc += n
-            out.append((floatToGoString(bound), acc))
-        return out
+def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus's cumulative (le, count) pairs from per-bucket counts over ADAPTER_LOAD_BUCKETS_S."""
+    out, acc = [], 0
+    for bound, n in zip(ADAPTER_LOAD_BUCKETS_S + (float("inf"),), counts):
+        acc += n
+        out.append((floatToGoString(bound), acc))
+    return out
 
 
 class EngineCollector:
     """Scrape-time state of the tracked engines (see the module docstring)."""
-
-    def __init__(self):
-        self._loads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def describe(self):
         return []  # series appear only when an engine exists; no duplicate-name checks needed
@@ -120,7 +98,7 @@ class EngineCollector:
         prefix = {"query_tokens": 0, "hit_tokens": 0}
         cpu_resident = slot_resident = 0
         stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
-        load_hist = _LoadHistogram()
+        load_counts, load_sum_s = [0] * (len(ADAPTER_LOAD_BUCKETS_S) + 1), 0.0
         for e in engines:
             # list() copies are atomic under the GIL: the step thread may change the queues meanwhile.
             for seq in list(e.scheduler.running):
@@ -139,11 +117,9 @@ class EngineCollector:
                 slot_resident += sum(1 for o in list(lm._slot_owner) if o is not None)
                 for k in stats:
                     stats[k] += lm.stats[k]
-                with self._lock:
-                    h = self._loads.setdefault(lm, _LoadHistogram())
-                    h.update(lm.stats["load_ms"])
-                    load_hist.counts = [a + b for a, b in zip(load_hist.counts, h.counts)]
-                    load_hist.sum += h.sum
+                lt = lm.load_times
+                load_counts = [a + b for a, b in zip(load_counts, list(lt.counts))]
+                load_sum_s += lt.sum_s
         for p in PRIORITY_NAMES:
             running.add_metric([p], run_n[p])
             waiting.add_metric([p], wait_n[p])
@@ -174,7 +150,7 @@ class EngineCollector:
         cache.add_metric(["slot", "miss"], stats["slot_loads"])
         yield cache
         loads = CounterMetricFamily("tessera_engine_adapter_loads", "Adapter loads into a tier.", labels=["tier"])
-        loads.add_metric(["cpu"], sum(load_hist.counts))
+        loads.add_metric(["cpu"], sum(load_counts))
         loads.add_metric(["slot"], stats["slot_loads"])
         yield loads
         evictions = CounterMetricFamily("tessera_engine_adapter_evictions", "Adapter versions evicted, by tier.",
@@ -183,7 +159,7 @@ class EngineCollector:
         yield evictions
         hist = HistogramMetricFamily("tessera_engine_adapter_load_seconds",
                                      "Time to fetch and parse one adapter version into the CPU tier.", labels=["tier"])
-        hist.add_metric(["cpu"], load_hist.buckets(), load_hist.sum)
+        hist.add_metric(["cpu"], _cumulative_buckets(load_counts), load_sum_s)
         yield hist
 
 

@@ -158,6 +158,8 @@ class Scheduler:
                 self.block_manager.allocate(seq, n, hit)
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
                 self.running.append(seq)
                 if seq.adapter is not None:
                     active_adapters.add(seq.adapter)

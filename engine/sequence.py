@@ -74,6 +74,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
+        #: When the scheduler first gave it a seat (time.monotonic()); None while it never had one.
+        self.first_scheduled_time: float | None = None
         self.detokenizer = detokenizer
         self.output_text = ""
         self.emitted_text_len = 0

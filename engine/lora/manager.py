@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.config import ModelConfig
+from engine.durations import ADAPTER_LOAD_BUCKETS_S, Durations
 from engine.lora.layers import LoRASlots
 from engine.lora.source import AdapterFetchError, AdapterSource
 from engine.lora.weights import AdapterLoadError, LoRAWeights, load_lora_weights
@@ -59,8 +60,9 @@ class LoRAManager:
         self._slot_owner: list[str | None] = [None] * num_slots
         self._slot_used_at: list[float] = [0.0] * num_slots
         self._pool = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="lora-load")
-        self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0,
-                      "evictions": 0, "load_ms": []}
+        self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
+        #: Successful loads into the CPU tier (fetch + parse), recorded under the lock.
+        self.load_times = Durations(ADAPTER_LOAD_BUCKETS_S)
 
     # -- request lifecycle --------------------------------------------------------------------
 
@@ -174,7 +176,7 @@ class LoRAManager:
         with self._lock:
             self._cpu[version] = weights
             self._loading.pop(version, None)
-            self.stats["load_ms"].append((time.perf_counter() - t0) * 1000)
+            self.load_times.record(time.perf_counter() - t0)
             self._evict_cpu_locked()
 
     def _evict_cpu_locked(self) -> None:

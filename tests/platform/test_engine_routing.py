@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from engine.sampling_params import Priority
 from tessera.engine_client.http import _Replica
 from tessera.engine_client.routing import HashRing, ReplicaState, load_bound, route
@@ -54,6 +56,34 @@ def test_cold_adapter_lands_by_ring_order_and_prefers_a_free_slot():
     # Every slot of its first ring replica is held by running adapters: loading there waits.
     reps[first].free_slots = 0
     assert route(reps, adapter="cold", priority=STD, ring=ring)[0] == ring.order("cold")[1]
+
+
+def test_a_request_waits_a_few_seat_turnovers_where_its_adapter_is_hot_rather_than_load_it_elsewhere():
+    # 64 seats held 2 s each: a seat frees every 31 ms when all are taken; a load takes 100 ms.
+    reps = replicas(2, max_num_seqs=64, seat_s=2.0, load_s=0.1)
+    ring = ring_for(reps)
+    reps[0].device_adapters = {"a"}
+    reps[0].running, reps[0].waiting = {STD: 64}, {STD: 1}  # 2nd in line: ~62 ms
+    reps[1].running = {STD: 60}  # seats free, but "a" is cold there: ~100 ms
+    assert route(reps, adapter="a", priority=STD, ring=ring)[0] == 0
+    reps[0].waiting = {STD: 4}  # 5th in line: ~156 ms, longer than a load
+    assert route(reps, adapter="a", priority=STD, ring=ring)[0] == 1
+    # Slower seats make the same queue longer than a load.
+    reps[0].waiting, reps[0].seat_s = {STD: 1}, 6.4
+    assert route(reps, adapter="a", priority=STD, ring=ring)[0] == 1
+    # Batch requests waiting there are not ahead of a realtime one.
+    reps[0].seat_s, reps[0].waiting = 2.0, {BATCH: 10}
+    assert route(reps, adapter="a", priority=RT, ring=ring)[0] == 0
+    assert route(reps, adapter="a", priority=BATCH, ring=ring)[0] == 1
+
+
+def test_cold_adapters_follow_the_ring_whatever_each_replica_measured_its_loads_at():
+    reps = replicas(4)
+    for i, r in enumerate(reps):
+        r.load_s = 0.05 * (i + 1)
+    ring = ring_for(reps)
+    for k in range(20):
+        assert route(reps, adapter=f"cold-{k}", priority=STD, ring=ring)[0] == ring.order(f"cold-{k}")[0]
 
 
 def test_every_gateway_picks_the_same_replica_for_an_adapter():
@@ -133,13 +163,20 @@ def test_dead_and_draining_replicas_take_nothing():
 def test_state_wire_form_round_trips():
     s = ReplicaState(name="", running={RT: 1, BATCH: 2}, waiting={STD: 3}, free_slots=5, free_kv_blocks=9,
                      total_kv_blocks=20, device_adapters=frozenset({"v1"}), cpu_adapters=frozenset({"v1", "v2"}),
-                     draining=True, state="draining", restarts=2)
+                     draining=True, state="draining", restarts=2, seat_s=1.5, load_s=0.02)
     wire = s.to_dict()
     assert wire["running"] == {"realtime": 1, "batch": 2}
     back = ReplicaState.from_dict("worker-3", wire)
     assert back.name == "worker-3" and not back.accepting and back.up
     assert (back.running, back.waiting, back.device_adapters, back.cpu_adapters, back.restarts) == (
         s.running, s.waiting, s.device_adapters, s.cpu_adapters, 2)
+    assert (back.seat_s, back.load_s) == (1.5, 0.02)
+    # A worker that has measured nothing yet, or an older one that publishes no times.
+    assert ReplicaState.from_dict("w", {**wire, "seat_s": None}).seat_s is None
+    assert ReplicaState.from_dict("w", {k: v for k, v in wire.items() if k != "load_s"}).load_s is None
+    for bad in (-1.0, float("nan"), "slow"):
+        with pytest.raises(ValueError):
+            ReplicaState.from_dict("w", {**wire, "seat_s": bad})
 
 
 def test_client_view_counts_its_sends_until_a_poll_counts_them():

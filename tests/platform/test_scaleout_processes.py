@@ -210,6 +210,8 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
                       timeout=10).json()
     assert pirate in state["device_adapters"] and pirate in state["cpu_adapters"], state
     assert (state["num_slots"], state["max_num_seqs"]) == (4, 16), state
+    # and what it measured serving them (the gateways weigh a wait for a seat against a load).
+    assert state["seat_s"] > 0 and state["load_s"] > 0, state
 
     # A new version uploaded through gateway b is what "bot" means through gateway a.
     assert upload(b, tenant, "bot", PIRATE) == 2

@@ -7,21 +7,26 @@ replicas to try. The same functions drive bench/routing.py's simulation.
 
 Policy (`route`):
 - Only replicas that are up and not draining take new requests.
-- Every class: a replica that can admit the request at once (its running sequences plus those
-  waiting ahead of it, i.e. in the same or a more urgent class, below `max_num_seqs`) is
-  preferred to one where it would queue; so a realtime request never waits behind one replica's
-  batch backlog while another has room.
+- Sequences ahead of a request are those running and those waiting in the same or a more
+  urgent class: a realtime request never counts a replica's batch backlog against it.
 - An adapter request goes, among the replicas within the load bound (consistent hashing with
-  bounded loads: load + 1 <= ceil(balance * (total load + 1) / n)), to the one where serving it
-  costs least: the adapter in a device slot, then in the CPU tier (or loading), then cold; a
-  replica with no free slot (every slot held by a running sequence's adapter) costs one step
-  more. Among replicas that hold it, the least loaded takes it (a popular adapter held by
-  several evens their load, which leaves its first replica room for its own cold adapters);
-  among replicas where it is cold, the adapter's ring order decides, so every gateway sends a
-  cold adapter to the same replica and its load spills to its next ring replicas only when the
-  first is over the bound: a popular adapter spreads as its load grows, a cold one stays put.
-- A base-model request goes to the replica with the least load ahead of it (most free KV blocks
-  on a tie, then a rotating start so ties spread).
+  bounded loads: load + 1 <= ceil(balance * (total load + 1) / n)), to the one where it would
+  start soonest (`start_delay_s`): waiting for a seat (one seat turnover, the replica's measured
+  mean seat time over its seats, per sequence ahead beyond the seats, one more when every slot is
+  held by a running adapter it lacks), plus its adapter's load when cold there (the fleet's
+  measured mean load time). The load is counted in full although it runs while the request
+  waits: it also evicts another adapter from that replica's CPU tier, which a later request pays
+  for. So a request waits a few turnovers where its adapter is hot rather than load it cold
+  elsewhere, and goes elsewhere once that wait would be longer. On equal delays: the adapter in a device
+  slot, then in the CPU tier (or loading), then cold; among replicas that hold it, the least
+  loaded (a popular adapter held by several evens their load, which leaves its first replica
+  room for its own cold adapters); among replicas where it is cold, the adapter's ring order, so
+  every gateway sends a cold adapter to the same replica and its load spills to its next ring
+  replicas only when the first is over the bound or would make it wait longer than a load: a
+  popular adapter spreads as its load grows, a cold one stays put.
+- A base-model request goes to a replica that can admit it at once (fewer sequences ahead of it
+  than seats) if there is one, the one with the least load ahead of it (most free KV blocks on
+  a tie, then a rotating start so ties spread).
 The rest of the replicas follow in the same preference: where to retry when the first refuses
 before anything was streamed.
 """
@@ -42,6 +47,10 @@ RING_VNODES = 64
 
 # Cost of serving an adapter request on a replica, by where the adapter is there.
 _COST_DEVICE, _COST_CPU, _COST_COLD = 0, 1, 3
+#: Until replicas have measured them (no request finished, no adapter loaded yet): how long a
+#: request holds a seat and how long a cold adapter takes to load, in seconds. Only their ratio
+#: matters before then: a cold load counts as a few seat turnovers of a 64-seat replica.
+PRIOR_SEAT_S, PRIOR_LOAD_S = 2.0, 0.1
 
 
 @dataclass
@@ -53,7 +62,9 @@ class ReplicaState:
     slot) or being loaded; `free_slots`: device slots no running sequence's adapter holds;
     `draining`: the worker admits nothing new (SIGTERM); `up`: it answered its last poll with a
     state ("ready"); `state`: its words for what it is ("ready", "draining", "restarting",
-    "failed", "stopped", "unreachable"); `restarts`: times its engine's step loop died and restarted."""
+    "failed", "stopped", "unreachable"); `restarts`: times its engine's step loop died and restarted;
+    `seat_s`/`load_s`: its recent mean time a request held a seat / an adapter took to load into
+    the CPU tier, in seconds (None until it has measured one)."""
 
     name: str
     up: bool = True
@@ -69,6 +80,8 @@ class ReplicaState:
     device_adapters: frozenset[str] | set[str] = frozenset()
     cpu_adapters: frozenset[str] | set[str] = frozenset()
     restarts: int = 0
+    seat_s: float | None = None
+    load_s: float | None = None
 
     @property
     def accepting(self) -> bool:
@@ -89,6 +102,24 @@ class ReplicaState:
         """Whether a request of class `priority` would be admitted at its next step."""
         return self.load_ahead(priority) < self.max_num_seqs
 
+    def turnover_s(self) -> float:
+        """Seconds between two of its seats freeing up while all are taken: the mean time a
+        request holds a seat, over the seats."""
+        return (self.seat_s if self.seat_s is not None else PRIOR_SEAT_S) / max(1, self.max_num_seqs)
+
+    def start_delay_s(self, adapter: str, priority: int, load_s: float) -> float:
+        """What a request of class `priority` for `adapter` costs here, in seconds: one seat
+        turnover per sequence ahead of it beyond the seats, one more when it needs a slot and
+        every slot is held by a running adapter, plus `load_s` when the adapter is cold here
+        (counted in full, though the load overlaps the wait: see the module docstring)."""
+        turnover = self.turnover_s()
+        wait = max(0, self.load_ahead(priority) - self.max_num_seqs + 1) * turnover
+        if adapter in self.device_adapters:
+            return wait
+        if self.free_slots <= 0:
+            wait += turnover
+        return wait if adapter in self.cpu_adapters else wait + load_s
+
     def adapter_cost(self, adapter: str) -> int:
         """What serving `adapter` here costs, lowest first: in a device slot, in the CPU tier or
         loading, cold; one more without a free slot (it waits for a running adapter to finish)."""
@@ -105,7 +136,7 @@ class ReplicaState:
                 "max_num_seqs": self.max_num_seqs, "num_slots": self.num_slots, "free_slots": self.free_slots,
                 "free_kv_blocks": self.free_kv_blocks, "total_kv_blocks": self.total_kv_blocks,
                 "device_adapters": sorted(self.device_adapters), "cpu_adapters": sorted(self.cpu_adapters),
-                "restarts": self.restarts}
+                "restarts": self.restarts, "seat_s": self.seat_s, "load_s": self.load_s}
 
     @classmethod
     def from_dict(cls, name: str, data: dict) -> "ReplicaState":
@@ -122,7 +153,18 @@ class ReplicaState:
             free_slots=int(data["free_slots"]), free_kv_blocks=int(data["free_kv_blocks"]),
             total_kv_blocks=int(data["total_kv_blocks"]),
             device_adapters=frozenset(map(str, data.get("device_adapters") or ())),
-            cpu_adapters=frozenset(map(str, data.get("cpu_adapters") or ())), restarts=int(data.get("restarts", 0)))
+            cpu_adapters=frozenset(map(str, data.get("cpu_adapters") or ())), restarts=int(data.get("restarts", 0)),
+            seat_s=_seconds(data.get("seat_s")), load_s=_seconds(data.get("load_s")))
+
+
+def _seconds(value) -> float | None:
+    """A published duration: None when absent; ValueError unless a finite number >= 0."""
+    if value is None:
+        return None
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"not a duration in seconds: {value!r}")
+    return seconds
 
 
 def _hash64(text: str) -> int:
@@ -177,14 +219,19 @@ def route(replicas: list[ReplicaState], *, adapter: str | None, priority: int, r
         return sorted(live, key=key)
     bound = load_bound(replicas, balance)
     rank = {i: k for k, i in enumerate(ring.order(adapter))}
+    # One load time for the whole fleet (the replicas load from the same store): per-replica
+    # figures would send every cold adapter to the replica that happened to load fastest.
+    measured = [replicas[i].load_s for i in live if replicas[i].load_s is not None]
+    load_s = sum(measured) / len(measured) if measured else PRIOR_LOAD_S
 
     def key(i: int):
         r = replicas[i]
         over = r.load() + 1 > bound
         if over:
-            return (True, not r.has_room(priority), 0, r.load(), rank[i])
+            return (True, not r.has_room(priority), 0, 0, r.load(), rank[i])
         cost = r.adapter_cost(adapter)
-        return (False, not r.has_room(priority), cost, r.load() if cost < _COST_COLD else 0, rank[i])
+        return (False, False, r.start_delay_s(adapter, priority, load_s), cost,
+                r.load() if cost < _COST_COLD else 0, rank[i])
     return sorted(live, key=key)
 
 

@@ -11,7 +11,8 @@ Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
                               or 503 {"status": "draining", ...} once the worker drains; no secret.
 - GET  /internal/state     -> the replica's routing state (routing.ReplicaState.to_dict: sequences
                               running and waiting per priority class, free device slots, free KV
-                              blocks, adapters per tier, draining), polled by the gateways.
+                              blocks, adapters per tier, draining, recent mean seat and adapter
+                              load times), polled by the gateways.
 - POST /internal/generate  {request_id, prompt_token_ids, params, tenant_id, priority, adapter,
   cache_salt}
   -> 200 application/x-ndjson, one RequestOutput per line, the last with "finished": true;
@@ -109,7 +110,8 @@ def replica_state(app: FastAPI) -> ReplicaState:
         max_num_seqs=sched.max_num_seqs, num_slots=num_slots,
         free_slots=max(0, num_slots - len(running_adapters)),
         free_kv_blocks=engine.block_manager.num_free_blocks, total_kv_blocks=engine.block_manager.num_blocks,
-        device_adapters=device, cpu_adapters=cpu, restarts=aengine.restarts)
+        device_adapters=device, cpu_adapters=cpu, restarts=aengine.restarts,
+        seat_s=engine.seat_times.mean_s, load_s=lm.load_times.mean_s if lm is not None else None)
 
 
 def _engine(request: Request) -> AsyncLLMEngine:
