@@ -12,21 +12,21 @@ Policy (`route`):
 - An adapter request goes, among the replicas within the load bound (consistent hashing with
   bounded loads: load + 1 <= ceil(balance * (total load + 1) / n)), to the one where it would
   start soonest (`start_delay_s`): waiting for a seat (one seat turnover, the replica's measured
-  mean seat time over its seats, per sequence ahead beyond the seats, one more when every slot is
-  held by a running adapter it lacks), plus its adapter's load when cold there (the fleet's
-  measured mean load time). The load is counted in full although it runs while the request
-  waits: it also evicts another adapter from that replica's CPU tier, which a later request pays
-  for. So a request waits a few turnovers where its adapter is hot rather than load it cold
-  elsewhere, and goes elsewhere once that wait would be longer. On equal delays: the adapter in a device
-  slot, then in the CPU tier (or loading), then cold; among replicas that hold it, the least
-  loaded (a popular adapter held by several evens their load, which leaves its first replica
-  room for its own cold adapters); among replicas where it is cold, the adapter's ring order, so
-  every gateway sends a cold adapter to the same replica and its load spills to its next ring
-  replicas only when the first is over the bound or would make it wait longer than a load: a
-  popular adapter spreads as its load grows, a cold one stays put.
-- A base-model request goes to a replica that can admit it at once (fewer sequences ahead of it
-  than seats) if there is one, the one with the least load ahead of it (most free KV blocks on
-  a tie, then a rotating start so ties spread).
+  mean seat time over its seats, per sequence ahead beyond the seats), plus its adapter's load
+  when cold there (the fleet's measured mean load time). The load is counted in full although it
+  runs while the request waits: it also evicts another adapter from that replica's CPU tier, which
+  a later request pays for. So a request waits a few turnovers where its adapter is hot rather
+  than load it cold elsewhere, and goes elsewhere once that wait would be longer. On equal delays:
+  the adapter in a device slot, then in the CPU tier (or loading), then cold, each one step behind
+  where every slot is held by a running sequence's adapter (it waits for one to finish); among
+  replicas that hold it, the least loaded (a popular adapter held by several evens their load,
+  which leaves its first replica room for its own cold adapters); among replicas where it is cold,
+  the adapter's ring order, so every gateway sends a cold adapter to the same replica and its load
+  spills to its next ring replicas only when the first is over the bound or would make it wait
+  longer than a load: a popular adapter spreads as its load grows, a cold one stays put.
+- A base-model request goes to the replica with the least load ahead of it, those that can
+  admit it at once (fewer sequences ahead of it than seats) first, most free KV blocks on a tie,
+  then a rotating start so ties spread.
 The rest of the replicas follow in the same preference: where to retry when the first refuses
 before anything was streamed.
 """
@@ -109,16 +109,12 @@ class ReplicaState:
 
     def start_delay_s(self, adapter: str, priority: int, load_s: float) -> float:
         """What a request of class `priority` for `adapter` costs here, in seconds: one seat
-        turnover per sequence ahead of it beyond the seats, one more when it needs a slot and
-        every slot is held by a running adapter, plus `load_s` when the adapter is cold here
-        (counted in full, though the load overlaps the wait: see the module docstring)."""
-        turnover = self.turnover_s()
-        wait = max(0, self.load_ahead(priority) - self.max_num_seqs + 1) * turnover
-        if adapter in self.device_adapters:
+        turnover per sequence ahead of it beyond the seats, plus `load_s` when the adapter is
+        cold here (counted in full, though the load overlaps the wait: see the module docstring)."""
+        wait = max(0, self.load_ahead(priority) - self.max_num_seqs + 1) * self.turnover_s()
+        if adapter in self.device_adapters or adapter in self.cpu_adapters:
             return wait
-        if self.free_slots <= 0:
-            wait += turnover
-        return wait if adapter in self.cpu_adapters else wait + load_s
+        return wait + load_s
 
     def adapter_cost(self, adapter: str) -> int:
         """What serving `adapter` here costs, lowest first: in a device slot, in the CPU tier or
