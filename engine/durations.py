@@ -1,7 +1,7 @@
 """Durations of one kind of engine event, kept in constant memory however long the engine runs.
 
-`Durations.record(seconds)` updates cumulative histogram counts over fixed bucket bounds (what
-engine.metrics exports, Prometheus style), the count and sum, and an exponentially weighted mean
+`Durations.record(seconds)` updates histogram counts since start over fixed bucket bounds (what
+engine.metrics exports, made cumulative over the bounds as Prometheus wants), the count and sum, and an exponentially weighted mean
 of recent events (what an engine worker publishes for routing: tessera.engine_client.routing
 estimates a request's start delay on each replica from it). Recording is a few additions; the
 caller serialises `record` calls (the LoRA manager under its lock, the engine on its step thread),
@@ -16,7 +16,7 @@ ADAPTER_LOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class Durations:
-    """Cumulative histogram, count, sum and recent mean of event durations in seconds.
+    """Histogram counts, count and sum since start, and the recent mean, of durations in seconds.
 
     `counts[i]` counts events of at most `buckets[i]` seconds not counted in an earlier bucket;
     the last entry, those above every bound. `mean_s` is None until the first event; then each
