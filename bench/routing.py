@@ -6,7 +6,7 @@ budgets (divided by one adapter's bytes for --model's shape at --rank and the ti
 `--sizes chart` (the default) takes them from the Helm chart's engine values
 (infra/helm/tessera/values.yaml: the scale-out deployment, GPU engines keeping adapters in bf16),
 `--sizes engine` from EngineConfig's defaults (the embedded engine: a 1 GiB tier, adapters in
---lora-dtype); --cpu-tier-mib overrides the tier. Poisson arrivals at 70% and 95% of the fleet's
+--lora-dtype); --cpu-tier-mib and --max-loras override the tier and the slots. Poisson arrivals at 70% and 95% of the fleet's
 seat capacity (replicas x seats / mean service time). The affinity policy is
 the gateway's own code (tessera.engine_client.routing.route over ReplicaState objects the
 simulation keeps current); plain hashing is routing.plain_hash (the policy before replica state).
@@ -17,9 +17,10 @@ Each replica, as the simulation models it:
 - then it waits for a seat (FIFO over `max_num_seqs` seats) and is served for an exponential
   time of mean --service-s;
 - the CPU tier is an LRU of as many adapters as its budget holds; the device tier an LRU of
-  `max_loras` adapters, touched when a request starts (a hit: its adapter was in a slot). The
-  engine's rule that at most `max_loras` distinct adapters run at once is not modelled as a
-  block (a request never waits for a slot), only as the hit rate.
+  `max_loras` adapters, touched when a request starts (a hit: its adapter was in a slot). By
+  default the engine's rule that at most `max_loras` distinct adapters run at once is not a
+  block (a request never waits for a slot), only the hit rate; with --slot-waits it is
+  (SlotReplica: the engine's admission, slower to simulate when queues grow).
 The gateway's view of the replicas is the HTTP client's own (tessera.engine_client.http._Replica):
 each replica's state as of its last poll, every --poll-s (the gateway's default, 0.5 s; 0: an
 exact view), plus the requests the gateway sent since; each replica publishes the recent mean
@@ -32,7 +33,8 @@ hundred thousand requests to fade, so the default leaves out 300,000): cold load
 requests, device-tier hit rate, max/mean replica load (the busy seat-seconds each replica was
 given), p50/p99 queueing delay (arrival to start of service, cold load included).
 
-    .venv/bin/python bench/routing.py [--sizes chart|engine] [--cpu-tier-mib N] [--model smollm2|llama3-8b]
+    .venv/bin/python bench/routing.py [--sizes chart|engine] [--cpu-tier-mib N] [--max-loras N]
+        [--slot-waits] [--model smollm2|llama3-8b]
 """
 from __future__ import annotations
 
@@ -168,6 +170,92 @@ class Replica:
         return cold, hit, start - now
 
 
+class SlotReplica(Replica):
+    """A replica whose requests also wait for a device slot (--slot-waits), as the engine's
+    scheduler admits them: a waiting request starts once a seat is free, its adapter is loaded,
+    and its adapter is running already or fewer than `slots` distinct adapters are; one that
+    cannot start yet is passed over without holding back those behind it, the rest start in
+    arrival order. A slot's adapter is replaced least recently used first, never while it runs.
+    Start times are known only as events unfold, so a request's figures go to its `record`."""
+
+    def __init__(self, name: str, seats: int, slots: int, cpu_capacity: int):
+        super().__init__(name, seats, slots, cpu_capacity)
+        self.num_seats = seats
+        # Waiting requests in arrival order: [arrival, adapter, seat seconds, token, record].
+        self.queue: list[list] = []
+        # (time, order, adapter or None, token, seat seconds): finishes, and load ends (token -1).
+        self.timeline: list[tuple[float, int, str, int, float]] = []
+        self.order = 0
+
+    def _push(self, t: float, adapter: str, token: int, seat_s: float) -> None:
+        self.order += 1
+        heapq.heappush(self.timeline, (t, self.order, adapter, token, seat_s))
+
+    def advance(self, now: float) -> None:
+        tl = self.timeline
+        while tl and tl[0][0] <= now:
+            t, _, adapter, token, seat_s = heapq.heappop(tl)
+            if token < 0:  # a load ended
+                self.load_times.record(self.loading.pop(adapter) - self.load_started.pop(adapter))
+                self._to_cpu(adapter)
+            else:
+                self.view.ended(token, STD)
+                self.seat_times.record(seat_s)
+                self.running -= 1
+                n = self.running_adapters[adapter] - 1
+                if n:
+                    self.running_adapters[adapter] = n
+                else:
+                    del self.running_adapters[adapter]
+            self._admit(t)
+        st = self.state
+        st.seat_s, st.load_s = self.seat_times.mean_s, self.load_times.mean_s
+        st.running = {STD: self.running}
+        st.waiting = {STD: len(self.queue)}
+        st.free_slots = max(0, self.slots - len(self.running_adapters))
+
+    def _admit(self, t: float) -> None:
+        if not self.queue or self.running >= self.num_seats:
+            return
+        kept = []
+        for item in self.queue:
+            arrival, adapter, seat_s, token, record = item
+            if (self.running >= self.num_seats or adapter in self.loading
+                    or (adapter not in self.running_adapters and len(self.running_adapters) >= self.slots)):
+                kept.append(item)
+                continue
+            self.running += 1
+            self.running_adapters[adapter] = self.running_adapters.get(adapter, 0) + 1
+            hit = adapter in self.device
+            if not hit and len(self.device) >= self.slots:
+                del self.device[next(a for a in self.device if a not in self.running_adapters)]
+            self.device[adapter] = None
+            self.device.move_to_end(adapter)
+            self._push(t + seat_s, adapter, token, seat_s)
+            if record is not None:
+                record(hit, t - arrival)
+        self.queue = kept
+
+    def serve(self, now: float, adapter: str, service_s: float, cold_load_s: float, record=None) -> bool:
+        """Take a request at `now`; whether it is a cold load. Its device-tier hit and queueing
+        delay go to `record(hit, delay)` when it starts."""
+        cold = False
+        if adapter in self.cpu:
+            self.cpu.move_to_end(adapter)
+        elif adapter not in self.loading:
+            cold = True
+            self.loading[adapter] = now + cold_load_s
+            self.load_started[adapter] = now
+            self._push(now + cold_load_s, adapter, -1, 0.0)
+        self.queue.append([now, adapter, service_s, self.view.sent(STD), record])
+        self.busy_s += service_s
+        self._admit(now)
+        self.state.waiting = {STD: len(self.queue)}
+        self.state.running = {STD: self.running}
+        self.state.free_slots = max(0, self.slots - len(self.running_adapters))
+        return cold
+
+
 class _Union:
     """`in` over two mappings (the CPU tier and the loads under way) without copying them."""
 
@@ -214,12 +302,15 @@ def simulate(policy: str, *, load: float, args, sizes: dict, cpu_capacity: int, 
     rng = random.Random(seed)
     draw = zipf_sampler(args.adapters, args.zipf, random.Random(seed + 1))
     seats = sizes["max_num_seqs"]
-    replicas = [Replica(f"worker-{i}", seats, sizes["max_loras"], cpu_capacity) for i in range(args.replicas)]
+    kind = SlotReplica if args.slot_waits else Replica
+    replicas = [kind(f"worker-{i}", seats, sizes["max_loras"], cpu_capacity) for i in range(args.replicas)]
     states = [r.state for r in replicas]
     ring = HashRing([s.name for s in states])
     capacity = args.replicas * seats / args.service_s  # requests per second
     rate = load * capacity
-    now, cold, hits, delays, measured = 0.0, 0, 0, [], 0
+    now, cold, measured = 0.0, 0, 0
+    started: list[tuple[bool, float]] = []  # (device-tier hit, queueing delay) of measured requests
+    record = lambda hit, delay: started.append((hit, delay))  # noqa: E731
     busy_at_warmup = None
     next_poll = 0.0
     for n in range(args.requests):
@@ -239,18 +330,24 @@ def simulate(policy: str, *, load: float, args, sizes: dict, cpu_capacity: int, 
             i = n % len(replicas)
         else:
             i = plain_hash(adapter, len(replicas))
-        c, h, d = replicas[i].serve(now, adapter, rng.expovariate(1.0 / args.service_s), args.cold_load_ms / 1000)
         if n == args.warmup:
             busy_at_warmup = [r.busy_s for r in replicas]
+        service_s, cold_s = rng.expovariate(1.0 / args.service_s), args.cold_load_ms / 1000
+        if args.slot_waits:
+            c = replicas[i].serve(now, adapter, service_s, cold_s, record if n >= args.warmup else None)
+        else:
+            c, h, d = replicas[i].serve(now, adapter, service_s, cold_s)
+            if n >= args.warmup:
+                record(h, d)
         if n >= args.warmup:
             measured += 1
             cold += c
-            hits += h
-            delays.append(d)
+    for r in replicas:  # the requests still waiting start
+        r.advance(math.inf)
     busy = [r.busy_s - b for r, b in zip(replicas, busy_at_warmup)]
-    delays.sort()
+    delays = sorted(d for _, d in started)
     return {"cold_loads_per_1k": round(1000 * cold / measured, 1),
-            "device_hit_rate": round(hits / measured, 3),
+            "device_hit_rate": round(sum(h for h, _ in started) / len(started), 3),
             "max_over_mean_load": round(max(busy) / (sum(busy) / len(busy)), 3),
             "p50_queue_ms": round(1000 * delays[len(delays) // 2], 1),
             "p99_queue_ms": round(1000 * delays[min(len(delays) - 1, math.ceil(0.99 * len(delays)) - 1)], 1)}
@@ -263,6 +360,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="chart", choices=("chart", "engine"),
                     help="slots, seats and CPU tier of a replica: the Helm chart's engine values or EngineConfig's defaults")
     ap.add_argument("--cpu-tier-mib", type=int, default=None, help="CPU-tier budget of a replica (overrides --sizes)")
+    ap.add_argument("--max-loras", type=int, default=None, help="device slots of a replica (overrides --sizes)")
     ap.add_argument("--adapters", type=int, default=10_000)
     ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--replicas", type=int, default=8)
@@ -272,6 +370,9 @@ def main() -> None:
                     help="adapter storage with --sizes engine (the CPU engine's default is int8 where its C "
                          "kernel is built; --sizes chart: bf16, as GPU engines keep them)")
     ap.add_argument("--service-s", type=float, default=2.0, help="mean time a request holds a seat")
+    ap.add_argument("--slot-waits", action="store_true",
+                    help="requests also wait for a device slot, as the engine admits them (at most max_loras "
+                         "distinct adapters running); without it, slots only set the device-tier hit rate")
     ap.add_argument("--cold-load-ms", type=float, default=100.0, help="fetch + load of an adapter not in the CPU tier")
     ap.add_argument("--poll-s", type=float, default=0.5,
                     help="how often the gateway polls each replica's state (0: an exact view)")
@@ -284,6 +385,8 @@ def main() -> None:
     sizes = engine_sizes(args.sizes, args.lora_dtype)
     if args.cpu_tier_mib is not None:
         sizes["cpu_tier_mib"] = args.cpu_tier_mib
+    if args.max_loras is not None:
+        sizes["max_loras"] = args.max_loras
     nbytes = adapter_bytes(args.model, args.rank, sizes["lora_dtype"])
     cpu_capacity = max(1, (sizes["cpu_tier_mib"] << 20) // nbytes)
     t0 = time.perf_counter()
@@ -294,6 +397,7 @@ def main() -> None:
                  "cpu_tier_mib": sizes["cpu_tier_mib"], "cpu_tier_adapters": cpu_capacity,
                  "service_s": args.service_s, "cold_load_ms": args.cold_load_ms,
                  "balance": args.balance, "poll_s": args.poll_s, "requests": args.requests, "warmup": args.warmup,
+                 "slot_waits": args.slot_waits,
                  "capacity_rps": round(args.replicas * sizes["max_num_seqs"] / args.service_s, 1)}
     prefix = {"affinity": "affinity", "round_robin": "round_robin", "hash": "hash"}
     for load, tag in ((0.70, "70"), (0.95, "95")):
