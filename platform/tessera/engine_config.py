@@ -6,6 +6,9 @@ in-process engine of `tessera serve` / `tessera demo` build the same engine from
 - activations: fp32 on the CPU backend (its measured formats), bf16 on CUDA, fp32 for the
   triton backend on CPU tensors (the interpreter, for tests);
 - KV cache: the MiB asked for, else 256 MiB on the CPU and a share of free memory on CUDA;
+- device slots (distinct adapters running at once): as many as seats on CUDA, where the Triton
+  kernels take any mix of adapters in one batch and fewer slots leave seats empty under many
+  tenants' adapters (bench/RESULTS.md "routing"); the engine's 8 on the CPU (embedded use);
 - the CPU backend's kernel switches: TESSERA_CPU_*=0 in the environment turns one off.
 
 `engine_config_from_settings` is the same from a PlatformSettings, for the engines the platform
@@ -34,6 +37,8 @@ def engine_config(*, device: str = "cpu", backend: str | None = None, kv_cache_m
               else (256 << 20 if device == "cpu" else None)}
     if backend == "cpu":
         fields.update(switches_from_env(environ))
+    if device != "cpu":
+        fields["max_loras"] = overrides.get("max_num_seqs", EngineConfig.max_num_seqs)
     fields.update(overrides)
     return EngineConfig(**fields)
 

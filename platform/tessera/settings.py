@@ -48,7 +48,7 @@ class PlatformSettings(RegistrySettings):
     model_path: Path | None = Field(None, description="Base model GGUF/safetensors; unset takes the embedded SmolLM2.")
     engine_threads: int | None = Field(None, ge=1, description="Torch threads of an in-process engine.")
     engine_kv_cache_mib: int | None = Field(None, ge=16, description="KV cache of an engine, in MiB (default: 256 on the CPU, a share of free memory on CUDA).")
-    engine_max_loras: int | None = Field(None, ge=1, le=256, description="Distinct adapters one engine step runs at once (its device slots); unset: the engine's 8. Each slot takes device memory for max_rank.")
+    engine_max_loras: int | None = Field(None, ge=1, le=256, description="Distinct adapters one engine step runs at once (its device slots); unset: as many as engine_max_num_seqs on CUDA, 8 on the CPU. Each slot takes device memory for a max_rank-wide adapter.")
     engine_max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Most requests one engine runs at once; unset: the engine's 64.")
     engine_lora_cpu_cache_mib: int | None = Field(None, ge=16, description="Host memory for loaded adapters per engine (the CPU tier, LRU), in MiB; a request whose adapter is not there waits for a fetch and load. Unset: the engine's 1024. Size it to the adapters a replica serves.")
     engine_prefix_caching: bool = Field(True, description="Reuse the KV of a tenant's repeated prompt prefixes "

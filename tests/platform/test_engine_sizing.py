@@ -29,6 +29,17 @@ def test_unset_sizes_keep_the_engines_defaults(tmp_path):
         (default.max_loras, default.max_num_seqs, default.lora_cpu_cache_bytes, 64)
 
 
+def test_cuda_engines_run_as_many_adapters_at_once_as_seats_unless_told_otherwise(tmp_path):
+    # Only the configuration: building it needs no GPU.
+    def slots_and_seats(**sizes):
+        config = engine_config_from_settings(sized_settings(tmp_path, engine_device="cuda", **sizes))
+        return config.max_loras, config.max_num_seqs
+
+    assert slots_and_seats() == (64, 64)
+    assert slots_and_seats(engine_max_num_seqs=32) == (32, 32)
+    assert slots_and_seats(engine_max_loras=8) == (8, 64)
+
+
 def test_a_rank_128_adapter_is_served_when_the_registry_accepts_rank_128(tmp_path):
     settings = sized_settings(tmp_path, max_rank=128, engine_max_loras=2, engine_max_num_seqs=8,
                               engine_lora_cpu_cache_mib=64)
