@@ -13,7 +13,9 @@ Each step:
    uncached tokens take step budget and new blocks.
 4. Adapters: at most `max_loras` distinct adapters run in one step; a waiting request whose
    adapter is not ready on this engine (still loading) or would exceed that bound is skipped,
-   not blocking the requests behind it.
+   not blocking the requests behind it. So that busy adapters cannot hold every slot forever:
+   once a request skipped for a slot has waited `aging_seconds`, the running adapter with the
+   fewest running sequences takes no new ones until it has drained and its slot is free.
 """
 from __future__ import annotations
 
@@ -138,6 +140,7 @@ class Scheduler:
         if not out.preempted:
             active_adapters = {s.adapter for s in self.running if s.adapter is not None}
             skipped: set[int] = set()
+            draining: str | None = None  # a running adapter held back for a request starved of a slot
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 # Re-pick after every admission: the tokens just granted count against the
                 # tenant's share, so a flood from one tenant interleaves with the others.
@@ -145,10 +148,16 @@ class Scheduler:
                 if not candidates:
                     break
                 seq = min(candidates, key=lambda s: self._admission_key(s, now))
+                if seq.adapter is not None and seq.adapter == draining:
+                    skipped.add(seq.seq_id)
+                    continue
                 if seq.adapter is not None and (
                         (seq.adapter not in active_adapters and len(active_adapters) >= self.max_loras)
                         or not self.adapter_ready(seq.adapter)):
                     skipped.add(seq.seq_id)  # wait for a slot or the load, without blocking others
+                    if (draining is None and seq.adapter not in active_adapters and self.aging_seconds > 0
+                            and now - seq.arrival_time >= self.aging_seconds and self.adapter_ready(seq.adapter)):
+                        draining = self._adapter_to_drain()
                     continue
                 # Blocks whose KV is already cached (prefix caching) count as computed.
                 hit = self.block_manager.cached_prefix(seq)
@@ -175,6 +184,15 @@ class Scheduler:
         """Priority class after aging: one class better per `aging_seconds` waited."""
         waited = now - seq.arrival_time
         return max(0, int(seq.priority) - int(waited // self.aging_seconds)) if self.aging_seconds > 0 else int(seq.priority)
+
+    def _adapter_to_drain(self) -> str:
+        """The running adapter that frees its slot soonest if it takes no new sequences: the one
+        with the fewest running (then the first by name, so consecutive steps agree)."""
+        counts: dict[str, int] = defaultdict(int)
+        for s in self.running:
+            if s.adapter is not None:
+                counts[s.adapter] += 1
+        return min(counts, key=lambda a: (counts[a], a))
 
     def _admission_key(self, seq: Sequence, now: float) -> tuple:
         return (self.effective_class(seq, now), self._served[seq.tenant_id], seq.arrival_time)

@@ -8,9 +8,9 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
-def _seq(tok, rid, n_prompt=8, tenant="t", prio=Priority.standard, arrival=None):
+def _seq(tok, rid, n_prompt=8, tenant="t", prio=Priority.standard, arrival=None, adapter=None):
     s = Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(temperature=0), IncrementalDetokenizer(tok),
-                 tenant_id=tenant, priority=prio)
+                 tenant_id=tenant, priority=prio, adapter=adapter)
     if arrival is not None:
         s.arrival_time = arrival
     return s
@@ -71,6 +71,37 @@ def test_aging_prevents_starvation(tokenizer):
     s.add(new_std)
     s.add(old_batch)
     assert [x.seq.request_id for x in s.schedule().scheduled] == ["old"]
+
+
+def test_busy_adapters_cannot_keep_a_request_from_a_slot_forever(tokenizer):
+    """Both slots are held by adapters that keep receiving requests. A request for a third
+    adapter that has waited `aging_seconds` makes the running adapter with the fewest sequences
+    take no new ones; once it drains, the waiting request takes its slot."""
+    s = _sched(max_num_seqs=8, max_loras=2, aging_seconds=5.0)
+    now = time.monotonic()
+    first = [_seq(tokenizer, rid, adapter=ad, arrival=now - 1) for rid, ad in (("a-0", "a"), ("b-0", "b"), ("b-1", "b"))]
+    for q in first:
+        s.add(q)
+    assert {x.seq.request_id for x in s.schedule().scheduled} == {"a-0", "b-0", "b-1"}
+
+    # Waiting for a slot for less than aging_seconds: the busy adapters go on taking requests.
+    patient = _seq(tokenizer, "c-0", adapter="c", arrival=now - 1)
+    s.add(patient)
+    s.add(_seq(tokenizer, "a-1", adapter="a", arrival=now))
+    assert "a-1" in {x.seq.request_id for x in s.schedule().scheduled} and patient in s.waiting
+
+    # Once it has waited that long, adapter a (two running against b's two, first by name)
+    # takes no new sequence; b still does.
+    patient.arrival_time = now - 6
+    s.add(_seq(tokenizer, "a-2", adapter="a", arrival=now))
+    s.add(_seq(tokenizer, "b-2", adapter="b", arrival=now))
+    admitted = {x.seq.request_id for x in s.schedule().scheduled}
+    assert "b-2" in admitted and "a-2" not in admitted and "c-0" not in admitted
+    # a drains; its slot goes to the request that waited, not to a's next one.
+    for q in [q for q in s.running if q.adapter == "a"]:
+        s.remove(q)
+    admitted = {x.seq.request_id for x in s.schedule().scheduled}
+    assert "c-0" in admitted and "a-2" not in admitted
 
 
 def test_long_prompt_is_chunked_and_decodes_keep_going(tokenizer):
