@@ -175,8 +175,11 @@ class SlotReplica(Replica):
     scheduler admits them: a waiting request starts once a seat is free, its adapter is loaded,
     and its adapter is running already or fewer than `slots` distinct adapters are; one that
     cannot start yet is passed over without holding back those behind it, the rest start in
-    arrival order. A slot's adapter is replaced least recently used first, never while it runs.
-    Start times are known only as events unfold, so a request's figures go to its `record`."""
+    arrival order; once one passed over for a slot has waited the engine's `aging_seconds`, the
+    running adapter with the fewest requests takes no new ones until it drains (the engine's
+    guard against starving it). A slot's adapter is replaced least recently used first, never
+    while it runs. Start times are known only as events unfold, so a request's figures go to its
+    `record`."""
 
     def __init__(self, name: str, seats: int, slots: int, cpu_capacity: int):
         super().__init__(name, seats, slots, cpu_capacity)
@@ -186,6 +189,7 @@ class SlotReplica(Replica):
         # (time, order, adapter or None, token, seat seconds): finishes, and load ends (token -1).
         self.timeline: list[tuple[float, int, str, int, float]] = []
         self.order = 0
+        self.aging_s = EngineConfig().aging_seconds
 
     def _push(self, t: float, adapter: str, token: int, seat_s: float) -> None:
         self.order += 1
@@ -218,11 +222,16 @@ class SlotReplica(Replica):
         if not self.queue or self.running >= self.num_seats:
             return
         kept = []
+        draining = None
         for item in self.queue:
             arrival, adapter, seat_s, token, record = item
-            if (self.running >= self.num_seats or adapter in self.loading
-                    or (adapter not in self.running_adapters and len(self.running_adapters) >= self.slots)):
+            if self.running >= self.num_seats or adapter in self.loading or adapter == draining:
                 kept.append(item)
+                continue
+            if adapter not in self.running_adapters and len(self.running_adapters) >= self.slots:
+                kept.append(item)
+                if draining is None and t - arrival >= self.aging_s:
+                    draining = min(self.running_adapters, key=lambda a: (self.running_adapters[a], a))
                 continue
             self.running += 1
             self.running_adapters[adapter] = self.running_adapters.get(adapter, 0) + 1
