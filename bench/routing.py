@@ -111,21 +111,31 @@ class Replica:
                 self.running += 1
                 self.running_adapters[adapter] = self.running_adapters.get(adapter, 0) + 1
             else:
-                self.view.ended(token, STD)
-                self.seat_times.record(seat_s)
-                self.running -= 1
-                n = self.running_adapters[adapter] - 1
-                if n:
-                    self.running_adapters[adapter] = n
-                else:
-                    del self.running_adapters[adapter]
+                self._finished(adapter, token, seat_s)
         for adapter in [a for a, t in self.loading.items() if t <= now]:
-            self.load_times.record(self.loading.pop(adapter) - self.load_started.pop(adapter))
-            self._to_cpu(adapter)
+            self._loaded(adapter)
+        self._publish(self.waiting)
+
+    def _finished(self, adapter: str, token: int, seat_s: float) -> None:
+        self.view.ended(token, STD)
+        self.seat_times.record(seat_s)
+        self.running -= 1
+        n = self.running_adapters[adapter] - 1
+        if n:
+            self.running_adapters[adapter] = n
+        else:
+            del self.running_adapters[adapter]
+
+    def _loaded(self, adapter: str) -> None:
+        self.load_times.record(self.loading.pop(adapter) - self.load_started.pop(adapter))
+        self._to_cpu(adapter)
+
+    def _publish(self, waiting: int) -> None:
+        """The state an engine worker would answer a poll with now."""
         st = self.state
         st.seat_s, st.load_s = self.seat_times.mean_s, self.load_times.mean_s
         st.running = {STD: self.running}
-        st.waiting = {STD: self.waiting}
+        st.waiting = {STD: waiting}
         st.free_slots = max(0, self.slots - len(self.running_adapters))
 
     def _to_cpu(self, adapter: str) -> None:
@@ -200,23 +210,11 @@ class SlotReplica(Replica):
         while tl and tl[0][0] <= now:
             t, _, adapter, token, seat_s = heapq.heappop(tl)
             if token < 0:  # a load ended
-                self.load_times.record(self.loading.pop(adapter) - self.load_started.pop(adapter))
-                self._to_cpu(adapter)
+                self._loaded(adapter)
             else:
-                self.view.ended(token, STD)
-                self.seat_times.record(seat_s)
-                self.running -= 1
-                n = self.running_adapters[adapter] - 1
-                if n:
-                    self.running_adapters[adapter] = n
-                else:
-                    del self.running_adapters[adapter]
+                self._finished(adapter, token, seat_s)
             self._admit(t)
-        st = self.state
-        st.seat_s, st.load_s = self.seat_times.mean_s, self.load_times.mean_s
-        st.running = {STD: self.running}
-        st.waiting = {STD: len(self.queue)}
-        st.free_slots = max(0, self.slots - len(self.running_adapters))
+        self._publish(len(self.queue))
 
     def _admit(self, t: float) -> None:
         if not self.queue or self.running >= self.num_seats:
@@ -259,9 +257,7 @@ class SlotReplica(Replica):
         self.queue.append([now, adapter, service_s, self.view.sent(STD), record])
         self.busy_s += service_s
         self._admit(now)
-        self.state.waiting = {STD: len(self.queue)}
-        self.state.running = {STD: self.running}
-        self.state.free_slots = max(0, self.slots - len(self.running_adapters))
+        self._publish(len(self.queue))
         return cold
 
 
