@@ -152,18 +152,21 @@ class Replica:
             **vars(st), "running": dict(st.running), "waiting": dict(st.waiting),
             "device_adapters": frozenset(self.device), "cpu_adapters": frozenset(self.cpu) | frozenset(self.loading)}))
 
-    def serve(self, now: float, adapter: str, service_s: float, cold_load_s: float) -> tuple[bool, bool, float]:
-        """Take a request at `now`: (cold load, device-tier hit, queueing delay in seconds)."""
-        cold = False
+    def _fetch(self, now: float, adapter: str, cold_load_s: float) -> tuple[bool, float]:
+        """A request for `adapter` arrives at `now`: (whether it is a cold load, when the adapter
+        is in the CPU tier); a cold one starts loading."""
         if adapter in self.cpu:
             self.cpu.move_to_end(adapter)
-            ready = now
-        elif adapter in self.loading:
-            ready = self.loading[adapter]
-        else:
-            cold = True
-            ready = self.loading[adapter] = now + cold_load_s
-            self.load_started[adapter] = now
+            return False, now
+        if adapter in self.loading:
+            return False, self.loading[adapter]
+        self.loading[adapter] = now + cold_load_s
+        self.load_started[adapter] = now
+        return True, now + cold_load_s
+
+    def serve(self, now: float, adapter: str, service_s: float, cold_load_s: float) -> tuple[bool, bool, float]:
+        """Take a request at `now`: (cold load, device-tier hit, queueing delay in seconds)."""
+        cold, ready = self._fetch(now, adapter, cold_load_s)
         start = max(ready, self.seats[0])
         end = start + service_s
         heapq.heapreplace(self.seats, end)
@@ -193,7 +196,6 @@ class SlotReplica(Replica):
 
     def __init__(self, name: str, seats: int, slots: int, cpu_capacity: int):
         super().__init__(name, seats, slots, cpu_capacity)
-        self.num_seats = seats
         # Waiting requests in arrival order: [arrival, adapter, seat seconds, token, record].
         self.queue: list[list] = []
         # (time, order, adapter or None, token, seat seconds): finishes, and load ends (token -1).
@@ -217,13 +219,13 @@ class SlotReplica(Replica):
         self._publish(len(self.queue))
 
     def _admit(self, t: float) -> None:
-        if not self.queue or self.running >= self.num_seats:
+        if not self.queue or self.running >= self.state.max_num_seqs:
             return
         kept = []
         draining = None
         for item in self.queue:
             arrival, adapter, seat_s, token, record = item
-            if self.running >= self.num_seats or adapter in self.loading or adapter == draining:
+            if self.running >= self.state.max_num_seqs or adapter in self.loading or adapter == draining:
                 kept.append(item)
                 continue
             if adapter not in self.running_adapters and len(self.running_adapters) >= self.slots:
@@ -246,14 +248,9 @@ class SlotReplica(Replica):
     def serve(self, now: float, adapter: str, service_s: float, cold_load_s: float, record=None) -> bool:
         """Take a request at `now`; whether it is a cold load. Its device-tier hit and queueing
         delay go to `record(hit, delay)` when it starts."""
-        cold = False
-        if adapter in self.cpu:
-            self.cpu.move_to_end(adapter)
-        elif adapter not in self.loading:
-            cold = True
-            self.loading[adapter] = now + cold_load_s
-            self.load_started[adapter] = now
-            self._push(now + cold_load_s, adapter, -1, 0.0)
+        cold, ready = self._fetch(now, adapter, cold_load_s)
+        if cold:
+            self._push(ready, adapter, -1, 0.0)
         self.queue.append([now, adapter, service_s, self.view.sent(STD), record])
         self.busy_s += service_s
         self._admit(now)

@@ -1,9 +1,9 @@
 """Durations of one kind of engine event, kept in constant memory however long the engine runs.
 
 `Durations.record(seconds)` updates histogram counts since start over fixed bucket bounds (what
-engine.metrics exports, made cumulative over the bounds as Prometheus wants), the count and sum, and an exponentially weighted mean
-of recent events (what an engine worker publishes for routing: tessera.engine_client.routing
-estimates a request's start delay on each replica from it). Recording is a few additions; the
+engine.metrics exports, made cumulative over the bounds as Prometheus wants), the count and sum,
+and an exponentially weighted mean of recent events (what an engine worker publishes for
+routing: tessera.engine_client.routing estimates a request's start delay on each replica from it). Recording is a few additions; the
 caller serialises `record` calls (the LoRA manager under its lock, the engine on its step thread),
 and readers take the attributes as they are (each is replaced or updated in one operation).
 """

@@ -148,17 +148,14 @@ class Scheduler:
                 if not candidates:
                     break
                 seq = min(candidates, key=lambda s: self._admission_key(s, now))
-                if seq.adapter is not None and seq.adapter == draining:
-                    skipped.add(seq.seq_id)
-                    continue
-                if seq.adapter is not None and (
-                        (seq.adapter not in active_adapters and len(active_adapters) >= self.max_loras)
-                        or not self.adapter_ready(seq.adapter)):
-                    skipped.add(seq.seq_id)  # wait for a slot or the load, without blocking others
-                    if (draining is None and seq.adapter not in active_adapters and self.aging_seconds > 0
-                            and now - seq.arrival_time >= self.aging_seconds and self.adapter_ready(seq.adapter)):
-                        draining = self._adapter_to_drain()
-                    continue
+                if seq.adapter is not None:
+                    no_slot = seq.adapter not in active_adapters and len(active_adapters) >= self.max_loras
+                    if seq.adapter == draining or no_slot or not self.adapter_ready(seq.adapter):
+                        skipped.add(seq.seq_id)  # wait for a slot, the load or a drain, not blocking others
+                        if (no_slot and draining is None and self.aging_seconds > 0
+                                and now - seq.arrival_time >= self.aging_seconds and self.adapter_ready(seq.adapter)):
+                            draining = self._adapter_to_drain()
+                        continue
                 # Blocks whose KV is already cached (prefix caching) count as computed.
                 hit = self.block_manager.cached_prefix(seq)
                 n = min(seq.num_uncomputed_tokens - len(hit) * self.block_manager.block_size, budget)

@@ -223,11 +223,10 @@ def route(replicas: list[ReplicaState], *, adapter: str | None, priority: int, r
     def key(i: int):
         r = replicas[i]
         over = r.load() + 1 > bound
-        if over:
-            return (True, not r.has_room(priority), 0, 0, r.load(), rank[i])
+        if over:  # the first element alone orders the two kinds: the rest never meet
+            return (True, not r.has_room(priority), r.load(), rank[i])
         cost = r.adapter_cost(adapter)
-        return (False, False, r.start_delay_s(adapter, priority, load_s), cost,
-                r.load() if cost < _COST_COLD else 0, rank[i])
+        return (False, r.start_delay_s(adapter, priority, load_s), cost, r.load() if cost < _COST_COLD else 0, rank[i])
     return sorted(live, key=key)
 
 
