@@ -6,9 +6,54 @@ from dataclasses import dataclass
 import torch
 
 
+#: RoPE variants a checkpoint may state (HF `rope_scaling` / `rope_parameters` "rope_type").
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+#: Gated MLP activations: SiLU (Llama, Qwen, Mistral, Phi-3) and tanh-approximated GELU (Gemma).
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One rotary embedding as the checkpoint states it (engine.model.rope computes its tables).
+
+    `rope_type` default: inv_freq = 1 / theta^(2i/d); linear: / factor; dynamic: NTK-scaled theta
+    at the full scaled length (max_position x factor); llama3: Llama 3.1's smooth per-frequency
+    scaling (factor, low/high_freq_factor, original_max_position); yarn: interpolation ramped
+    between beta_fast and beta_slow rotations, cos/sin times attention_factor; longrope: Phi-3's
+    per-frequency short_factor below original_max_position and long_factor from there on, cos/sin
+    times attention_factor. `freq_factors`: llama.cpp's `rope_freqs` tensor (inv_freq divided by
+    it), the form Llama 3.1 GGUF files carry their llama3 scaling in."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, as read from GGUF metadata or a HF config.json."""
+    """Shape and architecture of a decoder-only model, as read from GGUF metadata or a HF
+    config.json (engine.model.architectures). Every family (Llama 2/3.x, Mistral, Qwen2/2.5,
+    Qwen3, Gemma 2/3, Phi-3) is these fields: the model code (engine.model.decoder) has no branch
+    on the family's name.
+
+    Norm weights are stored as the model multiplies by them: Gemma's (1 + w) is folded into w at
+    load, so one RMSNorm serves every family."""
 
     name: str
     num_layers: int
@@ -19,11 +64,48 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
-    rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: The family, by its Hugging Face model_type ("llama", "mistral", "qwen2", "qwen3", "gemma2",
+    #: "gemma3_text", "phi3"): for logs, /v1/models and refusals; nothing branches on it.
+    architecture: str = "llama"
+    #: The RoPE of full-attention layers (and of every layer unless `local_rope` is set).
+    rope: RopeConfig = RopeConfig()
+    #: The RoPE of sliding-window layers where it differs (Gemma 3: theta 10000 locally).
+    local_rope: RopeConfig | None = None
+    #: Gated MLP activation (ACTIVATIONS): act(gate) * up.
+    hidden_act: str = "silu"
+    #: q/k/v projections carry a bias (Qwen2/2.5).
+    attention_bias: bool = False
+    #: RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3): `self_attn.q_norm` / `k_norm`.
+    qk_norm: bool = False
+    #: Gemma 2/3's four norms a layer: the attention and MLP outputs are normed before their
+    #: residual add (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP input
+    #: by `pre_feedforward_layernorm`. Without: Llama's two (`post_attention_layernorm` is the
+    #: MLP's input norm).
+    sandwich_norms: bool = False
+    #: Embeddings are multiplied by this (Gemma: sqrt(hidden), rounded to the activation dtype).
+    embedding_multiplier: float | None = None
+    #: Attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma) instead of head_dim^-0.5.
+    query_pre_attn_scalar: float | None = None
+    #: tanh soft-capping of attention scores (Gemma 2: cap * tanh(s / cap)), None: none.
+    attn_logit_softcap: float | None = None
+    #: tanh soft-capping of the final logits (Gemma 2), None: none.
+    final_logit_softcap: float | None = None
+    #: Sliding window of each layer in tokens (a query sees the keys of the last `w` positions,
+    #: itself included), None for a full-attention layer; () means every layer is full.
+    layer_windows: tuple[int | None, ...] = ()
+    #: The checkpoint fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj` (Phi-3):
+    #: the loader splits the weights, and LoRA adapters name the fused modules.
+    fused_projections: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
 
     @property
     def q_size(self) -> int:
@@ -32,6 +114,19 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q @ k.T: query_pre_attn_scalar^-0.5 where the family sets it, else head_dim^-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V cache one token takes across all layers."""

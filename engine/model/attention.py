@@ -12,6 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention computes, besides its inputs: head counts and size, the score
+    scale, and the family's variations (engine.config.ModelConfig: sliding_window, softcap)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float                       #: factor on q @ k.T
+    sliding_window: int | None = None  #: a query at position p sees keys at positions > p - window; None: all
+    softcap: float | None = None       #: scores become softcap * tanh(scores / softcap) before masking
+
+
 @dataclass
 class PrefillChunk:
     """One sequence's prefill chunk inside the step."""
