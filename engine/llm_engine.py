@@ -35,7 +35,7 @@ from engine.durations import Durations
 from engine.loader import default_model_path, load_checkpoint
 from engine.backends import create_backend
 from engine.model.attention import KVCache
-from engine.model.llama import LlamaModel
+from engine.model.decoder import DecoderModel
 from engine.model_runner import ModelRunner
 from engine.request_checks import check_prompt
 from engine.sampler import sample, sample_tokens
@@ -74,7 +74,7 @@ class LLMEngine:
         self.backend = create_backend(self.config)
         self.device = self.backend.device
         self.weight_format = self.backend.weight_format()
-        self.model = LlamaModel(model_cfg, weights, backend=self.backend)
+        self.model = DecoderModel(model_cfg, weights, backend=self.backend)
         del weights
         #: What the backend measured or chose at start (CPU: the weight formats' crossovers).
         self.format_timings: dict = self.backend.prepare_model(self.model)

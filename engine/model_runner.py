@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 
 from engine.model.attention import AttentionMetadata, KVCache, PagedMetadata, PrefillChunk
-from engine.model.llama import LlamaModel
+from engine.model.decoder import DecoderModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, block_size: int, backend):
+    def __init__(self, model: DecoderModel, kv: KVCache, block_size: int, backend):
         self.model = model
         self.kv = kv
         self.block_size = block_size

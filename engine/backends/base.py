@@ -1,6 +1,6 @@
 """The seam between the model and its kernels.
 
-The model code (engine/model/llama.py, engine/lora) calls one `Backend` object, chosen once from
+The model code (engine/model/decoder.py, engine/lora) calls one `Backend` object, chosen once from
 `EngineConfig.backend` (engine.backends.create_backend), for every op whose implementation
 depends on the hardware: norms, RoPE + KV write + prefill/decode attention, the base linears
 (and their weight formats), SiLU*mul, the LoRA term, and how a step's inputs reach the device.
@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.model.attention import AttentionMetadata
+from engine.backends import torch_ops
+from engine.model.attention import AttentionMetadata, AttentionSpec
+from engine.model.layers import RotaryEmbedding
 
 if TYPE_CHECKING:  # imported for annotations only: engine.lora imports nothing from here
     from engine.lora.layers import LoRASlots
@@ -94,14 +96,28 @@ class Backend(ABC):
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """gu [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
 
+    def gelu_tanh_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2I] (gate | up) -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU)."""
+        return torch_ops.gelu_tanh_mul(gu)
+
+    def act_mul(self, gu: torch.Tensor, act: str) -> torch.Tensor:
+        """The gated MLP activation `act` (engine.config.ACTIVATIONS) by this backend's op for it."""
+        if act == "silu":
+            return self.silu_mul(gu)
+        if act == "gelu_tanh":
+            return self.gelu_tanh_mul(gu)
+        raise ValueError(f"unknown activation {act!r}")
+
     # -- attention ----------------------------------------------------------------------------
 
     @abstractmethod
-    def attention(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
-                  head_dim: int, scale: float) -> torch.Tensor:
-        """RoPE on the unrotated q | k heads of qkv [T, (Hq + 2 Hkv) D], K/V written to their
-        slots, then attention over each sequence's cached keys -> [T, Hq * D] (see torch_ops)."""
+    def attention(self, qkv: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  spec: AttentionSpec) -> torch.Tensor:
+        """RoPE on the unrotated q | k heads of qkv [T, (Hq + 2 Hkv) D] (`rope`: the layer's
+        tables [P, D]; `cos_sin`: their rows at this step's positions, [T, 1, D] each), K/V
+        written to their slots, then attention over each sequence's cached keys as `spec`
+        states (heads, scale, sliding window, soft-cap) -> [T, Hq * D] (see torch_ops)."""
 
     # -- LoRA ---------------------------------------------------------------------------------
 

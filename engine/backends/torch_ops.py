@@ -40,6 +40,21 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(g).mul_(u)
 
 
+def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] (gate | up) -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU, tanh-approximated)."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.gelu(g, approximate="tanh").mul_(u)
+
+
+def act_mul(gu: torch.Tensor, act: str) -> torch.Tensor:
+    """The gated MLP activation `act` ("silu" | "gelu_tanh", engine.config.ACTIVATIONS)."""
+    if act == "silu":
+        return silu_mul(gu)
+    if act == "gelu_tanh":
+        return gelu_tanh_mul(gu)
+    raise ValueError(f"unknown activation {act!r}")
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache[slots] for slots of any shape: rows [*slots.shape, Hkv, D]. index_select on the flat
     slot list is much faster on CPU than advanced indexing with a 2-D index (bench/RESULTS.md),
@@ -49,11 +64,13 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def attention(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
-              head_dim: int, scale: float, *, first: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+              head_dim: int, scale: float, *, sliding_window: int | None = None, softcap: float | None = None,
+              first: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """qkv: [T, (Hq + 2 Hkv) D], unrotated q | k | v heads of the step's tokens; cos_sin: [T, 1, D]
     each. Writes the K/V of tokens [first, T) to the cache and their attention output into
     out[first:] ([T, Hq * D], allocated if None), which it returns. `first` is 0, or num_decode
-    when a backend's kernel did the decode tokens."""
+    when a backend's kernel did the decode tokens. `sliding_window` and `softcap` as
+    engine.model.attention.AttentionSpec states them."""
     T = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     if out is None:
@@ -65,17 +82,40 @@ def attention(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], k_c
     qk = RotaryEmbedding.apply((cos_sin[0][first:], cos_sin[1][first:]), qk.reshape(T - first, num_heads + num_kv_heads, head_dim))
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     v = v.reshape(T - first, num_kv_heads, head_dim)
-    o = paged_attention(q, k, v, k_cache, v_cache, meta, scale, first=first)
+    o = paged_attention(q, k, v, k_cache, v_cache, meta, scale, first=first, sliding_window=sliding_window,
+                        softcap=softcap)
     out[first:] = o.reshape(T - first, q_size)
     return out
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float, softcap: float | None) -> torch.Tensor:
+    """q [B, Hq, Q, D], k/v [B, Hkv, L, D] -> [B, Hq, Q, D]; `mask` bool (True = attend),
+    broadcastable to [B, Hq, Q, L]. SDPA without a soft-cap; with one, the scores are capped
+    explicitly (SDPA has no hook for it) in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal and mask is None:
+        mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ vf).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, first: int = 0) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, first: int = 0, *,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T', Hq, D]; k, v: [T', Hkv, D] (rotated keys and values of the step's tokens [first, T))
     -> out [T', Hq, D]: K/V written to their slots, batched SDPA over slot-gathered keys for
     decodes, per-sequence SDPA for prefill chunks (causal from 0, or with a mask over cached
-    context)."""
+    context). Decode slot rows and chunk context slots list a sequence's keys in position order
+    from 0, which is how the sliding window finds each key's position."""
     slot_mapping = meta.slot_mapping[first:] if first else meta.slot_mapping
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
@@ -85,8 +125,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
         vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)                            # [B, Hq, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                            scale=scale, enable_gqa=True)
+        mask = meta.decode_mask
+        if sliding_window is not None:
+            lens = meta.decode_lens if meta.decode_lens is not None else mask.view(nd, -1).sum(-1)
+            keys = torch.arange(kd.shape[2], device=q.device)
+            near = keys[None, :] > (lens[:, None] - 1 - sliding_window)  # [B, L]
+            mask = mask & near[:, None, None, :]
+        od = _sdpa(qd, kd, vd, mask, False, scale, softcap)
         out[:nd] = od.squeeze(2)
     for p in meta.prefills:
         # 4-D [1, H, Q, D] operands: with a batch dim SDPA takes its CPU flash kernel (3-D ones
@@ -98,7 +143,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             kp = _gather(k_cache, p.context_slots).transpose(0, 1)  # [Hkv, L, D]
             vp = _gather(v_cache, p.context_slots).transpose(0, 1)
-        op = F.scaled_dot_product_attention(qp, kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=p.mask,
-                                            is_causal=p.mask is None, scale=scale, enable_gqa=True)
+        mask = p.mask
+        if sliding_window is not None:
+            qpos = torch.arange(p.context_len - p.num_tokens, p.context_len, device=q.device)
+            keys = torch.arange(kp.shape[1], device=q.device)
+            visible = (keys[None, :] <= qpos[:, None]) & (keys[None, :] > qpos[:, None] - sliding_window)
+            mask = visible if mask is None else mask & visible
+        op = _sdpa(qp, kp.unsqueeze(0), vp.unsqueeze(0), mask, True, scale, softcap)
         out[s:e] = op[0].transpose(0, 1)
     return out

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RopeConfig
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -98,7 +98,7 @@ def model_config_from_metadata(meta: dict, name: str) -> ModelConfig:
         head_dim=int(get("rope.dimension_count", hidden // heads)),
         vocab_size=int(vocab),
         max_position_embeddings=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope=RopeConfig(theta=float(get("rope.freq_base", 10000.0))),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings=True,  # set precisely by load_gguf once tensors are known
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),

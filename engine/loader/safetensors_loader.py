@@ -1,54 +1,95 @@
-"""Hugging Face Llama checkpoints: config.json + *.safetensors (bf16/fp16/fp32)."""
+"""Hugging Face checkpoints: config.json + *.safetensors (one file, or shards listed by
+model.safetensors.index.json), any served family (engine.loader.architectures), bf16/fp16/fp32.
+
+Tensors come back in the loaders' one layout (engine.loader): HF Llama names with fused
+projections split (Phi-3's qkv_proj into q/k/v_proj, gate_up_proj into gate/up_proj) and norm
+weights as applied (Gemma's stored w becomes 1 + w), in the checkpoint's own dtype.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.loader.architectures import architecture_of, model_config_from_hf
+
+INDEX_FILE = "model.safetensors.index.json"
+
+#: Prefixes a causal LM's decoder tensors may sit under, by how the checkpoint was saved.
+_KEEP = ("model.", "lm_head.")
 
 
-def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
-    if cfg.get("model_type") not in (None, "llama"):
-        raise ValueError(f"unsupported model_type {cfg.get('model_type')!r} (only 'llama' is served)")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    rope_theta = cfg.get("rope_theta")
-    if rope_theta is None:  # transformers 5 nests it under rope_parameters
-        rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    return ModelConfig(
-        name=name,
-        num_layers=int(cfg["num_hidden_layers"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(cfg["vocab_size"]),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+def _is_hub_id(name: str) -> bool:
+    """"org/name" or "name": no path prefix, no backslash, at most one slash."""
+    return not name.startswith(("/", "~", ".", "\\")) and "\\" not in name and ":" not in name \
+        and name.count("/") <= 1
+
+
+def served_name(cfg: dict, path: Path) -> str:
+    """The name a checkpoint directory is served under: config.json's `_name_or_path` when it is
+    a hub id (what adapters trained on it name as their base), else the directory's name."""
+    hub = cfg.get("_name_or_path")
+    if isinstance(hub, str) and hub.strip() and _is_hub_id(hub.strip()):
+        return hub.strip()
+    return path.resolve().name
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: those its index names, else every
+    *.safetensors file. FileNotFoundError when there are none or the index names a missing one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path}: {INDEX_FILE} names {missing[0]}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return files
+
+
+def _split_fused(name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """Phi-3's fused projections as the split ones (rows q | k | v, gate | up)."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+        stem = name.removesuffix("qkv_proj.weight")
+        return [(stem + "q_proj.weight", q), (stem + "k_proj.weight", k), (stem + "v_proj.weight", v)]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        gate, up = t.split([cfg.intermediate_size, cfg.intermediate_size])
+        stem = name.removesuffix("gate_up_proj.weight")
+        return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
+    return [(name, t)]
 
 
 def load_safetensors_checkpoint(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """Read config.json and every *.safetensors shard of a HF Llama checkpoint directory.
+    """Read config.json and the safetensors shards of a HF checkpoint directory.
 
-    Returns (config, tensors as stored in HF names, an empty metadata dict).
+    Returns (config, tensors in the loaders' layout, an empty metadata dict). `name` overrides
+    the served name (`served_name`). UnsupportedModelError for a family or feature not served.
     """
     path = Path(path)
-    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()), name or path.name)
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    raw = json.loads((path / "config.json").read_text())
+    arch = architecture_of(raw.get("model_type", "llama"))
+    cfg = model_config_from_hf(raw, name or served_name(raw, path))
     tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(str(shard)))
+    for shard in shard_files(path):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith(_KEEP) or "rotary_emb" in key:
+                    continue
+                t = f.get_tensor(key)
+                if arch.norm_plus_one and key.endswith("norm.weight"):
+                    t = t.float() + 1.0
+                for k, part in _split_fused(key, t, cfg):
+                    tensors[k] = part.contiguous()
+    if "model.embed_tokens.weight" not in tensors:
+        raise ValueError(f"{path}: no model.embed_tokens.weight (not a decoder-only causal LM checkpoint)")
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+        cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     return cfg, tensors, {}

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config import RopeConfig
+from engine.model.rope import rope_tables
+
 
 class RMSNorm(nn.Module):
     """An RMSNorm's weight and epsilon; `backend.rms_norm` / `add_rms_norm` compute it."""
@@ -16,16 +19,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """HF-layout (rotate-half) RoPE with cos/sin precomputed for every position."""
+    """HF-layout (rotate-half) RoPE with cos/sin precomputed for every position, for any RoPE
+    variant (engine.model.rope: scaling and attention factors are in the tables)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype):
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig | float, dtype: torch.dtype):
+        """`rope`: the RoPE to tabulate, or a theta for the default one."""
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)  # [P, D]
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        if not isinstance(rope, RopeConfig):
+            rope = RopeConfig(theta=float(rope))
+        cos, sin = rope_tables(rope, head_dim, max_positions)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)  # [P, D]
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> (cos, sin) [T, 1, D], computed once per step for every layer."""

@@ -7,7 +7,7 @@ import torch
 from engine.backends.cpu import decode_ops as cpu_ops
 from engine.backends.cpu import CpuBackend
 from engine.config import EngineConfig
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, AttentionSpec
 from engine.model.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("needs_c_compiler")  # missing: skip, or fail under CI=true
@@ -116,7 +116,8 @@ def test_attention_with_and_without_the_kernel_agree():
     qkv, cos_sin, k_cache, v_cache, meta = _paged_case(lens, seed=3)
     nan_free = torch.nan_to_num  # SDPA's masked gathers still read (and multiply by 0) the NaN padding
     k2, v2 = nan_free(k_cache.clone()), nan_free(v_cache.clone())
-    fast = CpuBackend(EngineConfig()).attention(qkv, cos_sin, k_cache, v_cache, meta, hq, hkv, d, scale)
-    slow = CpuBackend(EngineConfig(cpu_decode_ops=False)).attention(qkv, cos_sin, k2, v2, meta, hq, hkv, d, scale)
+    spec = AttentionSpec(hq, hkv, d, scale)
+    fast = CpuBackend(EngineConfig()).attention(qkv, None, cos_sin, k_cache, v_cache, meta, spec)
+    slow = CpuBackend(EngineConfig(cpu_decode_ops=False)).attention(qkv, None, cos_sin, k2, v2, meta, spec)
     assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
     assert torch.allclose(k_cache[meta.slot_mapping], k2[meta.slot_mapping], rtol=1e-6, atol=1e-6)

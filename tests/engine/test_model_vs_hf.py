@@ -4,14 +4,14 @@ import torch
 from engine.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from engine.backends.cpu import CpuBackend
 from engine.config import EngineConfig
-from engine.model.llama import LlamaModel
+from engine.model.decoder import DecoderModel
 
 from .conftest import chat
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 2 =", "¿Dónde está la biblioteca? 日本語も"]
 
 
-def _our_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def _our_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     cfg = model.cfg
     T = len(ids)
     kv = KVCache(cfg.num_layers, -(-T // 16), 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
@@ -22,7 +22,7 @@ def _our_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 def test_logits_match_transformers_fp32(smollm_checkpoint, tokenizer, hf_model):
     cfg, weights, _ = smollm_checkpoint
-    model = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="fp32")))
+    model = DecoderModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="fp32")))
     for text in PROMPTS:
         ids = tokenizer.encode(chat(tokenizer, text))
         ours = _our_logits(model, ids)

@@ -167,11 +167,11 @@ def _exact_and_fast(smollm_checkpoint, *, int8_max_rows: int, pack_dense=False, 
     """The checkpoint as the exact fp32 model and as the int8 model whose layers keep a bf16 dense
     copy (packed where pack_dense) and take int8 up to int8_max_rows rows; decode_only: every
     forward as in a decode-only step."""
-    from engine.model.llama import LlamaModel
+    from engine.model.decoder import DecoderModel
 
     cfg, weights, _ = smollm_checkpoint
-    exact = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="fp32")))
-    fast = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
+    exact = DecoderModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="fp32")))
+    fast = DecoderModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
     for m in fast.modules():
         if isinstance(m, CpuLinear):
             m.set_fast_dtype(torch.bfloat16)
@@ -273,13 +273,13 @@ def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it
     the product with exactly the fp32 weights (no int8 re-quantization), fused projections
     included; wider batches take the int8 kernel, and past its crossover the wide path."""
     from engine.backends.cpu import int8 as cpu_int8, q4 as cpu_q4
-    from engine.model.llama import LlamaModel
+    from engine.model.decoder import DecoderModel
 
     require_c_compiler()
     if cpu_q4.library() is None:
         pytest.skip("no Q4_1 kernel on this CPU (neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
-    model = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
+    model = DecoderModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
     g = torch.Generator().manual_seed(9)
     for layer in (model.layers[0].qkv_proj, model.layers[5].gate_up_proj, model.layers[7].down_proj):
         assert layer.pack_int8() and layer.q4_blocked is not None and layer.q4_1_raw is None
@@ -301,13 +301,13 @@ def test_q4_calibration_sets_a_measured_threshold_that_forward_follows(smollm_ch
     """Whether single rows (or a few) read the Q4_1 blocks is measured against the int8 kernel,
     and each batch then takes the kernel the measurement chose."""
     from engine.backends.cpu import q4 as cpu_q4
-    from engine.model.llama import LlamaModel
+    from engine.model.decoder import DecoderModel
 
     require_c_compiler()
     if cpu_q4.library() is None:
         pytest.skip("no Q4_1 kernel on this CPU (neither AVX-512 nor AVX2)")
     cfg, weights, _ = smollm_checkpoint
-    model = LlamaModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
+    model = DecoderModel(cfg, weights, backend=CpuBackend(EngineConfig(weight_format="int8")))
     layers = [model.layers[0].qkv_proj, model.layers[0].down_proj]
     for layer in layers:
         assert layer.pack_int8()

@@ -134,18 +134,21 @@ class CpuBackend(Backend):
 
     # -- attention ----------------------------------------------------------------------------
 
-    def attention(self, qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale):
+    def attention(self, qkv, rope, cos_sin, k_cache, v_cache, meta, spec):
         """Decode tokens through the C kernel (RoPE, cache write and GQA attention over each
-        sequence's own slots in one call, cached rows read in place) where it takes them;
-        prefill chunks, and decode tokens where it cannot, through torch_ops.attention."""
-        out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype)
+        sequence's own slots in one call, cached rows read in place) where it takes them (full
+        attention without a soft-cap); prefill chunks, and decode tokens where it cannot, through
+        torch_ops.attention."""
+        H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        out = torch.empty(qkv.shape[0], H * D, dtype=qkv.dtype)
         nd, first = meta.num_decode, 0
-        if nd and self.decode_ops and meta.decode_lens is not None and decode_ops.decode_attention(
-                qkv, nd, num_heads, num_kv_heads, head_dim, cos_sin[0][:nd], cos_sin[1][:nd], k_cache, v_cache,
-                meta.decode_slots, meta.decode_lens, scale, out):
+        plain = spec.sliding_window is None and spec.softcap is None
+        if nd and plain and self.decode_ops and meta.decode_lens is not None and decode_ops.decode_attention(
+                qkv, nd, H, Hkv, D, cos_sin[0][:nd], cos_sin[1][:nd], k_cache, v_cache,
+                meta.decode_slots, meta.decode_lens, spec.scale, out):
             first = nd
-        return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale,
-                                   first=first, out=out)
+        return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, H, Hkv, D, spec.scale,
+                                   sliding_window=spec.sliding_window, softcap=spec.softcap, first=first, out=out)
 
     # -- LoRA ---------------------------------------------------------------------------------
 

@@ -73,7 +73,6 @@ class TritonBackend(Backend):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no CUDA device")
         self.weight_format()  # refuse a CPU-only format before any weight is loaded
-        self._cos = self._sin = None
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -96,8 +95,6 @@ class TritonBackend(Backend):
         return DenseLinear(weight, self.dtype, self.device)
 
     def prepare_model(self, model):
-        """Keep the rope tables: the fused RoPE + KV write reads them by position."""
-        self._cos, self._sin = model.rope.cos, model.rope.sin
         return {"weight_format": self.weight_format()}
 
     # -- elementwise --------------------------------------------------------------------------
@@ -119,27 +116,39 @@ class TritonBackend(Backend):
 
     # -- attention ----------------------------------------------------------------------------
 
-    def attention(self, qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale):
-        """With block tables (ModelRunner's paged form): the fused RoPE + KV write, then paged
-        decode attention over the decode rows and paged prefill attention over the chunks. With
-        slot lists (a caller that built them): torch_ops."""
+    def gelu_tanh_mul(self, gu):
+        from engine.backends.triton import norms
+
+        return norms.gelu_tanh_mul(gu)
+
+    def attention(self, qkv, rope, cos_sin, k_cache, v_cache, meta, spec):
+        """With block tables (ModelRunner's paged form): the fused RoPE + KV write (reading the
+        layer's rope tables by position), then paged decode attention over the decode rows and
+        paged prefill attention over the chunks. With slot lists (a caller that built them):
+        torch_ops."""
+        H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         paged = meta.paged
         if paged is None:
-            return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale)
+            return torch_ops.attention(qkv, cos_sin, k_cache, v_cache, meta, H, Hkv, D, spec.scale,
+                                       sliding_window=spec.sliding_window, softcap=spec.softcap)
         from engine.backends.triton import attention as tk
 
         T, nd, bs = qkv.shape[0], meta.num_decode, self.config.block_size
-        q = tk.rope_kv_write(qkv, self._cos, self._sin, paged.positions, k_cache, v_cache, meta.slot_mapping,
-                             num_heads, num_kv_heads, head_dim)
-        out = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        q = tk.rope_kv_write(qkv, rope.cos, rope.sin, paged.positions, k_cache, v_cache, meta.slot_mapping, H, Hkv, D)
+        out = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+        extra = {}
+        if spec.sliding_window is not None:
+            extra["sliding_window"] = spec.sliding_window
+        if spec.softcap is not None:
+            extra["softcap"] = spec.softcap
         if nd:
             out[:nd] = tk.paged_decode_attention(q[:nd], k_cache, v_cache, paged.decode_block_tables,
-                                                 paged.decode_seq_lens, bs, scale)
+                                                 paged.decode_seq_lens, bs, spec.scale, **extra)
         if nd < T:
             out[nd:] = tk.paged_prefill_attention(q[nd:], k_cache, v_cache, paged.prefill_block_tables,
-                                                  paged.prefill_query_start, paged.prefill_context_lens, bs, scale,
-                                                  paged.prefill_max_query_len)
-        return out.view(T, num_heads * head_dim)
+                                                  paged.prefill_query_start, paged.prefill_context_lens, bs,
+                                                  spec.scale, paged.prefill_max_query_len, **extra)
+        return out.view(T, H * D)
 
     # -- LoRA ---------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Attention in Triton over the paged KV cache: the fused RoPE + K/V write, decode attention
-(split-KV, GQA-grouped) and chunked-prefill attention (flash-style tiles, causal).
+(split-KV, GQA-grouped) and chunked-prefill attention (flash-style tiles, causal), both with an
+optional sliding window (Mistral, Qwen2, Gemma 2/3, Phi-3) and logit soft-capping (Gemma 2).
 
 The cache (engine.model.attention.KVCache): per layer `k_cache, v_cache [num_slots, Hkv, D]`,
 a token's slot = block_id * block_size + offset; sequence b's logical block j is
@@ -21,8 +22,19 @@ Semantics:
     for s, i, h: pos = context_lens[s] - q_len_s + i     # keys 0 .. pos are in the cache
         out[query_start[s] + i, h] = softmax over keys 0..pos (as above)
 
+    # Both, with softcap and sliding_window (each None = off), as Hugging Face's Gemma 2/3,
+    # Mistral and Phi-3: a query at position p (decode: seq_lens[b] - 1) scores key j as
+        s = scale * q @ k_j;  if softcap: s = softcap * tanh(s / softcap)   # before masking
+    # and attends only to keys with  p - sliding_window < j <= p  (sliding_window keys, itself
+    # included). The cache keeps every key; keys before the window are never read: decode starts
+    # its keys (and its splits) at max(0, L - window), prefill skips each query tile's key tiles
+    # before its first query's window. A window covering the block table's capacity is full
+    # attention (the kernels' full-attention build runs).
+
 Softmax statistics and the value sums are fp32 whatever the cache dtype; outputs are in q's
-dtype. Every output element is written by exactly one program (no atomics needed): the decode
+dtype. Window and soft-cap are compile-time switches (SLIDING, SOFTCAP), the window size and the
+cap runtime values: with both off the kernels are the plain causal ones, and one build serves
+every window size. Every output element is written by exactly one program (no atomics needed): the decode
 kernel's (sequence, KV head, split) programs write disjoint rows of the partial buffers, the
 reduction one row of `out` per (sequence, head); the prefill kernel one (query tile, head) each.
 
@@ -40,6 +52,7 @@ Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -240,14 +253,34 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
 
 
 @triton.jit
+def _tanh(x):
+    """tanh of fp32 x from exp alone: Triton has no tanh in every version, and libdevice's does
+    not run in the interpreter. (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1] never overflows,
+    but 1 - e cancels near 0, so below |x| = 1/4 the Taylor series to x^9 (truncation < 1e-8
+    relative) takes over: within 5 fp32 ulps of tanh everywhere."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    t = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return tl.where(a < 0.25, series, tl.where(x < 0, -t, t))
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, offs_n, mask_n, keep, kv_col, mask_d, block_size,
-                 stride_k_slot, stride_v_slot, scale, IEEE: tl.constexpr):
+                 stride_k_slot, stride_v_slot, scale, softcap,
+                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     """One key tile of an online softmax: keys offs_n (mask_n: those that exist) read through the
-    block-table row `bt_row`, scores of q [rows, D] against them kept where `keep` ([rows or 1,
-    BLOCK_N]), folded into the running (max, sum, output) = (m_i, l_i, acc), which it returns.
-    Table entries are read only for existing keys: entries past a sequence's last block may be
-    garbage and are never dereferenced. The caller guarantees every tile keeps a key per row (so
-    the running maximum stays finite)."""
+    block-table row `bt_row`, scores of q [rows, D] against them (soft-capped when SOFTCAP) kept
+    where `keep` ([rows or 1, BLOCK_N]), folded into the running (max, sum, output) =
+    (m_i, l_i, acc), which it returns. Table entries are read only for existing keys: entries
+    past a sequence's last block may be garbage and are never dereferenced.
+
+    Without EMPTY_ROWS the caller guarantees every tile keeps a key per row, so the running
+    maximum is finite from the first tile on. With it (sliding windows: a tile may lie wholly
+    before or after a row's window) a row's maximum may still be -inf: its exponentials are
+    taken against 0 instead (exp(-inf) = 0, where -inf - -inf would be NaN), and the maximum
+    itself stays -inf so that the row's first real key sets it."""
     blk = tl.load(bt_row + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
     slot = blk * block_size + offs_n % block_size
     m_nd = mask_n[:, None] & mask_d[None, :]
@@ -257,10 +290,18 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, offs_n, mask_n, keep, k
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(keep, s * scale, float("-inf"))
+    if SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap))
+    else:
+        s = s * scale
+    s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -274,19 +315,27 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
     scale, block_size, max_blocks,
     stride_qb, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ob, stride_oh,
+    window, softcap,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid = (B, Hkv, NUM_SPLITS): the G query heads sharing KV head `kvh` of sequence b, over
-    # split `sp` of its keys (each split's range is proportional to this sequence's own length,
-    # so no host-side length is needed). K/V tiles are read once for the whole group.
+    # split `sp` of its keys (each split's range is proportional to the keys this sequence's
+    # query sees, so no host-side length is needed). K/V tiles are read once for the whole group.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     # Never past the table's capacity: entries beyond it do not exist.
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_blocks * block_size)
-    part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * part
+    if SLIDING:
+        # The query, at seq_len - 1, sees keys seq_len - window .. seq_len - 1, every one: the
+        # keys before cost no tile and no split, and no key needs a window mask.
+        kv_start = tl.maximum(seq_len - window, 0)
+    else:
+        kv_start = 0
+    part = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv_start + sp * part
     end = tl.minimum(seq_len, start + part)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -308,7 +357,7 @@ def _decode_kernel(
         # Every tile holds at least one key < end, so the running maximum stays finite.
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + b * stride_btb, offs_n, mask_n,
                                      mask_n[None, :], kv_col, mask_d, block_size, stride_k_slot, stride_v_slot,
-                                     scale, IEEE)
+                                     scale, softcap, IEEE, SOFTCAP, False)
 
     out_mask = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
@@ -351,6 +400,21 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+def _variant_args(sliding_window: int | None, softcap: float | None, capacity: int) -> dict:
+    """The decode and prefill kernels' window and soft-cap arguments: the SLIDING and SOFTCAP
+    switches and their runtime values (unused when off). A window of at least the block table's
+    capacity (`capacity` = max_blocks * block_size keys) hides no key a sequence can have, so the
+    full-attention build runs for it."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    sliding = sliding_window is not None and sliding_window < capacity
+    return dict(window=sliding_window if sliding else 0, softcap=0.0 if softcap is None else float(softcap),
+                SLIDING=sliding, SOFTCAP=softcap is not None)
+
+
 def _check_tables(block_tables: torch.Tensor, rows: int, lens: torch.Tensor, lens_name: str) -> None:
     if block_tables.dim() != 2 or block_tables.shape[0] != rows or block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32 [{rows}, max_blocks], got "
@@ -377,10 +441,11 @@ def _check_q(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int, in
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, *, num_splits: int | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, sliding_window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode attention over the paged cache: each sequence's query attends to its first
-    seq_lens[b] cached tokens (the new token's K/V already written). Semantics: see the module
-    docstring.
+    seq_lens[b] cached tokens (the new token's K/V already written), or with a sliding window to
+    the last min(seq_lens[b], sliding_window) of them. Semantics: see the module docstring.
 
     Args:
         q: [B, Hq, D] rotated queries (heads contiguous), in the cache's dtype.
@@ -393,6 +458,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             None: `choose_num_splits` with this device's configuration.
         max_seq_len: a host-side upper bound of seq_lens, used only to choose num_splits (no
             device read); None: max_blocks * block_size.
+        sliding_window: keys a query sees, itself included (HF's `sliding_window`); None: all.
+            The splits partition only those keys, so num_splits=None sizes them by the window.
+        softcap: scores become softcap * tanh(scores / softcap) (HF's
+            `attn_logit_softcapping`); None: unchanged.
     Returns:
         out: [B, Hq, D] in q's dtype.
     """
@@ -408,8 +477,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = cfg["block_n"]
     check_blocks(minimum=16, block_n=block_n)
     max_blocks = block_tables.shape[1]
+    variant = _variant_args(sliding_window, softcap, max_blocks * block_size)
     if num_splits is None:
         bound = max_blocks * block_size if max_seq_len is None else max_seq_len
+        if variant["SLIDING"]:
+            bound = min(bound, variant["window"])  # keys any query sees
         num_splits = choose_num_splits(B, Hkv, bound, _num_sms(device),
                                        split_min_tokens=cfg["split_min_tokens"], max_splits=cfg["max_splits"])
     if num_splits < 1:
@@ -426,7 +498,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_m, mid_l,
         scale, block_size, max_blocks,
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), **variant,
         G=G, HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, IEEE=dot_in_fp32(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -450,8 +522,10 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qs_ptr, ctx_ptr, out_ptr,
     scale, block_size, max_blocks, M_BLOCKS,
     stride_qt, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ot, stride_oh,
+    window, softcap,
     G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid = (S * M_BLOCKS, Hq): query tile `mb` of sequence `seq`, head h (KV head h // G).
     seq = tl.program_id(0) // M_BLOCKS
@@ -480,14 +554,24 @@ def _prefill_kernel(
     # Keys up to this tile's last query position (causal), capped by the table's capacity.
     kv_end = tl.minimum(prefix + tl.minimum(m0 + BLOCK_M, q_len), max_blocks * block_size)
     kv_col = kvh * HEAD_DIM + offs_d[None, :]
-    for n0 in range(0, kv_end, BLOCK_N):
+    if SLIDING:
+        # The tile's first query (at prefix + m0) sees keys from prefix + m0 - window + 1 on, its
+        # later queries from later ones: key tiles before that are skipped, never read.
+        kv_start = tl.maximum(prefix + m0 - window + 1, 0)
+    else:
+        kv_start = 0
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        # Key 0 is visible to every row and sits in the first tile, so the running maximum is
-        # finite from the first tile on.
+        if SLIDING:
+            keep = keep & (offs_n[None, :] > q_pos[:, None] - window)
+        # Full attention: key 0 is visible to every row and sits in the first tile, so the running
+        # maximum is finite from the first tile on. A window may leave a row no key in a tile
+        # (EMPTY_ROWS); a real row still ends with at least itself.
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_btb, offs_n, mask_n,
-                                     keep, kv_col, mask_d, block_size, stride_k_slot, stride_v_slot, scale, IEEE)
+                                     keep, kv_col, mask_d, block_size, stride_k_slot, stride_v_slot, scale, softcap,
+                                     IEEE, SOFTCAP, SLIDING)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -496,12 +580,13 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start: torch.Tensor,
                             context_lens: torch.Tensor, block_size: int, scale: float,
-                            max_query_len: int) -> torch.Tensor:
+                            max_query_len: int, *, sliding_window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of prefill chunks over the paged cache (the chunks' own K/V already
     written by rope_kv_write): query i of sequence s sits at position
-    context_lens[s] - q_len_s + i and attends keys 0 .. that position. Fresh prompts
-    (context = chunk) and chunks continuing a cached prefix alike. Semantics: see the module
-    docstring.
+    p = context_lens[s] - q_len_s + i and attends keys 0 .. p, or with a sliding window keys
+    p - sliding_window + 1 .. p. Fresh prompts (context = chunk) and chunks continuing a cached
+    prefix alike. Semantics: see the module docstring.
 
     Args:
         q: [Tp, Hq, D] rotated queries of the chunks, one contiguous run per sequence.
@@ -511,6 +596,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         context_lens: [S] int32, cached tokens of each sequence after its chunk (chunk included;
             >= its chunk's length).
         max_query_len: a host-side bound of the chunks' lengths (sizes the grid; no device read).
+        sliding_window: keys a query sees, itself included (HF's `sliding_window`); None: all.
+        softcap: scores become softcap * tanh(scores / softcap) (HF's
+            `attn_logit_softcapping`); None: unchanged.
     Returns:
         out: [Tp, Hq, D] in q's dtype.
     """
@@ -521,6 +609,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if query_start.shape != (S + 1,) or query_start.dtype != torch.int32:
         raise ValueError(f"query_start must be int32 [{S + 1}]")
     device = common_device(q, k_cache, v_cache, block_tables, query_start, context_lens, what=_KERNELS)
+    variant = _variant_args(sliding_window, softcap, block_tables.shape[1] * block_size)
     out = torch.empty(Tp, Hq, D, dtype=q.dtype, device=device)
     if Tp == 0 or S == 0 or max_query_len <= 0:
         return out
@@ -533,7 +622,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, block_tables, query_start, context_lens, out,
         scale, block_size, block_tables.shape[1], m_blocks,
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), **variant,
         G=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n,
         IEEE=dot_in_fp32(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -1,20 +1,31 @@
-"""RMSNorm, residual add + RMSNorm, and the SwiGLU gate in Triton: one pass over each row instead
-of torch's several element-wise ops, with the numerics of engine.backends.torch_ops.
+"""RMSNorm, residual add + RMSNorm, and the gated MLP activations (SwiGLU, GeGLU) in Triton: one
+pass over each row instead of torch's several element-wise ops, with the numerics of
+engine.backends.torch_ops.
 
-Semantics (statistics in fp32 whatever the dtype, as torch_ops / HF's LlamaRMSNorm):
+Semantics (statistics and activations in fp32 whatever the dtype, as torch_ops / HF's
+LlamaRMSNorm):
     rms_norm(x, w, eps):        n = x.float() * rsqrt(mean(x.float() ** 2) + eps)
                                 h = (w * n.to(w.dtype)).to(x.dtype)
     add_rms_norm(x, a, w, eps): x += a (in x's dtype, in place); return x, rms_norm(x, w, eps)
     silu_mul(gu):               g, u = gu[:, :I], gu[:, I:];  silu(g).to(dtype) * u  -> [T, I]
-Each product is rounded to the output dtype once, as torch's element-wise ops on CPU and GPU do.
+    gelu_tanh_mul(gu):          g, u as above;  gelu_tanh(g).to(dtype) * u           -> [T, I]
+        gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (F.gelu(approximate="tanh"))
+Each product is rounded to the output dtype once, as torch's element-wise ops on CPU and GPU do
+(F.silu(g) * u and F.gelu(g, approximate="tanh") * u round the activation, then the product).
+
+Both activations are x * sigmoid(z): silu with z = x, gelu_tanh with z = 2 sqrt(2/pi) (x +
+0.044715 x^3), since 0.5 (1 + tanh(y)) = sigmoid(2 y). So one kernel serves both (a constexpr
+picks z), and neither needs a tanh: Triton has no portable one (libdevice's does not run in the
+interpreter), and x / (1 + exp(-z)) neither cancels for negative x (where 1 + tanh(y) would) nor
+overflows (exp(-z) = inf gives -0.0, exp(-z) = 0 gives x).
 
 One program per block of `rows` rows (norms; a row's sum of squares is its program's alone, and a
-row is written only by its program, so no atomics) or per (block of rows, column block)
-(silu_mul). Alignment: rows are
-read as contiguous runs from row * row_stride; Triton specializes pointers on 16-byte alignment
-and strides on divisibility by 16 at launch, so rows of H * itemsize bytes a multiple of 16 (every
-hidden size in use) get 16-byte vector loads; silu_mul's up half starts I elements into the row
-(aligned when I * itemsize is a multiple of 16). Other sizes are read correctly, in narrower loads.
+row is written only by its program, so no atomics) or per (block of rows, column block) (the
+gated activations). Alignment: rows are read as contiguous runs from row * row_stride; Triton
+specializes pointers on 16-byte alignment and strides on divisibility by 16 at launch, so rows of
+H * itemsize bytes a multiple of 16 (every hidden size in use) get 16-byte vector loads; the gated
+activations' up half starts I elements into the row (aligned when I * itemsize is a multiple of
+16). Other sizes are read correctly, in narrower loads.
 
 Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 when this module is imported); punica_kernels.kernels._common.check_runnable refuses a mismatch.
@@ -34,7 +45,7 @@ _KERNELS = "engine.backends.triton.norms"
 # Launch configurations, as data: key (device name, kernel, None) as in attention.KERNEL_CONFIGS
 # (device name from torch.cuda, or "interpreter"; "default" for devices never tuned).
 #   max_block: widest row read in one tile; wider rows take two passes of max_block columns
-#     (norms) or several programs (silu_mul). A norm tile of 8192 fp32 values over 8 warps is
+#     (norms) or several programs (gated_mul: silu_mul and gelu_tanh_mul). A norm tile of 8192 fp32 values over 8 warps is
 #     32 values a thread, within the register budget.
 #   The interpreter's small max_block sends the tests' odd sizes through the multi-tile path too.
 #   rows: rows per program (a power of two). On a GPU one row is a program's worth of work at
@@ -42,9 +53,9 @@ _KERNELS = "engine.backends.triton.norms"
 #     tests' odd row counts then cross a program's last, partial block of rows).
 NORM_CONFIGS: dict[tuple[str, str, None], dict] = {
     ("default", "rms_norm", None): dict(max_block=8192, num_warps=8, rows=1),
-    ("default", "silu_mul", None): dict(max_block=1024, num_warps=4, rows=1),
+    ("default", "gated_mul", None): dict(max_block=1024, num_warps=4, rows=1),
     ("interpreter", "rms_norm", None): dict(max_block=64, num_warps=4, rows=16),
-    ("interpreter", "silu_mul", None): dict(max_block=64, num_warps=4, rows=16),
+    ("interpreter", "gated_mul", None): dict(max_block=64, num_warps=4, rows=16),
 }
 
 
@@ -111,8 +122,14 @@ def _rms_norm_kernel(
             _store_normed(h_rows, w_ptr, offs, H, mask, x, r)
 
 
+#: 2 sqrt(2 / pi): gelu_tanh's sigmoid argument is this times x (1 + 0.044715 x^2).
+_GELU_2C = tl.constexpr(1.5957691216057308)
+
+
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o,
+                      ACT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ACT: "silu" or "gelu_tanh" (compile-time: each activation is its own build, no branch).
     # grid = (cdiv(T, ROWS), cdiv(I, BLOCK)): columns [pid1 * BLOCK, +BLOCK) of rows [pid0 * ROWS, +ROWS).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -121,8 +138,13 @@ def _silu_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o, ROWS: tl.conste
     g = tl.load(g_ptrs, mask=mask, other=0.0)
     u = tl.load(g_ptrs + I, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the dtype, as F.silu
-    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+    # act(x) = x * sigmoid(z) (module docstring); rounded to the dtype, as F.silu / F.gelu.
+    if ACT == "gelu_tanh":
+        z = _GELU_2C * gf * (1.0 + 0.044715 * gf * gf)
+    else:
+        z = gf
+    a = (gf / (1.0 + tl.exp(-z))).to(g.dtype)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
              mask=mask)
 
 
@@ -174,8 +196,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     return x, h
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """gu [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up [T, I] in gu's dtype."""
+def _gated_mul(gu: torch.Tensor, act: str) -> torch.Tensor:
     _check_rows("gu", gu)
     if gu.shape[1] % 2:
         raise ValueError(f"gu's width must be even (gate | up), got {gu.shape[1]}")
@@ -184,10 +205,21 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I, dtype=gu.dtype, device=device)
     if T == 0 or I == 0:
         return out
-    cfg = norm_config(device, "silu_mul")
+    cfg = norm_config(device, "gated_mul")
     check_blocks(max_block=cfg["max_block"])
     block = min(next_pow2(I), cfg["max_block"])
     rows = cfg["rows"]
-    _silu_mul_kernel[(triton.cdiv(T, rows), triton.cdiv(I, block))](gu, out, T, I, gu.stride(0), out.stride(0),
-                                                                    ROWS=rows, BLOCK=block, num_warps=cfg["num_warps"])
+    _gated_mul_kernel[(triton.cdiv(T, rows), triton.cdiv(I, block))](
+        gu, out, T, I, gu.stride(0), out.stride(0), ACT=act, ROWS=rows, BLOCK=block, num_warps=cfg["num_warps"])
     return out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up [T, I] in gu's dtype (SwiGLU)."""
+    return _gated_mul(gu, "silu")
+
+
+def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] (gate | up, rows contiguous) -> gelu_tanh(gate) * up [T, I] in gu's dtype (GeGLU,
+    Gemma's MLP: F.gelu(gate, approximate="tanh") * up). Semantics: module docstring."""
+    return _gated_mul(gu, "gelu_tanh")
