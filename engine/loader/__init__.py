@@ -24,4 +24,28 @@ def load_checkpoint(path):
     raise FileNotFoundError(f"{path}: not a .gguf file or a directory with config.json")
 
 
-__all__ = ["load_gguf", "load_safetensors_checkpoint", "load_checkpoint", "default_model_path"]
+def read_model_config(path):
+    """(ModelConfig, bytes a weight takes once loaded) of a checkpoint, reading only its config
+    or header (no tensor data): what engine.memory_plan checks before load_checkpoint. GGUF
+    layers are dequantized to fp32 on load (4 bytes); safetensors keep their stored dtype."""
+    import json
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    from engine.loader import gguf_loader
+    from engine.loader.architectures import model_config_from_hf
+    from engine.loader.safetensors_loader import served_name
+
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        meta = gguf_loader.read_metadata(GGUFReader(str(p)))
+        return gguf_loader.model_config_from_metadata(meta, p.stem), 4.0
+    if p.is_dir() and (p / "config.json").is_file():
+        raw = json.loads((p / "config.json").read_text())
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+        return model_config_from_hf(raw, served_name(raw, p)), (4.0 if "32" in dtype else 2.0)
+    raise FileNotFoundError(f"{path}: not a .gguf file or a directory with config.json")
+
+
+__all__ = ["load_gguf", "load_safetensors_checkpoint", "load_checkpoint", "read_model_config", "default_model_path"]
