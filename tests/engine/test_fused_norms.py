@@ -1,11 +1,12 @@
 """The Triton norms (engine/backends/triton/norms.py) against engine.backends.torch_ops: RMSNorm,
-residual add + RMSNorm (x updated in place), SiLU * up.
+residual add + RMSNorm (x updated in place), SiLU * up; and GeGLU's gelu_tanh * up against
+torch's F.gelu(approximate="tanh") * up.
 
 Every case runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), and on CUDA tensors with compiled kernels where a GPU is present
 (`TRITON_INTERPRET=0 pytest tests/engine/test_fused_norms.py`); one process runs one of the two.
 The interpreter's configuration reads at most 64 columns per tile, so widths past 64 take the
-two-pass (norms) and multi-program (silu_mul) paths.
+two-pass (norms) and multi-program (silu_mul, gelu_tanh_mul) paths.
 
 Tolerances: fp32 1e-5; bf16 1.6e-2 relative, two of bf16's steps (8 mantissa bits): a 1-ulp
 difference in fp32's rsqrt can flip a rounding to bf16, and the interpreter rounds fp32 -> bf16
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.backends import torch_ops
 from engine.backends.triton import norms
@@ -91,6 +93,33 @@ def test_silu_mul_matches_torch_ops(device, dtype, T, I):
     _close(norms.silu_mul(gu.to(device)), torch_ops.silu_mul(gu))
 
 
+def _gelu_tanh_mul_reference(gu: torch.Tensor) -> torch.Tensor:
+    """HF's GeGLU (Gemma's MLP) in torch, in gu's dtype: the activation rounded, then the product."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.gelu(g, approximate="tanh") * u
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(0, 17), (1, 17), (5, 17), (3, 131)])
+def test_gelu_tanh_mul_matches_torch_gelu(device, dtype, T, I):
+    g = torch.Generator().manual_seed(T * I + 1)
+    gu = (torch.randn(T, 2 * I, generator=g) * 4).to(dtype)
+    _close(norms.gelu_tanh_mul(gu.to(device)), _gelu_tanh_mul_reference(gu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_is_finite_at_extreme_gates(device, dtype):
+    """Far into either tail the activation is 0 or the identity, never NaN or inf: there exp
+    overflows to inf (x / (1 + inf) = -0), and x ** 3 does for |x| past 1e13 (within bf16's
+    range)."""
+    gate = torch.tensor([-3e38, -1e20, -1e4, -60.0, -9.0, -0.0, 0.0, 1e-30, 9.0, 60.0, 1e4, 1e20, 3e38])
+    up = torch.linspace(-1, 1, gate.numel())
+    gu = torch.cat([gate, up])[None].to(dtype)
+    got = norms.gelu_tanh_mul(gu.to(device))
+    assert torch.isfinite(got).all()
+    _close(got, _gelu_tanh_mul_reference(gu))
+
+
 def test_bad_shapes_are_refused(device):
     x = torch.randn(2, 8, device=device)
     with pytest.raises(ValueError, match="weight"):
@@ -99,3 +128,5 @@ def test_bad_shapes_are_refused(device):
         norms.rms_norm(x.t(), torch.ones(2, device=device), 1e-5)
     with pytest.raises(ValueError, match="even"):
         norms.silu_mul(torch.randn(2, 7, device=device))
+    with pytest.raises(ValueError, match="even"):
+        norms.gelu_tanh_mul(torch.randn(2, 7, device=device))

@@ -6,9 +6,13 @@ Every case runs on CPU tensors through the Triton interpreter (tests/conftest.py
 TRITON_INTERPRET=1), and on CUDA tensors with compiled kernels where a GPU is present
 (`TRITON_INTERPRET=0 pytest tests/engine/test_paged_attention.py`); one process runs one of the two.
 
+Sliding windows and logit soft-capping (Gemma 2/3, Mistral, Phi-3) are checked against a plain
+eager reference written here (HF's: cap, then mask, then softmax), with the keys a window hides
+set to NaN in the cache, so a kernel that reads one fails.
+
 The references run in float64 on the same (rounded) inputs; tolerances are those of the kernel's
 dtype: fp32 1e-5, bf16 1.6e-2 (bf16's 8 mantissa bits, plus bf16 probabilities in the GPU's
-value product).
+value product), fp16 2e-3 (11 bits, fp16 probabilities in the value product).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from engine.backends.triton import attention as tri
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.layers import RotaryEmbedding
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -79,6 +83,14 @@ class Paged:
         bt = torch.tensor(self.blocks[r], dtype=torch.int64)
         return bt[pos // self.bs] * self.bs + pos % self.bs
 
+    def hide(self, r: int, end: int) -> None:
+        """NaN in the kernels' cache at sequence r's positions before `end` (keys a sliding window
+        hides from every query); the reference keeps reading the true values (k64, v64)."""
+        if end > 0:
+            slots = self.slots(r, 0, end).to(self.k.device)
+            self.k[slots] = float("nan")
+            self.v[slots] = float("nan")
+
 
 def _decode_meta(blocks: list[list[int]], lens: list[int], bs: int) -> AttentionMetadata:
     """As ModelRunner.prepare for decodes: slots padded with the row's own first block, a mask."""
@@ -111,6 +123,27 @@ def _prefill_chunks(paged: "Paged", rows: list[int], chunks, start: int) -> tupl
             out.append(PrefillChunk(start, n, c1, slots, mask))
         start += n
     return out, torch.cat(slot_parts)
+
+
+def _windowed_reference(paged: Paged, r: int, q: torch.Tensor, positions: list[int], scale: float,
+                        window: int | None, softcap: float | None) -> torch.Tensor:
+    """Eager attention, float64, as HF's Gemma 2 / Mistral: queries q [n, Hq, D] of sequence r at
+    `positions` over its cached keys 0 .. max(positions); scores scaled, soft-capped, then masked
+    to p - window < j <= p, softmax, times the values. Query head h reads KV head h // G."""
+    L = max(positions) + 1
+    slots = paged.slots(r, 0, L)
+    G = q.shape[1] // paged.k64.shape[1]
+    k = paged.k64[slots].repeat_interleave(G, dim=1)  # [L, Hq, D]
+    v = paged.v64[slots].repeat_interleave(G, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double().cpu(), k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    p, j = torch.tensor(positions)[:, None], torch.arange(L)[None, :]
+    visible = j <= p
+    if window is not None:
+        visible &= j > p - window
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
 def _decode_reference(paged: Paged, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -222,6 +255,46 @@ def test_decode_default_splits_and_more_splits_than_keys(device):
         _close(out, want, torch.float32)
 
 
+#: Window sizes against contexts of up to 45 (decode) / 47 (prefill) keys in tables of 64 keys:
+#: one key (only the query itself), within a block, one key tile, one context's length, past
+#: every context but within the table (the windowed build, hiding nothing), past the table (the
+#: full-attention build).
+WINDOWS = [1, 6, 16, 29, 50, 1000]
+#: (dtype, head_dim, softcap, window): window and soft-cap together over every window in fp32,
+#: then each alone, a cap far above the scores (nearly the identity: tanh must not cancel near
+#: 0), the GPU's half types (fp16 takes the kernels' half-precision tl.dot path in the
+#: interpreter too; bf16 is widened there), head_dim 64, 128 and Gemma's 256. Scores have a std
+#: of about 4, well into a cap of 3's curve.
+WINDOW_CASES = [
+    *[(torch.float32, 64, 3.0, w) for w in WINDOWS],
+    (torch.float32, 64, None, 6), (torch.float32, 32, 1000.0, 16),
+    (torch.bfloat16, 128, 3.0, 16), (torch.float16, 64, None, 1), (torch.float16, 64, 3.0, 29),
+    (torch.bfloat16, 256, 30.0, 6),
+]
+WINDOW_IDS = [f"{str(dt).removeprefix('torch.')}-D{D}-cap{cap}-w{w}" for dt, D, cap, w in WINDOW_CASES]
+
+
+@pytest.mark.parametrize("dtype,D,softcap,window", WINDOW_CASES, ids=WINDOW_IDS)
+def test_decode_sliding_window_and_softcap(device, dtype, D, softcap, window):
+    """GQA (G = 2) decode with a window and soft-cap, one split and several (splits partition
+    only the window's keys, and cross block and tile boundaries); the keys before each window are
+    NaN in the cache, so reading one would show."""
+    lens, Hkv, G = [1, 7, 9, 29, 45], 2, 2
+    paged = Paged(lens, Hkv, D, BS, dtype, device, seed=D + window)
+    q = (4 * torch.randn(len(lens), G * Hkv, D, generator=torch.Generator().manual_seed(window))).to(dtype)
+    scale = D ** -0.5  # scores of std ~4: well into the cap's curve
+    want = torch.cat([_windowed_reference(paged, r, q[r:r + 1], [n - 1], scale, window, softcap)
+                      for r, n in enumerate(lens)])
+    for r, n in enumerate(lens):
+        paged.hide(r, n - window)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for n in (1, 3):
+        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, scale,
+                                         num_splits=n, sliding_window=window, softcap=softcap)
+        assert out.dtype == dtype and out.shape == q.shape
+        _close(out, want, dtype)
+
+
 def test_choose_num_splits():
     kw = dict(split_min_tokens=256, max_splits=16)
     # A full wave of programs already: no split.
@@ -274,6 +347,48 @@ def test_prefill_fresh_and_continued_chunks(device, dtype, D, G):
                                       D ** -0.5, max_query_len=max(n for _, n in chunks))
     assert out.shape == q.shape and out.dtype == dtype
     _close(out, want, dtype)
+
+
+def _check_prefill_window(device, dtype, D, softcap, window):
+    """GQA (G = 2) prefill with a window and soft-cap: fresh prompts and chunks continuing a cached
+    prefix (context > chunk), chunks of two query tiles whose windows start in different key
+    tiles. Keys before the window of a chunk's first query are NaN in the cache: the kernel must
+    skip their tiles, not only mask them."""
+    chunks = [(0, 5), (7, 9), (16, 1), (3, 20), (0, 19), (30, 17)]
+    Hkv, G = 2, 2
+    lens = [c0 + n for c0, n in chunks]
+    paged = Paged(lens, Hkv, D, BS, dtype, device, seed=D + window)
+    Tp = sum(n for _, n in chunks)
+    q = (4 * torch.randn(Tp, G * Hkv, D, generator=torch.Generator().manual_seed(window))).to(dtype)
+    scale = D ** -0.5
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    want = torch.cat([_windowed_reference(paged, r, q[starts[r]:starts[r + 1]], list(range(c0, c0 + n)), scale,
+                                          window, softcap) for r, (c0, n) in enumerate(chunks)])
+    for r, (c0, _) in enumerate(chunks):
+        paged.hide(r, c0 - window + 1)
+    out = tri.paged_prefill_attention(q.to(device), paged.k, paged.v, paged.block_tables,
+                                      torch.tensor(starts, dtype=torch.int32, device=device),
+                                      torch.tensor(lens, dtype=torch.int32, device=device), BS, scale,
+                                      max_query_len=max(n for _, n in chunks), sliding_window=window, softcap=softcap)
+    assert out.dtype == dtype and out.shape == q.shape
+    _close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype,D,softcap,window", WINDOW_CASES, ids=WINDOW_IDS)
+def test_prefill_sliding_window_and_softcap(device, dtype, D, softcap, window):
+    _check_prefill_window(device, dtype, D, softcap, window)
+
+
+@pytest.mark.parametrize("window", [6, 16])
+def test_prefill_window_with_query_tiles_taller_than_key_tiles(device, monkeypatch, window):
+    """Query tiles twice as tall as key tiles (the GPU's head_dim-128 tiles, 64 x 32; here 32 x 16
+    in the interpreter): a tile's later queries see no key of its first key tile, and must come
+    out finite and right all the same."""
+    monkeypatch.setitem(tri.KERNEL_CONFIGS, ("interpreter", "prefill", None),
+                        dict(block_m=32, block_n=16, num_warps=4, num_stages=1))
+    _check_prefill_window(device, torch.float32, 128, 3.0, window)
 
 
 def test_prefill_empty(device):
@@ -331,6 +446,14 @@ def test_wrong_device_or_dtype_is_refused(device):
     with pytest.raises(ValueError, match="int32"):
         tri.paged_decode_attention(torch.randn(1, 1, 32, device=device), paged.k, paged.v,
                                    paged.block_tables.long(), lens, BS, 0.1)
+    q = torch.randn(1, 1, 32, device=device)
+    for bad in (dict(sliding_window=0), dict(sliding_window=2.5), dict(softcap=0.0), dict(softcap=float("inf"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            tri.paged_decode_attention(q, paged.k, paged.v, paged.block_tables, lens, BS, 0.1, **bad)
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            tri.paged_prefill_attention(q, paged.k, paged.v, paged.block_tables,
+                                        torch.tensor([0, 1], dtype=torch.int32, device=device), lens, BS, 0.1,
+                                        max_query_len=1, **bad)
 
 
 def test_decode_empty_sequence_gives_zeros(device):
@@ -339,9 +462,11 @@ def test_decode_empty_sequence_gives_zeros(device):
     paged = Paged([5, 3], 1, 32, BS, torch.float32, device, seed=2)
     q = torch.randn(2, 2, 32)
     want = _decode_reference(paged, q, 0.2)
+    want_windowed = _windowed_reference(paged, 0, q[:1], [4], 0.2, 2, None)[0]
     seq_lens = torch.tensor([5, 0], dtype=torch.int32, device=device)
     for n in (1, 3):
-        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
-                                         num_splits=n).cpu()
-        _close(out[0], want[0], torch.float32)
-        assert torch.equal(out[1], torch.zeros(2, 32))
+        for window, w in ((None, want[0]), (2, want_windowed)):
+            out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
+                                             num_splits=n, sliding_window=window).cpu()
+            _close(out[0], w, torch.float32)
+            assert torch.equal(out[1], torch.zeros(2, 32))
