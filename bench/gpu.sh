@@ -13,9 +13,17 @@
 #   multi_lora.json        bench/multi_lora.py on the same (+ PEFT on CUDA)
 #   engine_llama3_8b.json  bench/engine.py on a synthetic Llama-3-8B (modest concurrency, no peer)
 #   multi_lora_llama3_8b.json  bench/multi_lora.py --requests 64 on the synthetic Llama-3-8B (4-bit)
-# All steps do not fit one 10-minute call: STEPS_ONLY="name ..." runs only the named steps, e.g.
+#   engine_llama3_1_8b.json    bench/engine.py on a synthetic Llama-3.1-8B (llama3 RoPE scaling, 4-bit)
+#   engine_qwen2_5_7b.json     bench/engine.py on a synthetic Qwen2.5-7B (q/k/v biases, 28/4 heads, 4-bit)
+# The synthetic checkpoints are written here by the script itself, to /tmp/synthetic (the
+# machine's local disk), with `python -m engine.loader.synthetic` (--shape for the Llama GGUF
+# shapes, --family for the model families: Q4_0 layers, Q8_0 embeddings, the family's metadata
+# and tokenizer as llama.cpp writes them); gguf, which writes and reads them, is a carried wheel.
+# All steps do not fit one 10-minute call (nor do their files: at most 8 come back, env.txt,
+# steps.log and pytest.log among them): STEPS_ONLY="name ..." runs only the named steps, e.g.
 #   STEPS_ONLY="pytest kernels synthetic_smollm2 engine_smollm2 multi_lora" bash bench/gpu.sh
 #   STEPS_ONLY="synthetic_llama3_8b engine_llama3_8b multi_lora_llama3_8b" bash bench/gpu.sh
+#   STEPS_ONLY="synthetic_llama3_1_8b engine_llama3_1_8b synthetic_qwen2_5_7b engine_qwen2_5_7b" bash bench/gpu.sh
 # A failing or timed-out step is logged and the next one runs; the whole script stays within
 # TOTAL_S seconds (default 530, inside the device's 10-minute command limit): each step gets its
 # own budget, cut to what is left. ENGINE_FORMAT (default w4a16: 4-bit weights) is the --formats/--format given to
@@ -114,6 +122,10 @@ cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
 
 step synthetic_smollm2 60 - "$PY" -m engine.loader.synthetic --shape smollm2 --out /tmp/synthetic/smollm2.gguf
 step synthetic_llama3_8b 90 - "$PY" -m engine.loader.synthetic --shape llama3-8b --out /tmp/synthetic/llama3-8b.gguf
+step synthetic_llama3_1_8b 90 - "$PY" -m engine.loader.synthetic --family llama3.1-8b --format gguf --quant q4_0 \
+  --out /tmp/synthetic/llama3.1-8b.gguf
+step synthetic_qwen2_5_7b 90 - "$PY" -m engine.loader.synthetic --family qwen2.5-7b --format gguf --quant q4_0 \
+  --out /tmp/synthetic/qwen2.5-7b.gguf
 
 step kernels 75 "$OUT/kernels.json" "$PY" bench/kernels.py --device cuda --quick
 
@@ -123,7 +135,7 @@ step engine_smollm2 90 "$OUT/engine_smollm2.json" "$PY" bench/engine.py --model 
 step multi_lora 100 "$OUT/multi_lora.json" "$PY" bench/multi_lora.py --model /tmp/synthetic/smollm2.gguf \
   --backend "$BACKEND" --device cuda --format "$ENGINE_FORMAT" --rounds 3
 
-# Last: the largest load; it gets whatever time is left, up to its budget.
+# The 8B loads come last; each gets whatever time is left, up to its budget.
 step engine_llama3_8b 240 "$OUT/engine_llama3_8b.json" "$PY" bench/engine.py --model /tmp/synthetic/llama3-8b.gguf \
   --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" --concurrency 1,8 --new-tokens 32 \
   --kv-cache-mb 1024 --skip-hf
@@ -133,6 +145,16 @@ step engine_llama3_8b 240 "$OUT/engine_llama3_8b.json" "$PY" bench/engine.py --m
 step multi_lora_llama3_8b 300 "$OUT/multi_lora_llama3_8b.json" "$PY" bench/multi_lora.py \
   --model /tmp/synthetic/llama3-8b.gguf --backend "$BACKEND" --device cuda --format "$ENGINE_FORMAT" \
   --requests 64 --new-tokens 32 --rounds 2 --skip-peft
+
+# The model families at real shapes, as engine_llama3_8b runs Llama-3-8B's: Llama-3.1-8B (the same
+# matmuls, llama3-scaled RoPE tables) and Qwen2.5-7B (q/k/v biases, 7 query heads per KV head,
+# 152064 ids).
+step engine_llama3_1_8b 240 "$OUT/engine_llama3_1_8b.json" "$PY" bench/engine.py \
+  --model /tmp/synthetic/llama3.1-8b.gguf --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" \
+  --concurrency 1,8 --new-tokens 32 --kv-cache-mb 1024 --skip-hf
+step engine_qwen2_5_7b 240 "$OUT/engine_qwen2_5_7b.json" "$PY" bench/engine.py \
+  --model /tmp/synthetic/qwen2.5-7b.gguf --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" \
+  --concurrency 1,8 --new-tokens 32 --kv-cache-mb 1024 --skip-hf
 
 log "done in $(($(date +%s) - START))s"
 cat "$STEPS"

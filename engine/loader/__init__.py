@@ -4,8 +4,9 @@ Both loaders return a triple `(ModelConfig, dict[str, torch.Tensor], metadata: d
 tensors named and laid out as Hugging Face's LlamaForCausalLM
 (`model.layers.{i}.self_attn.q_proj.weight` [out, in], ...), so the model code and LoRA adapters
 (trained against HF names) see one layout. The metadata is the GGUF file's key/value header
-(the tokenizer is built from it); a safetensors checkpoint gives an empty dict. A GGUF's Q4_1
-layer weights also come as their raw blocks under name + `gguf_loader.Q4_1_SUFFIX`.
+(the tokenizer is built from it); a safetensors checkpoint gives an empty dict. A GGUF's Q4_0 and
+Q4_1 layer weights also come as their raw blocks under name + `gguf_loader.Q4_0_SUFFIX` /
+`Q4_1_SUFFIX` (rows in the weight's order, split alike where a fused tensor is split).
 """
 from engine.loader.gguf_loader import load_gguf, default_model_path
 from engine.loader.safetensors_loader import load_safetensors_checkpoint
