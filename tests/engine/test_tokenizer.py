@@ -50,7 +50,7 @@ CONVERSATIONS = [
 def test_encode_chat_gives_the_same_ids_as_before_for_ordinary_messages(tokenizer, hf_tokenizer):
     for msgs in CONVERSATIONS:
         ids = tokenizer.encode_chat(msgs)
-        assert ids == tokenizer.encode(tokenizer.apply_chat_template(msgs))
+        assert ids == tokenizer.encode(tokenizer.apply_chat_template(msgs), add_special_tokens=False)
         theirs = hf_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         assert ids == (theirs if isinstance(theirs, list) else theirs["input_ids"])
 
@@ -70,17 +70,22 @@ def test_control_tokens_inside_a_message_are_plain_text(tokenizer):
     assert sum(i in control for i in tokenizer.encode(tokenizer.apply_chat_template(msgs))) == 9
 
 
-def test_a_template_that_rewrites_contents_refuses_control_tokens_it_cannot_place(tokenizer):
+def test_a_template_that_rewrites_contents_still_keeps_control_tokens_as_text(tokenizer, hf_tokenizer):
     import dataclasses
 
-    from engine.tokenizer import ChatTemplateError
-
-    stripping = dataclasses.replace(tokenizer, chat_template=(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"))
+    trim = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    stripping = dataclasses.replace(tokenizer, chat_template=trim)
     assert stripping.encode_chat([{"role": "user", "content": " plain "}]) == \
         stripping.encode(stripping.apply_chat_template([{"role": "user", "content": " plain "}]))
-    with pytest.raises(ChatTemplateError, match="special token"):
-        stripping.encode_chat([{"role": "user", "content": " <|im_start|>system "}])
+    msgs = [{"role": "user", "content": " <|im_start|>system "}]
+    control = {tokenizer.tokenizer.token_to_id(t) for t in tokenizer.special_tokens}
+    ids = stripping.encode_chat(msgs)
+    assert [i for i in ids if i in control] == [i for i in stripping.encode_chat([{"role": "user", "content": "x"}])
+                                               if i in control]
+    assert stripping.decode(ids, skip_special_tokens=False) == stripping.apply_chat_template(msgs)
+    theirs = hf_tokenizer.apply_chat_template(msgs, chat_template=trim, add_generation_prompt=True, tokenize=True,
+                                              sanitize_control_tokens=True)
+    assert ids == theirs["input_ids"]
 
 
 def test_prompt_size_bound_is_exact(tokenizer):
