@@ -5,9 +5,11 @@ PEFT writes whatever its base was loaded from into base_model_name_or_path: a hu
 ("/models/SmolLM2-135M-Instruct", "~/ckpt/base", "./smol", "C:\\models\\smol"). `match_base_model`
 maps such a name to the served models it can mean, matching case-insensitively:
 
-- a served name, or an alias: each served model's final segment ("SmolLM2-135M-Instruct"), its
-  built-in aliases (BUILTIN_BASE_MODEL_ALIASES) and the configured ones (settings'
-  base_model_aliases, whose keys may be local paths too);
+- a served name (what the engine serves, ModelConfig.name: "SmolLM2-135M-Instruct",
+  "Qwen/Qwen2.5-7B-Instruct"), or an alias: each served model's final segment
+  ("Qwen2.5-7B-Instruct"), its built-in aliases (BUILTIN_BASE_MODEL_ALIASES: the embedded
+  SmolLM2's hub id and GGUF file) and the configured ones (settings' base_model_aliases, whose
+  keys may be local paths too);
 - a local path whose final segment is one of the bare (slash-free) names above.
 
 A hub id of another organization ("someone/SmolLM2-135M-Instruct") is not a local path and is not
@@ -19,13 +21,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from engine.lora.peft_format import SMOLLM2_135M_INSTRUCT
-
-# Other names of a known base model: the name the engine serves it under is its final segment
-# (implicit); its GGUF file is engine.loader.gguf_loader's DEFAULT_GGUF_FILE (not imported: that
-# module needs torch).
+# Other names of a served model, by the name the engine serves it under: names only, no shapes.
+# The embedded SmolLM2 (engine.loader.gguf_loader's DEFAULT_MODEL_NAME and DEFAULT_GGUF_FILE, not
+# imported: that module needs torch) is served as its final segment, and adapters trained on it
+# name its hub id.
 BUILTIN_BASE_MODEL_ALIASES: dict[str, tuple[str, ...]] = {
-    SMOLLM2_135M_INSTRUCT.name: ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+    "SmolLM2-135M-Instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 ALIASES_ENV = "TESSERA_BASE_MODEL_ALIASES"
 
@@ -80,19 +81,31 @@ def final_segment_matches(name: str, served: list[str], aliases: Mapping[str, st
     return sorted(_name_table(served, aliases).get(_final_segment(alias_key(name)), ()))
 
 
-def aliases_in_effect(configured: Mapping[str, str], served: list[str]) -> dict[str, str]:
-    """The aliases to resolve names with: each served model's built-in ones, then `configured`
-    (alias or local path -> served name). ValueError naming TESSERA_BASE_MODEL_ALIASES when a
-    target is not served, an alias is blank, or an alias would name a second model (it differs
-    only in case from another alias, or is a served model's name or final segment)."""
-    merged = {a: name for name in served for a in BUILTIN_BASE_MODEL_ALIASES.get(name, ())}
-    for alias, target in configured.items():
-        if target not in served:
-            raise ValueError(f"{ALIASES_ENV}: alias {alias!r} names {target!r}, which is not served "
-                             f"(served_base_models: {', '.join(served)})")
+def check_alias_names(configured: Mapping[str, str]) -> None:
+    """ValueError naming TESSERA_BASE_MODEL_ALIASES when an alias is blank (what can be checked
+    before the served models are known)."""
+    for alias in configured:
         if not alias_key(alias):
             raise ValueError(f"{ALIASES_ENV}: alias {alias!r} is blank")
-        merged[alias] = target
+
+
+def aliases_in_effect(configured: Mapping[str, str], served: list[str]) -> dict[str, str]:
+    """The aliases to resolve names with: each served model's built-in ones, then `configured`
+    (alias or local path -> a served model, by its served name or any name that means exactly it:
+    its final segment, a built-in alias; each mapped to the served name). ValueError naming
+    TESSERA_BASE_MODEL_ALIASES when a target is not served, an alias is blank, or an alias would
+    name a second model (it differs only in case from another alias, or is a served model's name
+    or final segment)."""
+    merged = {a: name for name in served for a in BUILTIN_BASE_MODEL_ALIASES.get(name, ())}
+    builtin_names = _name_table(served, merged)
+    for alias, target in configured.items():
+        means = sorted(builtin_names.get(alias_key(target), ())) if isinstance(target, str) else []
+        if len(means) != 1:
+            raise ValueError(f"{ALIASES_ENV}: alias {alias!r} names {target!r}, which is not served "
+                             f"(served: {', '.join(served) or 'nothing yet'})")
+        if not alias_key(alias):
+            raise ValueError(f"{ALIASES_ENV}: alias {alias!r} is blank")
+        merged[alias] = means[0]
     table = _name_table(served, merged)
     for alias in merged:
         targets = table[alias_key(alias)]

@@ -30,6 +30,14 @@ class BaseModelRefused(UploadRejected):
     param = "base_model"
 
 
+class AdapterDoesNotFitBase(UploadRejected):
+    """The upload's modules or tensor shapes are not the served base model's (an adapter trained
+    for another base); the message names the first module or tensor that does not fit and the
+    base's dimensions."""
+
+    param = "files"
+
+
 class QuotaExceeded(RegistryError, http_status=413):
     """The upload would exceed the tenant's limits (adapter size, number of adapters)."""
 

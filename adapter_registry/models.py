@@ -117,6 +117,9 @@ class AdapterVersion(Base):
     status: Mapped[str] = mapped_column(String(16), default="validating")
     rejection_reason: Mapped[str | None] = mapped_column(Text)
     base_model: Mapped[str | None] = mapped_column(String(256))
+    # The served base model's description (peft_format.BaseModelShape.to_dict) the upload was
+    # accepted for: what validation checks the files against, wherever and whenever it runs.
+    base_description: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     rank: Mapped[int | None] = mapped_column(Integer)
     alpha: Mapped[float | None] = mapped_column(Float)
     use_rslora: Mapped[bool | None] = mapped_column(Boolean)

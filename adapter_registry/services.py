@@ -35,9 +35,11 @@ from sqlalchemy.orm import Session
 
 from adapter_registry import metrics
 from adapter_registry.archive import ArchiveLimits, stage_upload
+from adapter_registry.base_models import match_base_model
 from adapter_registry.content import blob_key, sha256_file, version_digest
 from adapter_registry.db import utcnow
 from adapter_registry.errors import (
+    AdapterDoesNotFitBase,
     BaseModelRefused,
     Conflict,
     NotFound,
@@ -50,7 +52,8 @@ from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.objectstore import ObjectStore
 from adapter_registry.settings import RegistrySettings
 from adapter_registry.task_queue import STUCK_SLACK_S, send_validation
-from adapter_registry.validation import AdapterRejected, base_model_of_upload, validate_in_sandbox
+from adapter_registry.validation import AdapterRejected, base_of_upload, check_fits_base, validate_in_sandbox
+from engine.lora.peft_format import BaseModelShape
 
 log = logging.getLogger(__name__)
 
@@ -216,14 +219,23 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
     or stuck one is validated again, a deleted one restored; a quarantined one stays quarantined).
     A version becomes current once ready unless a newer one already is.
 
+    The base model is one of settings.served_base_models (what the engine serves, as it
+    describes itself); the version records its name and description, which validation checks the
+    files against wherever it runs.
+
     Raises UploadRejected (unsafe archive, pickle weights, missing files; BaseModelRefused when
-    neither `base_model` nor the config names a served base model: validation.base_model_of_upload),
-    QuotaExceeded (size or adapter count over the tenant's limits), Conflict (tenant suspended), RegistryUnavailable
-    (database, object store or task queue failed; nothing half-made remains).
+    neither `base_model` nor the config names a served base model: validation.base_of_upload;
+    AdapterDoesNotFitBase when the adapter's modules or tensor shapes are not the base's:
+    validation.check_fits_base), QuotaExceeded (size or adapter count over the tenant's limits),
+    Conflict (tenant suspended), RegistryUnavailable (no engine has described the served model
+    yet; database, object store or task queue failed; nothing half-made remains).
     """
     _check_name(name, "adapter")
     if tenant.status != "active":
         raise Conflict(f"tenant {tenant.name!r} is {tenant.status}; uploads are refused")
+    if not settings.served_base_models:
+        raise RegistryUnavailable("no engine has described the base model it serves yet, so adapters cannot be "
+                                  "checked against it; nothing was stored, try again once an engine is up")
     max_bytes, max_count = _limits_for(tenant, settings)
     limits = ArchiveLimits(settings.archive_max_uncompressed_bytes, settings.archive_max_files)
     with tempfile.TemporaryDirectory(prefix="tessera-upload-") as work:
@@ -233,10 +245,15 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
             raise QuotaExceeded(
                 f"adapter weights are {weights_size} bytes; tenant {tenant.name!r} may upload at most {max_bytes} bytes"
             )
-        try:  # refused before anything is stored; the version records the served name
-            base_model = base_model_of_upload(config_path=staged.config_path, base_model=base_model, settings=settings)
+        try:  # refused before anything is stored; the version records the served model
+            base = base_of_upload(config_path=staged.config_path, base_model=base_model, settings=settings)
         except AdapterRejected as e:
             raise BaseModelRefused(str(e)) from None
+        if base is not None:
+            try:
+                check_fits_base(config_path=staged.config_path, weights_path=staged.weights_path, base=base)
+            except AdapterRejected as e:
+                raise AdapterDoesNotFitBase(str(e)) from None
         config_sha, config_size = sha256_file(staged.config_path)
         weights_sha, weights_size = sha256_file(staged.weights_path)
         digest = version_digest(config_sha, weights_sha)
@@ -253,7 +270,7 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
                     AdapterVersion.adapter_id == adapter.id, AdapterVersion.sha256 == digest))
                 if existing is not None:
                     return _reupload(session=session, store=store, settings=settings, version=existing,
-                                     base_model=base_model)
+                                     base=base)
             _put_blob(session, store, config_sha, staged.config_path)
             _put_blob(session, store, weights_sha, staged.weights_path)
             session.rollback()  # end the read transaction before the write one
@@ -270,8 +287,8 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
                 adapter=adapter, version=adapter.next_version, sha256=digest,
                 config_sha256=config_sha, weights_sha256=weights_sha,
                 object_key=blob_key(weights_sha), config_object_key=blob_key(config_sha),
-                size_bytes=weights_size, status="validating", base_model=base_model,
-                validation_started_at=utcnow(),
+                size_bytes=weights_size, status="validating", base_model=base.name if base else None,
+                base_description=base.to_dict() if base else None, validation_started_at=utcnow(),
             )
             adapter.next_version += 1
             session.add(version)
@@ -302,7 +319,7 @@ def _is_stuck(version: AdapterVersion, settings: RegistrySettings) -> bool:
 
 
 def _reupload(*, session: Session, store: ObjectStore, settings: RegistrySettings, version: AdapterVersion,
-              base_model: str | None) -> AdapterVersion:
+              base: BaseModelShape | None) -> AdapterVersion:
     if version.status == "quarantined":  # the engine's verdict stands; the upload only restores it
         if version.deleted_at is not None:
             version.deleted_at = None
@@ -313,7 +330,8 @@ def _reupload(*, session: Session, store: ObjectStore, settings: RegistrySetting
     version.deleted_at = None
     version.status = "validating"
     version.rejection_reason = None
-    version.base_model = base_model
+    version.base_model = base.name if base else None
+    version.base_description = base.to_dict() if base else None
     version.validation_started_at = utcnow()
     session.commit()
     return _start_validation(session=session, store=store, settings=settings, version=version,
@@ -364,8 +382,26 @@ def _discard(session: Session, version: AdapterVersion, *, drop_adapter: bool) -
         session.rollback()  # the database is gone too; cleanup.collect_garbage handles stale rows
 
 
+def _base_of(version: AdapterVersion, settings: RegistrySettings) -> BaseModelShape | None:
+    """The base model description `version` is validated against: the one recorded at upload;
+    for a version uploaded before descriptions were recorded, the served model its base_model
+    names, if served now (else None: validation rejects it, asking for the upload again)."""
+    if version.base_description is not None:
+        try:
+            return BaseModelShape.from_dict(version.base_description)
+        except ValueError:
+            log.warning("adapter version id %s has a malformed base description", version.id)
+            return None
+    if version.base_model and settings.served_base_models:
+        matches = match_base_model(version.base_model, settings.served_names, settings.aliases)
+        if len(matches) == 1:
+            return settings.served_model(matches[0])
+    return None
+
+
 def validate_version(*, session: Session, store: ObjectStore, settings: RegistrySettings, version_id: int) -> AdapterVersion:
-    """Validate a 'validating' version from its stored files and commit 'ready' (with the parsed
+    """Validate a 'validating' version from its stored files, against the base model description
+    recorded with it, and commit 'ready' (with the parsed
     rank, alpha, modules, base, dtype; current pointer moved when it is the newest ready) or
     'rejected' (with the reason: a rule, or the validation child's deadline, memory limit or
     crash). Versions already decided are returned unchanged, so a retried task is harmless.
@@ -385,7 +421,7 @@ def validate_version(*, session: Session, store: ObjectStore, settings: Registry
             raise RegistryUnavailable(f"stored files of {version.ref} do not match their sha256; object store corrupt")
         try:
             result = validate_in_sandbox(config_path=config_path, weights_path=weights_path,
-                                         settings=settings, base_model=version.base_model)
+                                         settings=settings, base=_base_of(version, settings))
         except OSError as e:  # no child process could be started: the host's fault, not the adapter's
             session.rollback()
             raise RegistryUnavailable(f"validation could not start ({type(e).__name__}); try again") from e
@@ -395,7 +431,7 @@ def validate_version(*, session: Session, store: ObjectStore, settings: Registry
         else:
             c = result.config
             version.status = "ready"
-            version.base_model = result.base.name
+            version.base_model, version.base_description = result.base.name, result.base.to_dict()
             # rank: the largest module rank (rank_pattern may raise some modules above r).
             version.rank, version.alpha, version.use_rslora = (c.largest_rank(result.base.num_layers)[0],
                                                                c.alpha, c.use_rslora)

@@ -7,15 +7,16 @@ database URL from here too.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from adapter_registry.base_models import aliases_in_effect
-from engine.lora.peft_format import KNOWN_BASE_MODELS, SMOLLM2_135M_INSTRUCT
+from adapter_registry.base_models import aliases_in_effect, check_alias_names
+from engine.lora.peft_format import BaseModelShape
 
 MiB = 1024 * 1024
 # safetensors dtype names the engine can load adapters in.
@@ -42,15 +43,20 @@ class RegistrySettings(BaseSettings):
 
     adapter_cache_dir: Path = Field(Path("./var/adapter-cache"), description="Engine-side disk cache of fetched versions, by sha256.")
 
-    served_base_models: list[str] = Field(
-        default_factory=lambda: [SMOLLM2_135M_INSTRUCT.name],
-        description="Base models the platform serves; adapters for any other base are rejected.",
+    served_base_models: list[BaseModelShape] = Field(
+        default_factory=list,
+        description="The base models the platform serves, as their engine describes them "
+        "(engine.lora.peft_format.BaseModelShape: name, architecture, layers, LoRA-able modules and their "
+        "shapes); adapters for any other base, or that do not fit it, are refused. Not configured by hand: "
+        "the gateway and `tessera demo` take it from their engine, the CLI from the model files "
+        "TESSERA_MODEL_PATH names (`serving`). Empty until an engine has described its model; uploads "
+        "are refused (503) meanwhile.",
     )
     base_model_aliases: dict[str, str] = Field(
         default_factory=dict,
         description="Alias or local path -> served base model, for adapters whose base_model_name_or_path "
-        "names the base some other way (JSON in TESSERA_BASE_MODEL_ALIASES). Every target must be served; "
-        "after validation it also holds the built-in aliases of each served model.",
+        "names the base some other way (JSON in TESSERA_BASE_MODEL_ALIASES). Every target must be served "
+        "(checked once the served models are known); `aliases` adds each served model's built-in ones.",
     )
     max_rank: int = Field(64, ge=1, description="Highest LoRA rank accepted.")
     allowed_dtypes: list[str] = Field(default_factory=lambda: ["F16", "BF16", "F32"], description="safetensors dtypes accepted.")
@@ -81,15 +87,46 @@ class RegistrySettings(BaseSettings):
     def _known_dtypes(cls, v: list[str]) -> list[str]:
         return _only_known(v, SUPPORTED_DTYPES, "unsupported dtypes {}; choose among " + str(list(SUPPORTED_DTYPES)))
 
-    @field_validator("served_base_models")
+    @field_validator("served_base_models", mode="before")
     @classmethod
-    def _known_bases(cls, v: list[str]) -> list[str]:
-        return _only_known(v, KNOWN_BASE_MODELS, "unknown base models {}; known: " + str(sorted(KNOWN_BASE_MODELS)))
+    def _descriptions(cls, v: Any) -> Any:
+        # JSON (an environment variable, a worker's answer) -> descriptions, with their own checks.
+        if isinstance(v, (list, tuple)):
+            return [BaseModelShape.from_dict(m) if isinstance(m, dict) else m for m in v]
+        return v
 
     @model_validator(mode="after")
     def _aliases_name_served_models(self) -> "RegistrySettings":
-        self.base_model_aliases = aliases_in_effect(self.base_model_aliases, self.served_base_models)
+        check_alias_names(self.base_model_aliases)
+        if self.served_base_models:
+            aliases_in_effect(self.base_model_aliases, self.served_names)
         return self
+
+    @property
+    def served_names(self) -> list[str]:
+        """The served base models' names."""
+        return [m.name for m in self.served_base_models]
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """The aliases names resolve with: each served model's built-in ones, then the configured
+        base_model_aliases (adapter_registry.base_models.aliases_in_effect)."""
+        return aliases_in_effect(self.base_model_aliases, self.served_names)
+
+    def served_model(self, name: str) -> BaseModelShape:
+        """The description of served model `name` (KeyError if it is not served)."""
+        for m in self.served_base_models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def serving(self, models: Sequence[BaseModelShape]):
+        """These settings (same class) with `models` as the served base models, as an engine
+        described them. ValueError naming TESSERA_BASE_MODEL_ALIASES when a configured alias
+        names none of them."""
+        models = list(models)
+        aliases_in_effect(self.base_model_aliases, [m.name for m in models])
+        return self.model_copy(update={"served_base_models": models})
 
     @model_validator(mode="after")
     def _s3_credentials_pair(self) -> "RegistrySettings":

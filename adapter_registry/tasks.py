@@ -4,6 +4,10 @@ Run a worker with `celery -A adapter_registry.tasks worker -Q <TESSERA_CELERY_QU
 the same TESSERA_* settings as the app. In embedded mode (celery_eager) uploads validate inline
 and no worker is needed.
 
+A worker has no engine and needs none: each version carries the served base model's description
+it was accepted for (adapter_versions.base_description, recorded at upload by a process that
+knew what the engine serves), and validation checks the files against that.
+
 The validation task waits on a bounded child process (validation.validate_in_sandbox); its own
 soft/hard time limits (the validation deadline plus room for downloading the files) catch
 anything else that hangs, and a version whose task hit them is rejected with that reason, never

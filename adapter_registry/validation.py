@@ -1,12 +1,21 @@
 """Content validation of a PEFT adapter, run before a version may become ready.
 
-`validate_adapter_files` checks, in order, and stops at the first failure with a message naming
-the rule: config parses (JSON, a supported LoRA variant: engine.lora.peft_format), the base
-model is one the platform serves, rank <= the configured maximum, the safetensors header is
-sound, one allowed dtype, every tensor is a LoRA A/B of a targeted module with the shape the
-base model's dimensions require and none is missing, no value is NaN or Inf, and the adapter
-cannot overflow the engine's arithmetic (below). Archive safety, pickle refusal and size limits
-happen earlier, at upload (adapter_registry.archive).
+Everything is checked against the served base model's description (peft_format.BaseModelShape:
+its module names and shapes, as its engine describes it; no shape is written in the code).
+
+At upload, before anything is stored (`base_of_upload`, `check_fits_base`): the base model the
+upload names resolves to a served one (adapter_registry.base_models), and the adapter fits it: the
+modules its target_modules list are the base's, and its tensors' module names, layers and
+in/out features are the base's (rank-independent, from the safetensors header when it is at most
+FIT_CHECK_HEADER_BYTES). Either refusal names what does not fit and the base's dimensions.
+
+Then `validate_adapter_files` checks, in order, and stops at the first failure with a message
+naming the rule: config parses against the base (JSON, a supported LoRA variant:
+engine.lora.peft_format), rank <= the configured maximum, the safetensors header is sound, one
+allowed dtype, every tensor is a LoRA A/B of a targeted module with the shape the base's module
+and the module's rank require and none is missing, no value is NaN or Inf, and the adapter cannot
+overflow the engine's arithmetic (below). Archive safety, pickle refusal and size limits happen
+earlier, at upload (adapter_registry.archive).
 
 The registry runs it through `validate_in_sandbox`: in a child process (adapter_registry.sandbox)
 with a deadline and memory/CPU limits, so a hostile file costs at most those, never the caller's
@@ -28,7 +37,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,21 +46,23 @@ import numpy as np
 from adapter_registry.base_models import ALIASES_ENV, final_segment_matches, match_base_model
 from adapter_registry.sandbox import SandboxFailure, run_sandboxed
 from engine.lora.peft_format import (
-    KNOWN_BASE_MODELS,
     BaseModelShape,
+    ModuleNotInBase,
     PeftAdapterConfig,
     UnsupportedAdapterError,
     expected_tensor_shapes,
+    listed_target_misfit,
     parse_adapter_config,
     parse_tensor_name,
-    module_key,
-    tensor_name,
 )
 
 if TYPE_CHECKING:  # the sandboxed child imports this module; pydantic-settings stays out of it
     from adapter_registry.settings import RegistrySettings
 
 MAX_CONFIG_BYTES = 1024 * 1024
+# Largest safetensors header the upload's fit check reads in the caller's process (a real PEFT
+# adapter's is tens of KB); a larger one is left to the bounded validation child.
+FIT_CHECK_HEADER_BYTES = 1024 * 1024
 # safetensors' own cap on the JSON header; a larger claimed header is a malformed file.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -79,18 +90,14 @@ class ValidationLimits:
     """The settings validation reads (field names as in RegistrySettings), plain data so they
     cross into the sandboxed child as JSON."""
 
-    served_base_models: list[str]
     max_rank: int
     allowed_dtypes: list[str]
     validation_activation_bound: float
-    base_model_aliases: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, settings: "RegistrySettings | ValidationLimits") -> "ValidationLimits":
-        return cls(served_base_models=list(settings.served_base_models), max_rank=settings.max_rank,
-                   allowed_dtypes=list(settings.allowed_dtypes),
-                   validation_activation_bound=settings.validation_activation_bound,
-                   base_model_aliases=dict(settings.base_model_aliases))
+        return cls(max_rank=settings.max_rank, allowed_dtypes=list(settings.allowed_dtypes),
+                   validation_activation_bound=settings.validation_activation_bound)
 
 
 # Longest base model name a refusal quotes; a config may hold a name of any length.
@@ -104,11 +111,12 @@ def _how_to_name_base(served: list[str]) -> str:
 
 
 def resolve_base_model(name: object, served: list[str], aliases: dict[str, str] | None = None, *,
-                       given: bool = False) -> BaseModelShape:
-    """The served base model `name` refers to (adapter_config.json's base_model_name_or_path, or
-    the uploader's name for it when `given`): a served name or alias (`aliases`: alias or local
-    path -> served name), or a local path whose final segment is one, case-insensitively
-    (adapter_registry.base_models). Else AdapterRejected, saying how to name the base model."""
+                       given: bool = False) -> str:
+    """The served base model's name that `name` refers to (adapter_config.json's
+    base_model_name_or_path, or the uploader's name for it when `given`): a served name or alias
+    (`aliases`: alias or local path -> served name), or a local path whose final segment is one,
+    case-insensitively (adapter_registry.base_models). Else AdapterRejected, saying which
+    models are served and how to name the base model."""
     origin = "given at upload" if given else "adapter_config.json's base_model_name_or_path"
     if not name:
         raise AdapterRejected(f"adapter_config.json has no base_model_name_or_path; {_how_to_name_base(served)}")
@@ -125,27 +133,75 @@ def resolve_base_model(name: object, served: list[str], aliases: dict[str, str] 
     if len(matches) > 1:
         raise AdapterRejected(f"base model {quoted} ({origin}) is ambiguous: it could be {' or '.join(matches)}; "
                               f"{_how_to_name_base(served)}")
-    return KNOWN_BASE_MODELS[matches[0]]
+    return matches[0]
 
 
-def base_model_of_upload(*, config_path: Path, base_model: str | None,
-                         settings: "RegistrySettings | ValidationLimits") -> str | None:
-    """The served name of the base model an upload is for: `base_model` (the uploader's, when
-    given) or the config's base_model_name_or_path, resolved by `resolve_base_model` (its
-    AdapterRejected when neither names a served model). None when the config cannot be read: the
-    content validation rejects that with its own reason. Reads at most MAX_CONFIG_BYTES."""
+def base_of_upload(*, config_path: Path, base_model: str | None,
+                   settings: "RegistrySettings") -> BaseModelShape | None:
+    """The served base model (its description) an upload is for: `base_model` (the uploader's,
+    when given) or the config's base_model_name_or_path, resolved by `resolve_base_model` among
+    settings.served_base_models (its AdapterRejected when neither names a served model). None
+    when the config cannot be read: the content validation rejects that with its own reason.
+    Reads at most MAX_CONFIG_BYTES."""
     if base_model:
-        return resolve_base_model(base_model, settings.served_base_models, settings.base_model_aliases,
-                                  given=True).name
+        name = resolve_base_model(base_model, settings.served_names, settings.aliases, given=True)
+        return settings.served_model(name)
     try:
-        raw = _read_config(config_path)
+        raw = read_adapter_config(config_path)
     except AdapterRejected:
         return None
-    return resolve_base_model(raw.get("base_model_name_or_path"), settings.served_base_models,
-                              settings.base_model_aliases).name
+    name = resolve_base_model(raw.get("base_model_name_or_path"), settings.served_names, settings.aliases)
+    return settings.served_model(name)
 
 
-def _read_config(path: Path) -> dict:
+def check_fits_base(*, config_path: Path, weights_path: Path, base: BaseModelShape) -> None:
+    """AdapterRejected naming the first thing in the adapter that is not `base`'s: a module its
+    target_modules list that the base does not have (naming the base's modules), or a LoRA tensor
+    (first by layer, then the base's module order) of a module or layer the base does not have,
+    or whose base-side dimension (lora_A's in_features, lora_B's out_features) is not the
+    module's. Cheap and bounded (a config of at most MAX_CONFIG_BYTES, a safetensors header of at
+    most FIT_CHECK_HEADER_BYTES, no regex run, no tensor read), so it runs at upload, before
+    anything is stored; whatever it cannot read is left to `validate_adapter_files`."""
+    try:
+        raw = read_adapter_config(config_path)
+    except AdapterRejected:
+        return
+    misfit = listed_target_misfit(raw.get("target_modules"), base)
+    if misfit is not None:
+        raise AdapterRejected(str(misfit))
+    try:
+        header = read_safetensors_header(weights_path, max_header_bytes=FIT_CHECK_HEADER_BYTES)
+    except AdapterRejected:
+        return
+    order = {name: i for i, name in enumerate(base.module_names)}
+    lora = []
+    for name, entry in header.items():
+        try:
+            layer, module, which = parse_tensor_name(name, base)
+        except ModuleNotInBase as e:
+            raise AdapterRejected(f"{e}; the adapter does not fit {base.label} ({base.dims_text()})") from None
+        except UnsupportedAdapterError:
+            continue  # not a LoRA weight at all: validation rejects it with its own reason
+        lora.append((layer, order[module], which, name, module, entry["shape"]))
+    for layer, _, which, name, module, shape in sorted(lora):
+        m = base.module(module)
+        if len(shape) != 2:
+            raise AdapterRejected(f"tensor {name!r} has shape {_fmt(shape)}; LoRA weights are matrices")
+        fits = (shape[1] == m.in_features) if which == "A" else (shape[0] == m.out_features)
+        if layer >= base.num_layers:
+            raise AdapterRejected(f"tensor {name!r} is for layer {layer}, but {base.label} has {base.num_layers} "
+                                  f"layers (0..{base.num_layers - 1}); the adapter does not fit it")
+        if not fits:
+            want = [shape[0], m.in_features] if which == "A" else [m.out_features, shape[1]]
+            raise AdapterRejected(
+                f"tensor {name!r} has shape {_fmt(shape)}, expected {_fmt(want)}: {base.label}'s "
+                f"{base.module_text(module)}; the adapter does not fit {base.label} ({base.dims_text()}) "
+                "- was it trained for another base model?")
+
+
+def read_adapter_config(path: Path) -> dict:
+    """The JSON object in adapter_config.json at `path`; AdapterRejected (naming the problem) when
+    it is larger than MAX_CONFIG_BYTES, not JSON, or not an object."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise AdapterRejected(f"adapter_config.json is larger than {MAX_CONFIG_BYTES} bytes")
     try:
@@ -157,16 +213,17 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
+def read_safetensors_header(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dict[str, dict]:
     """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors file's header,
-    without reading tensor data. Raises AdapterRejected if the file is not safetensors."""
+    without reading tensor data. Raises AdapterRejected if the file is not safetensors, or its
+    header is longer than `max_header_bytes`."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
             raise AdapterRejected("adapter_model.safetensors is too short to be a safetensors file")
         (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
+        if n > max_header_bytes or 8 + n > size:
             raise AdapterRejected("adapter_model.safetensors is not a safetensors file (bad header length)")
         raw = f.read(n)
     try:
@@ -246,7 +303,7 @@ def _check_overflow(stats: dict[str, _TensorStats], base: BaseModelShape, config
     worst = None
     for layer in range(base.num_layers):
         for module in config.target_modules:
-            a, b = stats[tensor_name(layer, module, "A")], stats[tensor_name(layer, module, "B")]
+            a, b = stats[base.tensor_name(layer, module, "A")], stats[base.tensor_name(layer, module, "B")]
             module_scale = abs(config.module_scale(layer, module))
             gain = module_scale * b.norm_inf * a.norm_inf
             if worst is None or gain > worst[0]:
@@ -255,7 +312,7 @@ def _check_overflow(stats: dict[str, _TensorStats], base: BaseModelShape, config
                 default=abs(config.scale))
     if worst is not None and worst[0] > limit:
         gain, layer, module, norm_a, norm_b, module_scale = worst
-        where = tensor_name(layer, module, "A").removesuffix(".lora_A.weight")
+        where = base.tensor_name(layer, module, "A").removesuffix(".lora_A.weight")
         raise AdapterRejected(
             f"LoRA module {where} could overflow: its gain |scale| x ||B||inf x ||A||inf = {module_scale:.3g} x "
             f"{norm_b:.3g} x {norm_a:.3g} = {gain:.3g} exceeds the bound {limit:.4g} that keeps its output within "
@@ -274,23 +331,23 @@ def _fmt(shape) -> str:
 
 def validate_adapter_files(*, config_path: Path, weights_path: Path,
                            settings: "RegistrySettings | ValidationLimits",
-                           base_model: str | None = None) -> ValidatedAdapter:
-    """Validate the two files of a PEFT adapter in this process; return what was learnt, or raise
-    AdapterRejected. The registry calls `validate_in_sandbox` instead (bounded, in a child).
-
-    `base_model` overrides the config's base_model_name_or_path (an operator naming the base).
-    Reads the weights in chunks of whole rows, never a whole tensor at once.
+                           base: BaseModelShape | None) -> ValidatedAdapter:
+    """Validate the two files of a PEFT adapter for the served base model `base` (its
+    description) in this process; return what was learnt, or raise AdapterRejected. The registry
+    calls `validate_in_sandbox` instead (bounded, in a child). `base` None (the upload named no
+    base it could read) rejects once the config is read. Reads the weights in chunks of whole
+    rows, never a whole tensor at once.
     """
-    raw = _read_config(config_path)
-    base = resolve_base_model(base_model or raw.get("base_model_name_or_path"), settings.served_base_models,
-                              settings.base_model_aliases, given=bool(base_model))
+    raw = read_adapter_config(config_path)
+    if base is None:
+        raise AdapterRejected("the base model this adapter is for is not known; upload it again naming the base model")
     try:
-        config = parse_adapter_config(raw, num_layers=base.num_layers)
+        config = parse_adapter_config(raw, base)
     except UnsupportedAdapterError as e:
         raise AdapterRejected(str(e)) from None
     largest, layer, module = config.largest_rank(base.num_layers)
     if largest > settings.max_rank:
-        where = f"module {module_key(layer, module)} has " if config.rank_pattern else ""
+        where = f"module {config.module_key(layer, module)} has " if config.rank_pattern else ""
         raise AdapterRejected(f"{where}rank {largest} exceeds the maximum rank {settings.max_rank} accepted by this platform")
 
     header = read_safetensors_header(weights_path)
@@ -306,18 +363,19 @@ def validate_adapter_files(*, config_path: Path, weights_path: Path,
     expected = expected_tensor_shapes(base, config)
     for name in sorted(header):
         try:
-            layer, module, _ = parse_tensor_name(name)
+            layer, module, _ = parse_tensor_name(name, base)
         except UnsupportedAdapterError as e:
             raise AdapterRejected(str(e)) from None
         if layer >= base.num_layers:
-            raise AdapterRejected(f"tensor {name!r} is for layer {layer}, but {base.name} has {base.num_layers} layers")
+            raise AdapterRejected(f"tensor {name!r} is for layer {layer}, but {base.label} has {base.num_layers} layers")
         if module not in config.target_modules:
             raise AdapterRejected(f"tensor {name!r} is for module {module}, which target_modules does not list")
         shape = tuple(header[name]["shape"])
         if shape != expected[name]:
+            rank = config.module_rank(layer, module)
             raise AdapterRejected(
-                f"tensor {name!r} has shape {_fmt(shape)}, expected {_fmt(expected[name])} for rank {config.rank} "
-                f"on {base.name} (hidden {base.hidden_size}, intermediate {base.intermediate_size})"
+                f"tensor {name!r} has shape {_fmt(shape)}, expected {_fmt(expected[name])} for rank {rank} on "
+                f"{base.label}: {base.module_text(module)} ({base.dims_text()})"
             )
     missing = sorted(set(expected) - set(header))
     if missing:
@@ -331,29 +389,29 @@ def validate_adapter_files(*, config_path: Path, weights_path: Path,
 def validate_request(request: dict[str, Any]) -> dict[str, Any]:
     """The sandboxed child's entry point: `validate_adapter_files` on plain data.
 
-    request: {"config_path", "weights_path", "base_model", "limits": ValidationLimits fields}.
-    Returns {"ok": True, "config": PeftAdapterConfig fields, "base": name, "dtype"} or
-    {"ok": False, "reason": the rejection message}."""
+    request: {"config_path", "weights_path", "base": BaseModelShape.to_dict() or None,
+    "limits": ValidationLimits fields}. Returns {"ok": True, "config": PeftAdapterConfig fields,
+    "dtype"} or {"ok": False, "reason": the rejection message}."""
     try:
+        base = BaseModelShape.from_dict(request["base"]) if request.get("base") is not None else None
         result = validate_adapter_files(config_path=Path(request["config_path"]),
                                         weights_path=Path(request["weights_path"]),
-                                        settings=ValidationLimits(**request["limits"]),
-                                        base_model=request.get("base_model"))
+                                        settings=ValidationLimits(**request["limits"]), base=base)
     except AdapterRejected as e:
         return {"ok": False, "reason": str(e)}
     config = asdict(result.config)
     config["target_modules"] = list(config["target_modules"])
-    return {"ok": True, "config": config, "base": result.base.name, "dtype": result.dtype}
+    return {"ok": True, "config": config, "dtype": result.dtype}
 
 
 def validate_in_sandbox(*, config_path: Path, weights_path: Path, settings: "RegistrySettings",
-                        base_model: str | None = None) -> ValidatedAdapter:
+                        base: BaseModelShape | None) -> ValidatedAdapter:
     """`validate_adapter_files` in a child process bounded by settings.validation_timeout_s (wall
     clock and CPU) and settings.validation_max_memory_bytes (address space), the caller's thread
     only waiting on it. A deadline, crash or limit hit is AdapterRejected with its reason, like
     any other rule; never an exception of another kind, never a hang."""
-    request = {"config_path": str(config_path), "weights_path": str(weights_path), "base_model": base_model,
-               "limits": asdict(ValidationLimits.of(settings))}
+    request = {"config_path": str(config_path), "weights_path": str(weights_path),
+               "base": base.to_dict() if base is not None else None, "limits": asdict(ValidationLimits.of(settings))}
     try:
         out = run_sandboxed("adapter_registry.validation:validate_request", [request],
                             timeout_s=settings.validation_timeout_s,
@@ -365,4 +423,4 @@ def validate_in_sandbox(*, config_path: Path, weights_path: Path, settings: "Reg
         raise AdapterRejected(out["reason"])
     c = out["config"]
     config = PeftAdapterConfig(**{**c, "target_modules": tuple(c["target_modules"])})
-    return ValidatedAdapter(config=config, base=KNOWN_BASE_MODELS[out["base"]], dtype=out["dtype"])
+    return ValidatedAdapter(config=config, base=base, dtype=out["dtype"])

@@ -37,10 +37,9 @@ from bench.common import (add_model_args, engine_tok_s, fixed_requests, hf_basel
                           is_default_run, load_model, machine, median, run_info, sync)
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.lora.peft_format import tensor_name  # noqa: E402
 from engine.lora.source import LocalDirectoryAdapterSource  # noqa: E402
 from engine.lora.weights import base_shape_of, load_lora_weights  # noqa: E402
-from tests.engine.lora_fixtures import ALL_TARGETS, write_random_adapter  # noqa: E402
+from tests.engine.lora_fixtures import write_random_adapter  # noqa: E402
 
 N_REQ, NEW_TOKENS, RANK = 32, 64, 16
 DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32,
@@ -49,27 +48,9 @@ LORA_DTYPES = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16, "
 
 
 def write_adapter_for(path: Path, cfg, rank: int, seed: int) -> None:
-    """A random rank-`rank` PEFT adapter on all seven targets at the shape of the model `cfg`
-    (the same tensors and config as tests.engine.lora_fixtures.write_random_adapter, which is
-    SmolLM2's shape only)."""
-    from safetensors.torch import save_file
-
-    canon = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-             "down_proj": "down"}
-    base = base_shape_of(cfg)
-    path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(base.num_layers):
-        for t in ALL_TARGETS:
-            fan_in, fan_out = base.module_dims(canon[t])
-            tensors[tensor_name(layer, canon[t], "A")] = torch.randn(rank, fan_in, generator=g) * 0.02
-            tensors[tensor_name(layer, canon[t], "B")] = torch.randn(fan_out, rank, generator=g) * 0.02
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(ALL_TARGETS),
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": cfg.name,
-        "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}))
+    """A random rank-`rank` PEFT adapter on every LoRA-able module of the model `cfg` (its own
+    module names and shapes: engine.lora.weights.base_shape_of)."""
+    write_random_adapter(path, rank, base=base_shape_of(cfg), seed=seed)
 
 
 def main() -> None:

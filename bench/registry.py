@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "adapter_registry"))
 
 from registry_helpers import write_adapter  # noqa: E402
@@ -32,11 +33,13 @@ from adapter_registry.engine_source import RegistryAdapterSource  # noqa: E402
 from adapter_registry.migrate import upgrade  # noqa: E402
 from adapter_registry.settings import RegistrySettings  # noqa: E402
 from adapter_registry.validation import validate_adapter_files  # noqa: E402
-from engine.lora.peft_format import LLAMA2_7B, SMOLLM2_135M_INSTRUCT  # noqa: E402
+from tests.engine.lora_fixtures import SMOLLM2, decoder_shape  # noqa: E402
 
+# The served models' descriptions, as their engines would publish them.
+LLAMA2_7B = decoder_shape("meta-llama/Llama-2-7b-hf", layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32)
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 CASES = {
-    "smollm2_r16_all": dict(base=SMOLLM2_135M_INSTRUCT, rank=16, modules=ALL),
+    "smollm2_r16_all": dict(base=SMOLLM2, rank=16, modules=ALL),
     "llama7b_r8_all": dict(base=LLAMA2_7B, rank=8, modules=ALL),
 }
 
@@ -48,7 +51,7 @@ def _free_port() -> int:
 
 
 def _ctx(work: Path, store: str, endpoint: str | None):
-    kw = dict(database_url=f"sqlite:///{work / f'{store}.db'}", served_base_models=[SMOLLM2_135M_INSTRUCT.name, LLAMA2_7B.name],
+    kw = dict(database_url=f"sqlite:///{work / f'{store}.db'}", served_base_models=[SMOLLM2, LLAMA2_7B],
               object_store=store, object_store_root=work / "objects", default_max_adapter_bytes=1 << 30)
     if store == "s3":
         kw.update(s3_endpoint_url=endpoint, s3_bucket="bench", s3_access_key_id="bench", s3_secret_access_key="bench")
@@ -93,7 +96,7 @@ def main() -> None:
                 for a in adapters:
                     t0 = time.perf_counter()
                     validate_adapter_files(config_path=a / "adapter_config.json", weights_path=a / "adapter_model.safetensors",
-                                           settings=ctxs["local"].settings)
+                                           settings=ctxs["local"].settings, base=spec["base"])
                     t.append(time.perf_counter() - t0)
                 row["validate_only_ms"] = _median_ms(t)
                 versions = {}

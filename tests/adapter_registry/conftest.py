@@ -15,6 +15,7 @@ from adapter_registry.migrate import upgrade
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.objectstore import S3Store
 from adapter_registry.settings import RegistrySettings
+from tests.engine.lora_fixtures import SMOLLM2
 from tests.requirements import require_postgres
 
 PG_ADMIN = dict(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
@@ -89,13 +90,16 @@ def _empty_tables(ctx: RegistryContext) -> None:
 
 @pytest.fixture
 def make_ctx(request, tmp_path, pg_url, s3_endpoint):
-    """Build a RegistryContext: make_ctx("sqlite"|"postgres", **settings overrides). SQLite uses
+    """Build a RegistryContext: make_ctx("sqlite"|"postgres", **settings overrides; the served base
+    model is the embedded SmolLM2's description unless served_base_models is given). SQLite uses
     a fresh migrated file; Postgres the run's database; "postgres" gets S3 unless object_store
     is given. Tables are emptied and engines disposed after the test."""
     made: list[RegistryContext] = []
 
     def make(backend: str = "sqlite", create_bucket: bool = True, **overrides) -> RegistryContext:
-        base = dict(object_store_root=tmp_path / "objects", adapter_cache_dir=tmp_path / "cache")
+        # The registry validates against what the engine serves: the embedded SmolLM2 unless given.
+        base = dict(object_store_root=tmp_path / "objects", adapter_cache_dir=tmp_path / "cache",
+                    served_base_models=[SMOLLM2])
         if backend == "postgres":
             base.update(database_url=pg_url)
             if overrides.get("object_store", "s3") == "s3":

@@ -1,24 +1,28 @@
 """Which base model an upload is for: PEFT writes a local checkout's path into
 base_model_name_or_path; the registry accepts it when it can tell the served model (a final segment
 it knows, an alias), records the served name, and otherwise refuses the upload, storing nothing,
-with a message that says how to name the base model."""
+with a message that says how to name the base model. What is served is what the engine serves
+(its description), not a list in the code: the embedded SmolLM2 is served as
+"SmolLM2-135M-Instruct", with its hub id as a built-in alias."""
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 from registry_calls import create_tenant, upload
-from registry_helpers import write_adapter
+from registry_helpers import QWEN2, write_adapter
 
 from adapter_registry.content import BLOB_PREFIX
-from adapter_registry.errors import BaseModelRefused
+from adapter_registry.errors import BaseModelRefused, RegistryUnavailable
 from adapter_registry.models import AdapterVersion
 from adapter_registry.settings import RegistrySettings, get_settings
 from adapter_registry.validation import AdapterRejected, resolve_base_model
-from engine.lora.peft_format import LLAMA2_7B, SMOLLM2_135M_INSTRUCT
+from tests.engine.lora_fixtures import SMOLLM2, decoder_shape
 
-SMOL = SMOLLM2_135M_INSTRUCT.name
+SMOL = SMOLLM2.name  # the engine's name for the embedded model
+SMOL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what adapters trained on it name
+LLAMA7B = decoder_shape("meta-llama/Llama-2-7b-hf", layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32)
 HOW = ("pass the base model with the upload form's 'Base model' field (API: multipart field base_model) or "
-       "`tessera adapters upload --base-model NAME`; served: HuggingFaceTB/SmolLM2-135M-Instruct; "
+       "`tessera adapters upload --base-model NAME`; served: SmolLM2-135M-Instruct; "
        "or add an alias (TESSERA_BASE_MODEL_ALIASES)")
 
 
@@ -41,6 +45,7 @@ def nothing_stored(reg) -> bool:
     "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
     "SmolLM2-135M-Instruct",
     "smollm2-135m-instruct",
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
     "huggingfacetb/SMOLLM2-135M-INSTRUCT",
 ])
 def test_a_local_path_or_built_in_alias_is_accepted_and_the_served_name_recorded(make_ctx, tmp_path, base_name):
@@ -90,7 +95,7 @@ def test_another_organizations_hub_id_is_not_taken_for_the_served_model(make_ctx
     """Same final segment, but a hub id: possibly other weights. The refusal says what to do if
     it is in fact a local copy."""
     reg = make_ctx("sqlite")
-    with pytest.raises(BaseModelRefused, match="if this is a local copy of HuggingFaceTB/SmolLM2-135M-Instruct, name that"):
+    with pytest.raises(BaseModelRefused, match="if this is a local copy of SmolLM2-135M-Instruct, name that"):
         upload(reg, create_tenant(reg), adapter(tmp_path, "someone/SmolLM2-135M-Instruct"))
 
 
@@ -108,33 +113,70 @@ def test_a_refusal_quotes_at_most_a_bounded_part_of_a_huge_name(make_ctx, tmp_pa
     assert len(str(e.value)) < 1000
 
 
+def test_a_served_hub_id_accepts_adapters_naming_it_or_its_final_segment(make_ctx, tmp_path):
+    """A model whose config names a hub id (TESSERA_MODEL_NAME, or the engine's name for it)."""
+    reg = make_ctx("sqlite", served_base_models=[QWEN2])
+    tenant = create_tenant(reg)
+    for seed, name in enumerate([QWEN2.name, QWEN2.name.split("/")[1], "/models/" + QWEN2.name.split("/")[1]]):
+        v = upload(reg, tenant, write_adapter(tmp_path / f"q{seed}", base=QWEN2, seed=seed,
+                                              config_overrides={"base_model_name_or_path": name}))
+        assert (v.status, v.base_model) == ("ready", QWEN2.name), v.rejection_reason
+
+
+def test_adapters_for_the_embedded_model_are_refused_when_another_model_is_served(make_ctx, tmp_path):
+    reg = make_ctx("sqlite", served_base_models=[QWEN2])
+    with pytest.raises(BaseModelRefused, match=rf"^base model '{SMOL_HUB_ID}' .* is not served by this platform; "
+                                              rf".*served: {QWEN2.name};"):
+        upload(reg, create_tenant(reg), adapter(tmp_path, SMOL_HUB_ID))
+    assert nothing_stored(reg)
+
+
+def test_uploads_wait_for_an_engine_to_describe_the_served_model(make_ctx, tmp_path):
+    """Before any engine has said what it serves (HTTP engine workers not up yet), nothing can be
+    checked: the upload is refused as unavailable (503), nothing stored."""
+    reg = make_ctx("sqlite", served_base_models=[])
+    with pytest.raises(RegistryUnavailable, match="no engine has described the base model it serves yet") as e:
+        upload(reg, create_tenant(reg), adapter(tmp_path, SMOL))
+    assert e.value.http_status == 503 and nothing_stored(reg)
+
+
 def test_aliases_come_from_the_environment_as_json(monkeypatch):
-    monkeypatch.setenv("TESSERA_SERVED_BASE_MODELS", f'["{SMOL}", "{LLAMA2_7B.name}"]')
-    monkeypatch.setenv("TESSERA_BASE_MODEL_ALIASES", f'{{"/data/llama": "{LLAMA2_7B.name}"}}')
+    monkeypatch.setenv("TESSERA_BASE_MODEL_ALIASES", f'{{"/data/llama": "{LLAMA7B.name}"}}')
     get_settings.cache_clear()
     try:
-        aliases = get_settings().base_model_aliases
+        settings = get_settings()
     finally:
         get_settings.cache_clear()
-    assert aliases["/data/llama"] == LLAMA2_7B.name
-    assert aliases["SmolLM2-135M-Instruct.Q4_1.gguf"] == SMOL  # the built-in ones stay
+    assert settings.base_model_aliases == {"/data/llama": LLAMA7B.name}
+    aliases = settings.serving([SMOLLM2, LLAMA7B]).aliases
+    assert aliases["/data/llama"] == LLAMA7B.name
+    assert aliases["SmolLM2-135M-Instruct.Q4_1.gguf"] == aliases[SMOL_HUB_ID] == SMOL  # the built-in ones stay
 
 
 @pytest.mark.parametrize("aliases, message", [
-    ({"/data/llama": LLAMA2_7B.name},
+    ({"/data/llama": LLAMA7B.name},
      "TESSERA_BASE_MODEL_ALIASES: alias '/data/llama' names 'meta-llama/Llama-2-7b-hf', which is not served"),
     ({"Base": SMOL, "base": "not/a-model"}, "which is not served"),
     ({"  ": SMOL}, "TESSERA_BASE_MODEL_ALIASES: alias '  ' is blank"),
 ])
 def test_aliases_are_checked_when_the_settings_load(aliases, message):
     with pytest.raises(ValidationError, match=message):
-        RegistrySettings(base_model_aliases=aliases)
+        RegistrySettings(served_base_models=[SMOLLM2], base_model_aliases=aliases)
+
+
+def test_aliases_are_checked_against_the_model_the_engine_describes():
+    """Settings load before the engine says what it serves; the aliases' targets are checked then."""
+    settings = RegistrySettings(base_model_aliases={"/data/llama": LLAMA7B.name})
+    with pytest.raises(ValueError, match="alias '/data/llama' names 'meta-llama/Llama-2-7b-hf', which is not "
+                                         "served \\(served: SmolLM2-135M-Instruct\\)"):
+        settings.serving([SMOLLM2])
+    assert settings.serving([LLAMA7B]).served_names == [LLAMA7B.name]
 
 
 def test_an_alias_that_would_name_two_served_models_is_refused_when_the_settings_load():
-    with pytest.raises(ValidationError, match="alias 'llama-2-7b-hf' would name HuggingFaceTB/SmolLM2-135M-Instruct "
+    with pytest.raises(ValidationError, match="alias 'llama-2-7b-hf' would name SmolLM2-135M-Instruct "
                                               "and meta-llama/Llama-2-7b-hf"):
-        RegistrySettings(served_base_models=[SMOL, LLAMA2_7B.name], base_model_aliases={"llama-2-7b-hf": SMOL})
+        RegistrySettings(served_base_models=[SMOLLM2, LLAMA7B], base_model_aliases={"llama-2-7b-hf": SMOL})
     with pytest.raises(ValidationError, match="would name"):
-        RegistrySettings(served_base_models=[SMOL, LLAMA2_7B.name],
-                         base_model_aliases={"/data/base": SMOL, "/DATA/base/": LLAMA2_7B.name})
+        RegistrySettings(served_base_models=[SMOLLM2, LLAMA7B],
+                         base_model_aliases={"/data/base": SMOL, "/DATA/base/": LLAMA7B.name})

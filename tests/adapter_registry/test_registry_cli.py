@@ -57,13 +57,15 @@ def test_user_errors_are_one_line_and_non_zero(cli, capsys, tmp_path):
     assert "adapter 'nope' not found" in capsys.readouterr().err
 
 
-def test_an_alias_for_a_model_not_served_is_one_line_at_start(cli, capsys, monkeypatch):
+def test_an_alias_for_a_model_not_served_is_one_line_at_start(cli, capsys, monkeypatch, tmp_path):
+    """The alias names a model the deployment (TESSERA_MODEL_PATH, default the embedded SmolLM2)
+    does not serve: an upload stops before anything is read or stored."""
     monkeypatch.setenv("TESSERA_BASE_MODEL_ALIASES", '{"/data/base": "mistralai/Mistral-7B-v0.1"}')
     get_settings.cache_clear()
-    assert cli(["adapters", "list", "--tenant", "acme"]) == 2
+    assert cli(["adapters", "upload", "--tenant", "acme", "--create-tenant", "x", str(write_adapter(tmp_path / "a"))]) == 2
     assert capsys.readouterr().err == (
         "tessera: error: settings: TESSERA_BASE_MODEL_ALIASES: alias '/data/base' names 'mistralai/Mistral-7B-v0.1', "
-        "which is not served (served_base_models: HuggingFaceTB/SmolLM2-135M-Instruct)\n")
+        "which is not served (served: SmolLM2-135M-Instruct)\n")
     monkeypatch.delenv("TESSERA_BASE_MODEL_ALIASES")  # the fixture's teardown reads the settings
 
 
@@ -122,4 +124,34 @@ def test_a_base_model_the_platform_cannot_tell_is_one_line_naming_the_flag(tmp_p
                 TESSERA_BASE_MODEL_ALIASES='{"/home/me/ckpt/base": "HuggingFaceTB/SmolLM2-135M-Instruct"}')
     assert r.returncode == 0 and "bot@2 ready" in r.stdout, r.stderr
     r = tessera("list", "--tenant", "acme", "bot", "--json")
-    assert [v["base_model"] for v in json.loads(r.stdout)] == ["HuggingFaceTB/SmolLM2-135M-Instruct"] * 2
+    assert [v["base_model"] for v in json.loads(r.stdout)] == ["SmolLM2-135M-Instruct"] * 2  # the served name
+
+
+def test_uploads_are_checked_against_the_model_path_the_deployment_serves(tmp_path):
+    """TESSERA_MODEL_PATH names a Qwen2.5 checkpoint directory (read for its config only): an adapter
+    for it is ready under its served name; a SmolLM2 adapter is one line naming the mismatch."""
+    from engine.loader.synthetic import write_family
+    from tessera.served_model import describe_model_files
+
+    model = write_family(tmp_path / "qwen2.5-tiny", "qwen2.5-tiny", fmt="safetensors")
+    qwen = describe_model_files(model)[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {
+        "TESSERA_DATABASE_URL": f"sqlite:///{tmp_path / 't.db'}", "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects"),
+        "TESSERA_MODEL_PATH": str(model)}
+
+    def tessera(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tessera.cli", "adapters", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    r = tessera("upload", "--tenant", "acme", "--create-tenant", "bot", str(write_adapter(tmp_path / "q", base=qwen)))
+    assert r.returncode == 0 and "bot@1 ready" in r.stdout, r.stderr
+    r = tessera("upload", "--tenant", "acme", "smol", str(write_adapter(tmp_path / "s")))
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("tessera: error: base model 'SmolLM2-135M-Instruct' (adapter_config.json's "
+                               "base_model_name_or_path) is not served by this platform;")
+    assert "served: tessera-synthetic/qwen2.5-tiny;" in r.stderr
+    r = tessera("upload", "--tenant", "acme", "smol", str(write_adapter(tmp_path / "s")),
+                "--base-model", "qwen2.5-tiny")
+    assert r.returncode == 2 and r.stderr.startswith(
+        "tessera: error: tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 576], "
+        "expected [4, 128]: tessera-synthetic/qwen2.5-tiny (qwen2)'s q_proj maps 128 -> 128"), r.stderr

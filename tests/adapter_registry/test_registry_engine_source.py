@@ -14,6 +14,7 @@ from adapter_registry import services
 from adapter_registry.content import blob_key
 from adapter_registry.engine_source import RegistryAdapterSource
 from engine.lora.peft_format import parse_adapter_config
+from tests.engine.lora_fixtures import SMOLLM2
 from engine.lora.source import AdapterFetchError, AdapterSource
 
 DEMO_ROOT = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters"
@@ -64,7 +65,7 @@ def test_round_trip_through_s3_verifies_sha256(s3, tmp_path, adapter):
     local = source.fetch(v.sha256)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert _sha(local / name) == _sha(adapter / name)
-    assert parse_adapter_config(json.loads((local / "adapter_config.json").read_text())).rank == v.rank
+    assert parse_adapter_config(json.loads((local / "adapter_config.json").read_text()), SMOLLM2).rank == v.rank
 
 
 def test_second_fetch_is_served_from_the_disk_cache(s3, tmp_path, adapter_dir):

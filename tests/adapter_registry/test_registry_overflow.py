@@ -44,7 +44,7 @@ def test_demo_adapters_pass_even_with_a_ten_times_tighter_bound(make_ctx, name, 
 def test_a_peft_initialized_adapter_passes(reg, tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from engine.lora.peft_format import SMOLLM2_135M_INSTRUCT as base
+    from tests.engine.lora_fixtures import SMOLLM2 as base
 
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=base.hidden_size, intermediate_size=base.intermediate_size, num_hidden_layers=base.num_layers,

@@ -15,11 +15,15 @@ from adapter_registry import services
 from adapter_registry.sandbox import SandboxFailure, run_sandboxed
 from adapter_registry.validation import AdapterRejected, validate_adapter_files, validate_in_sandbox
 from engine.lora.peft_format import UnsupportedAdapterError, parse_adapter_config
+from tests.engine.lora_fixtures import SMOLLM2
 
 MiB = 1 << 20
 # Exponential for a backtracking engine on every module name (~40 characters): Python's `re`
 # would not finish fullmatching it against "model.layers.29.post_attention_layernorm".
 CATASTROPHIC = r"(.|.)*X"
+# tests.engine.lora_fixtures.SMOLLM2 for a child interpreter, without importing torch.
+SMOLLM2_CODE = ("from engine.lora.peft_format import BaseModelShape; SMOLLM2 = BaseModelShape.from_dict("
+                f"{SMOLLM2.to_dict()!r})")
 
 
 def test_a_call_past_its_deadline_is_killed_and_says_so():
@@ -43,35 +47,37 @@ def test_a_crash_and_an_exception_are_failures_without_internals():
 def test_sandboxed_validation_learns_what_inline_validation_does(make_ctx, adapter_dir):
     settings = make_ctx("sqlite").settings
     paths = dict(config_path=adapter_dir / "adapter_config.json", weights_path=adapter_dir / "adapter_model.safetensors")
-    assert validate_in_sandbox(settings=settings, **paths) == validate_adapter_files(settings=settings, **paths)
+    assert (validate_in_sandbox(settings=settings, base=SMOLLM2, **paths)
+            == validate_adapter_files(settings=settings, base=SMOLLM2, **paths))
 
 
 def test_python_re_would_hang_on_the_pattern():
     """The reason for RE2: the same pattern under Python's re does not finish in seconds."""
     code = ("import re; from engine.lora.peft_format import _module_universe as u; "
-            f"[re.fullmatch({CATASTROPHIC!r}, k) for k, _ in u(30)]")
+            f"{SMOLLM2_CODE}; [re.fullmatch({CATASTROPHIC!r}, k) for k, _ in u(SMOLLM2)]")
     with pytest.raises(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-c", code], timeout=3)
 
 
 def test_a_catastrophic_regex_is_matched_in_linear_time_and_named():
     with pytest.raises(UnsupportedAdapterError, match=r"regex '\(\.\|\.\)\*X' matches no supported module"):
-        parse_adapter_config({"r": 4, "target_modules": CATASTROPHIC}, num_layers=30)
+        parse_adapter_config({"r": 4, "target_modules": CATASTROPHIC}, SMOLLM2)
     with pytest.raises(UnsupportedAdapterError, match="does not compile with RE2.*backreferences"):
-        parse_adapter_config({"r": 4, "target_modules": r"(q)\1_proj"}, num_layers=30)
+        parse_adapter_config({"r": 4, "target_modules": r"(q)\1_proj"}, SMOLLM2)
     with pytest.raises(UnsupportedAdapterError, match="at most 1024 are accepted"):
-        parse_adapter_config({"r": 4, "target_modules": "q" * 5000}, num_layers=30)
+        parse_adapter_config({"r": 4, "target_modules": "q" * 5000}, SMOLLM2)
     # PEFT's fullmatch semantics: the pattern must cover the whole module name.
-    assert parse_adapter_config({"r": 4, "target_modules": r".*\.(q|v)_proj"}, num_layers=30).target_modules == ("q", "v")
+    assert parse_adapter_config({"r": 4, "target_modules": r".*\.(q|v)_proj"}, SMOLLM2).target_modules == ("q_proj", "v_proj")
     with pytest.raises(UnsupportedAdapterError, match="matches no supported module"):
-        parse_adapter_config({"r": 4, "target_modules": r"q_proj"}, num_layers=30)
+        parse_adapter_config({"r": 4, "target_modules": r"q_proj"}, SMOLLM2)
 
 
 def test_without_re2_a_regex_is_refused_never_run_by_python_re():
     code = ("import sys; sys.modules['re2'] = None\n"
             "from engine.lora.peft_format import parse_adapter_config, UnsupportedAdapterError\n"
-            "assert parse_adapter_config({'r': 4, 'target_modules': ['q_proj']}, num_layers=30).target_modules == ('q',)\n"
-            f"try: parse_adapter_config({{'r': 4, 'target_modules': {CATASTROPHIC!r}}}, num_layers=30)\n"
+            f"{SMOLLM2_CODE}\n"
+            "assert parse_adapter_config({'r': 4, 'target_modules': ['q_proj']}, SMOLLM2).target_modules == ('q_proj',)\n"
+            f"try: parse_adapter_config({{'r': 4, 'target_modules': {CATASTROPHIC!r}}}, SMOLLM2)\n"
             "except UnsupportedAdapterError as e: print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "needs the google-re2 package" in out.stdout and "list the module names instead" in out.stdout, out.stderr
@@ -123,4 +129,4 @@ def test_rejected_reason_surfaces_from_the_child(make_ctx, tmp_path):
     d = write_adapter(tmp_path / "a", rank=4)
     with pytest.raises(AdapterRejected, match="rank 4 exceeds the maximum rank 2"):
         validate_in_sandbox(config_path=d / "adapter_config.json", weights_path=d / "adapter_model.safetensors",
-                            settings=settings)
+                            settings=settings, base=SMOLLM2)

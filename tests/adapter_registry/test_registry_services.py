@@ -23,8 +23,8 @@ def test_upload_folder_becomes_ready_and_current(ctx, session, adapter_dir):
     v = _upload(ctx, session, tenant, "support-bot", adapter_dir)
     assert (v.status, v.rejection_reason) == ("ready", None)
     assert v.ref == "support-bot@1"
-    assert (v.rank, v.alpha, v.target_modules, v.dtype) == (4, 8.0, ["q", "v"], "F16")
-    assert v.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (v.rank, v.alpha, v.target_modules, v.dtype) == (4, 8.0, ["q_proj", "v_proj"], "F16")
+    assert v.base_model == "SmolLM2-135M-Instruct"  # the engine's name for the served model
     assert len(v.sha256) == 64
     assert services.resolve_version(session=session, tenant=tenant, ref="support-bot").id == v.id
     assert services.resolve_version(session=session, tenant=tenant, ref=f"support-bot@{v.sha256}").id == v.id
@@ -148,3 +148,18 @@ class TestTenantIsolation:
         vb = _upload(ctx, session, b, "secret", write_adapter(tmp_path / "b", seed=2))
         assert vb.version == 1 and vb.adapter_id != va.adapter_id
         assert services.resolve_version(session=session, tenant=a, ref="secret").id == va.id
+
+
+def test_a_version_validating_from_before_descriptions_is_checked_against_the_model_it_names(make_ctx, adapter_dir):
+    """A version left validating by a release that recorded only the base's name (no description,
+    under the embedded model's hub id): validated against the served model that name means."""
+    from tests.engine.lora_fixtures import SMOLLM2
+
+    ctx = make_ctx("sqlite")
+    with ctx.session_factory() as session:
+        tenant = services.create_tenant(session=session, name="acme")
+        v = _upload(ctx, session, tenant, "bot", adapter_dir)
+        v.status, v.base_model, v.base_description = "validating", "HuggingFaceTB/SmolLM2-135M-Instruct", None
+        session.commit()
+        again = services.validate_version(session=session, store=ctx.store, settings=ctx.settings, version_id=v.id)
+        assert (again.status, again.base_model, again.base_description) == ("ready", SMOLLM2.name, SMOLLM2.to_dict())

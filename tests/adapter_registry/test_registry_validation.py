@@ -1,7 +1,9 @@
 """Every validation rule, each with a real malformed file, each refused with its own message.
 
-Refusals at upload (unsafe archive, pickle, size) store nothing; refusals of content leave a
-'rejected' version with the reason, never a ready one.
+Refusals at upload (unsafe archive, pickle, size, a base model that is not served, an adapter that
+does not fit the served model's modules and shapes) store nothing; refusals of content leave a
+'rejected' version with the reason, never a ready one. The served model is what the engine
+describes (SmolLM2 by default here; Qwen2, Gemma and Phi-3 shaped bases below).
 """
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ import zipfile
 import pytest
 import torch
 from registry_calls import create_tenant, upload
-from registry_helpers import write_adapter
+from registry_helpers import GEMMA, PHI3, QWEN2, write_adapter
 
 from adapter_registry.content import BLOB_PREFIX
-from adapter_registry.errors import BaseModelRefused, QuotaExceeded, UploadRejected
+from adapter_registry.errors import AdapterDoesNotFitBase, BaseModelRefused, QuotaExceeded, UploadRejected
 from adapter_registry.models import AdapterVersion
 
 
@@ -140,21 +142,125 @@ def test_missing_weights_file_is_refused(reg, tenant, tmp_path):
     assert_refused_and_nothing_stored(reg, tenant, d, UploadRejected, "holds no adapter_model.safetensors")
 
 
-# ------------------------------------------------------------ rejected by validation
+# ------------------------------------------------------------ refused at upload: does not fit the base
 
 
-def test_wrong_shapes_are_rejected(reg, tenant, tmp_path):
+def test_wrong_shapes_are_refused_naming_the_base_dims(reg, tenant, tmp_path):
     def shrink(t):
         name = next(n for n in t if n.endswith("q_proj.lora_A.weight"))
         t[name] = t[name][:, :512].contiguous()
     d = write_adapter(tmp_path / "a", tensors_hook=shrink)
-    assert_rejected(reg, tenant, d, "has shape [4, 512], expected [4, 576]")
+    assert_refused_and_nothing_stored(
+        reg, tenant, d, AdapterDoesNotFitBase,
+        r"layers\.0\.self_attn\.q_proj\.lora_A\.weight' has shape \[4, 512\], expected \[4, 576\]: SmolLM2-135M-Instruct "
+        r"\(llama\)'s q_proj maps 576 -> 576 \(9 heads x head dim 64\); the adapter does not fit .*hidden 576")
 
 
-def test_tensor_for_a_layer_the_base_lacks_is_rejected(reg, tenant, tmp_path):
+def test_tensor_for_a_layer_the_base_lacks_is_refused(reg, tenant, tmp_path):
     def extra(t):
         t["base_model.model.model.layers.40.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 576, dtype=torch.float16)
-    assert_rejected(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=extra), "is for layer 40, but")
+    assert_refused_and_nothing_stored(reg, tenant, write_adapter(tmp_path / "a", tensors_hook=extra), AdapterDoesNotFitBase,
+                                      r"is for layer 40, but SmolLM2-135M-Instruct \(llama\) has 30 layers")
+
+
+def test_unknown_module_name_is_refused_naming_the_base_modules(reg, tenant, tmp_path):
+    d = write_adapter(tmp_path / "a", config_overrides={"target_modules": ["q_proj", "c_attn"]})
+    assert_refused_and_nothing_stored(reg, tenant, d, AdapterDoesNotFitBase,
+                                      "target module 'c_attn' is not supported: SmolLM2-135M-Instruct \\(llama\\) has "
+                                      "no such module; its LoRA-able modules are q_proj, k_proj, v_proj, o_proj, "
+                                      "gate_proj, up_proj, down_proj")
+
+
+def test_an_adapter_for_another_base_is_a_422_naming_the_mismatch(make_ctx, tmp_path):
+    """A SmolLM2 adapter uploaded to a deployment that serves a Qwen2 model: refused by name; and
+    when the uploader insists the base is the Qwen model, refused by its first tensor that does not
+    fit, with Qwen's k_proj width."""
+    reg = make_ctx("sqlite", served_base_models=[QWEN2])
+    tenant = create_tenant(reg)
+    d = write_adapter(tmp_path / "a", modules=("k", "v"))
+    with pytest.raises(BaseModelRefused, match="base model 'SmolLM2-135M-Instruct' .* is not served") as e:
+        upload(reg, tenant, d)
+    assert e.value.http_status == 422
+    with pytest.raises(AdapterDoesNotFitBase) as e:
+        upload(reg, tenant, d, base_model=QWEN2.name)
+    assert e.value.http_status == 422
+    assert str(e.value).startswith(
+        "tensor 'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight' has shape [4, 576], expected "
+        "[4, 128]: Qwen/Qwen2.5-Tiny-Instruct (qwen2)'s k_proj maps 128 -> 32 (2 KV heads x head dim 16); the "
+        "adapter does not fit Qwen/Qwen2.5-Tiny-Instruct (qwen2) (hidden 128, intermediate 352, 8 heads, "
+        "2 KV heads, head dim 16, 3 layers)")
+    with reg.session_factory() as s:
+        assert s.query(AdapterVersion).count() == 0
+
+
+@pytest.mark.parametrize("base, modules, message", [
+    (QWEN2, ("k",), "k_proj maps 128 -> 32 (2 KV heads x head dim 16)"),
+    (GEMMA, ("q",), "q_proj maps 64 -> 128 (4 heads x head dim 32)"),
+    (GEMMA, ("o",), "o_proj maps 128 -> 64"),
+], ids=["qwen2-k", "gemma-q", "gemma-o"])
+def test_a_tensor_one_row_short_of_the_base_is_refused_with_its_width(make_ctx, tmp_path, base, modules, message):
+    """Widths that differ from hidden (Qwen2's narrow k/v, Gemma's head_dim != hidden / heads)
+    are the base's own: a lora_B one row short is named with the module's real shape."""
+    reg = make_ctx("sqlite", served_base_models=[base])
+
+    def cut(t):
+        name = next(n for n in t if n.endswith("lora_B.weight"))
+        t[name] = t[name][:-1].contiguous()
+    d = write_adapter(tmp_path / "a", base=base, modules=modules, tensors_hook=cut)
+    with pytest.raises(AdapterDoesNotFitBase) as e:
+        upload(reg, create_tenant(reg), d)
+    assert message in str(e.value)
+
+
+def test_q_proj_on_a_phi3_base_is_refused_naming_its_fused_modules(make_ctx, tmp_path):
+    reg = make_ctx("sqlite", served_base_models=[PHI3])
+    d = write_adapter(tmp_path / "a", base=PHI3, modules=("qkv_proj",),
+                      config_overrides={"target_modules": ["q_proj", "v_proj"]})
+    with pytest.raises(AdapterDoesNotFitBase) as e:
+        upload(reg, create_tenant(reg), d)
+    assert str(e.value) == ("target module 'q_proj' is not supported: microsoft/Phi-3-tiny-instruct (phi3) has no such "
+                            "module (q_proj is part of its fused qkv_proj); its LoRA-able modules are qkv_proj, o_proj, "
+                            "gate_up_proj, down_proj")
+
+
+# ------------------------------------------------------------ accepted on other families
+
+
+@pytest.mark.parametrize("base, modules, target_modules", [
+    (QWEN2, ("q", "k", "v", "o", "gate", "up", "down"), None),
+    (GEMMA, ("q", "k", "v", "o"), None),
+    (PHI3, ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"), None),
+    (PHI3, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), "all-linear"),
+], ids=["qwen2", "gemma2", "phi3", "phi3-all-linear"])
+def test_adapters_for_each_family_are_ready_with_the_base_module_names(make_ctx, tmp_path, base, modules,
+                                                                      target_modules):
+    reg = make_ctx("sqlite", served_base_models=[base])
+    overrides = {"target_modules": target_modules} if target_modules else {}
+    v = upload(reg, create_tenant(reg), write_adapter(tmp_path / "a", base=base, modules=modules,
+                                                      config_overrides=overrides))
+    assert (v.status, v.base_model) == ("ready", base.name), v.rejection_reason
+    assert set(v.target_modules) == {{"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+                                      "up": "up_proj", "down": "down_proj"}.get(m, m) for m in modules}
+    assert v.base_description == base.to_dict()
+
+
+def test_a_rank_pattern_on_a_fused_module_sets_its_rank(make_ctx, tmp_path):
+    reg = make_ctx("sqlite", served_base_models=[PHI3])
+    d = write_adapter(tmp_path / "a", base=PHI3, modules=("qkv_proj", "down_proj"), rank=4,
+                      config_overrides={"rank_pattern": {"qkv_proj": 8}})
+    v = upload(reg, create_tenant(reg), d)
+    assert (v.status, v.rank) == ("ready", 8), v.rejection_reason
+
+    def wrong_rank(t):  # qkv_proj at rank 4 although the pattern says 8
+        for n in [n for n in t if ".qkv_proj." in n]:
+            t[n] = t[n][:4].contiguous() if n.endswith("lora_A.weight") else t[n][:, :4].contiguous()
+    d = write_adapter(tmp_path / "b", base=PHI3, modules=("qkv_proj", "down_proj"), rank=4, seed=1,
+                      config_overrides={"rank_pattern": {"qkv_proj": 8}}, tensors_hook=wrong_rank)
+    assert_rejected(reg, create_tenant(reg, "other"), d, "qkv_proj.lora_A.weight' has shape [4, 96], expected [8, 96] "
+                    "for rank 8 on microsoft/Phi-3-tiny-instruct (phi3): qkv_proj maps 96 -> 160 (q 96 + k 32 + v 32)")
+
+
+# ------------------------------------------------------------ rejected by validation
 
 
 def test_missing_tensors_are_rejected(reg, tenant, tmp_path):
@@ -178,11 +284,6 @@ def test_unsupported_modules_are_rejected(reg, tenant, tmp_path):
     assert_rejected(reg, tenant, d, "targets embedding/lm_head modules (lm_head), which are not supported")
 
 
-def test_unknown_module_name_is_rejected(reg, tenant, tmp_path):
-    d = write_adapter(tmp_path / "a", config_overrides={"target_modules": ["q_proj", "c_attn"]})
-    assert_rejected(reg, tenant, d, "target module 'c_attn' is not supported")
-
-
 def test_rank_above_the_maximum_is_rejected(reg, tenant, tmp_path):
     d = write_adapter(tmp_path / "a", rank=32, modules=("q",))
     assert_rejected(reg, tenant, d, "rank 32 exceeds the maximum rank 16")
@@ -203,7 +304,7 @@ def test_base_model_given_at_upload_overrides_a_local_path(reg, tenant, tmp_path
     d = write_adapter(tmp_path / "a", config_overrides={"base_model_name_or_path": "/home/me/checkpoints/base"})
     assert_refused_and_nothing_stored(reg, tenant, d, BaseModelRefused, "'/home/me/checkpoints/base' .* is not served")
     v = upload(reg, tenant, d, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert (v.status, v.base_model) == ("ready", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (v.status, v.base_model) == ("ready", "SmolLM2-135M-Instruct")  # the served name
 
 
 @pytest.mark.parametrize("override, message", [

@@ -13,7 +13,7 @@ import pytest
 from .ui_browser import (  # noqa: F401 (chromium_browser: the browser fixture)
     PIRATE, browser_context, chromium_browser, evidence, sign_in_on_the_way, watched_page)
 
-SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOL = "SmolLM2-135M-Instruct"  # the engine's name for the served model (adapters may name its hub id)
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +57,8 @@ def test_an_unknown_local_path_is_a_422_naming_the_field_then_accepted_with_it(p
     assert f"served: {SMOL}" in err["message"] and "TESSERA_BASE_MODEL_ALIASES" in err["message"]
     got = platform.admin.get(f"/admin/v1/tenants/{t.name}/adapters").json()
     assert got["data"] == [] and got["served_base_models"] == [SMOL]  # nothing stored; what to name
+    assert got["served_base_model_details"] == [{"name": SMOL, "architecture": "llama", "num_layers": 30, "modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}]  # what the engine describes
 
     r = post(platform, t.name, "bot", folder, base_model="smollm2-135m-instruct")
     assert r.status_code == 201, r.text
@@ -83,6 +85,10 @@ def test_the_upload_form_names_the_base_model_when_the_config_cannot(browser, pl
 
             base = page.get_by_label("Base model (optional)")
             assert base.evaluate("el => [...el.list.options].map(o => o.value)") == [SMOL]  # offered
+            # ... with what the engine says about it: the modules an adapter's target_modules name.
+            assert page.locator(".served-model").inner_text() == (
+                f"Served base model: {SMOL} (llama, 30 layers). An adapter's target_modules name its modules: "
+                "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.")
             base.fill(SMOL)
             page.set_input_files("#adapter-files", files)
             page.get_by_role("button", name="Upload").click()
@@ -90,3 +96,31 @@ def test_the_upload_form_names_the_base_model_when_the_config_cannot(browser, pl
     assert script_errors == []
     versions = platform.admin.get(f"/admin/v1/tenants/{t.name}/adapters/local").json()["versions"]
     assert [(v["status"], v["base_model"]) for v in versions] == [("ready", SMOL)]
+
+
+def test_a_version_for_another_base_than_the_one_served_is_refused_at_request_time(platform, tmp_path):
+    """The deployment changed models since the version was uploaded (its base is recorded): a
+    request naming it is a 409 saying so, not an engine failure; versions recorded under the
+    embedded model's hub id (before the engine's name was recorded) still serve."""
+    import openai
+    from sqlalchemy import update
+
+    from adapter_registry.models import AdapterVersion
+
+    t = platform.tenant()
+    for name, path in (("old", "/models/SmolLM2-135M-Instruct"), ("legacy", "HuggingFaceTB/SmolLM2-135M-Instruct")):
+        r = post(platform, t.name, name, saved_from(tmp_path / name, path))  # different bytes: two versions
+        assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+    with platform.gateway.session_factory() as s:
+        for name, base in (("old", "Qwen/Qwen2.5-7B-Instruct"), ("legacy", "HuggingFaceTB/SmolLM2-135M-Instruct")):
+            s.execute(update(AdapterVersion).where(AdapterVersion.sha256 == platform.admin.get(
+                f"/admin/v1/tenants/{t.name}/adapters/{name}").json()["versions"][0]["sha256"]).values(base_model=base))
+        s.commit()
+    client = platform.openai(t)
+    with pytest.raises(openai.ConflictError) as e:
+        client.chat.completions.create(model="old", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert e.value.body["code"] == "adapter_base_not_served" and e.value.body["param"] == "model"
+    assert e.value.body["message"] == (f"adapter version old@1 was trained for base model Qwen/Qwen2.5-7B-Instruct, and "
+                                       f"this platform now serves {SMOL}; upload a version trained for {SMOL}")
+    assert client.chat.completions.create(model="legacy", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=1).choices

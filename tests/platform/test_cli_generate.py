@@ -102,3 +102,22 @@ def test_generate_on_the_triton_backend_under_the_interpreter_matches_the_cpu_ba
     assert cuda.returncode in (0, 2), cuda.stderr  # served on a GPU machine, else refused cleanly
     if cuda.returncode == 2:  # no GPU here: a one-line refusal naming the device
         assert "cuda" in cuda.stderr.lower() and len(cuda.stderr.strip().splitlines()) == 1, cuda.stderr
+
+
+def test_generate_serves_a_hugging_face_directory_and_its_adapter(tmp_path):
+    """--model DIR: a checkpoint directory of another family (a tiny synthetic Qwen2.5), with an
+    adapter trained for it."""
+    from engine.loader.synthetic import write_family
+    from tessera.served_model import describe_model_files
+    from tests.engine.lora_fixtures import write_random_adapter
+
+    model = write_family(tmp_path / "qwen2.5-tiny", "qwen2.5-tiny", fmt="safetensors")
+    out = _run("--model", str(model), "--raw", "--max-tokens", "4", "Once upon a time")
+    assert out.returncode == 0, out.stderr
+    assert "completion 4 tokens]" in out.stderr or "[stop;" in out.stderr, out.stderr
+    adapter = write_random_adapter(tmp_path / "qwen-lora", 4, base=describe_model_files(model)[1], std=0.05)
+    out = _run("--model", str(model), "--adapter", str(adapter), "--raw", "--max-tokens", "4", "Once upon a time")
+    assert out.returncode == 0, out.stderr
+    smol_adapter = _run("--model", str(model), "--adapter", str(PIRATE), "--max-tokens", "4", "Hi")
+    assert smol_adapter.returncode == 2 and smol_adapter.stderr.count("\n") == 1, smol_adapter.stderr
+    assert "tensor" in smol_adapter.stderr and "has shape" in smol_adapter.stderr, smol_adapter.stderr

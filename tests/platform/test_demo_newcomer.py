@@ -31,11 +31,11 @@ ADAPTERS = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_
 class Demo:
     """`tessera demo` as `make run` starts it, and what it printed."""
 
-    def __init__(self, cwd: Path):
+    def __init__(self, cwd: Path, args: list[str] = ()):
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {"TESSERA_PORT": str(port)}
         self.stderr = open(cwd / "demo.stderr", "w+")
-        self.proc = subprocess.Popen([str(TESSERA), "demo"], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([str(TESSERA), "demo", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -163,14 +163,15 @@ def test_dead_and_draining_replicas_take_nothing():
 def test_state_wire_form_round_trips():
     s = ReplicaState(name="", running={RT: 1, BATCH: 2}, waiting={STD: 3}, free_slots=5, free_kv_blocks=9,
                      total_kv_blocks=20, device_adapters=frozenset({"v1"}), cpu_adapters=frozenset({"v1", "v2"}),
-                     draining=True, state="draining", restarts=2, seat_s=1.5, load_s=0.02)
+                     draining=True, state="draining", restarts=2, seat_s=1.5, load_s=0.02, model="Qwen/Qwen2.5-7B")
     wire = s.to_dict()
     assert wire["running"] == {"realtime": 1, "batch": 2}
     back = ReplicaState.from_dict("worker-3", wire)
     assert back.name == "worker-3" and not back.accepting and back.up
     assert (back.running, back.waiting, back.device_adapters, back.cpu_adapters, back.restarts) == (
         s.running, s.waiting, s.device_adapters, s.cpu_adapters, 2)
-    assert (back.seat_s, back.load_s) == (1.5, 0.02)
+    assert (back.seat_s, back.load_s, back.model) == (1.5, 0.02, "Qwen/Qwen2.5-7B")
+    assert ReplicaState.from_dict("w", {k: v for k, v in wire.items() if k != "model"}).model is None  # an older worker
     # A worker that has measured nothing yet, or an older one that publishes no times.
     assert ReplicaState.from_dict("w", {**wire, "seat_s": None}).seat_s is None
     assert ReplicaState.from_dict("w", {k: v for k, v in wire.items() if k != "load_s"}).load_s is None

@@ -19,8 +19,8 @@ def upload(platform, tenant_name: str, name: str, path: Path) -> str:
     ctx = build_context(platform.settings)
     with ctx.session_factory() as s:
         tenant = registry.get_tenant(session=s, name=tenant_name)
-        v = registry.upload_adapter(session=s, store=ctx.store, settings=platform.settings, tenant=tenant,
-                                    name=name, source=path)
+        v = registry.upload_adapter(session=s, store=ctx.store, settings=platform.gateway.registry_settings(),
+                                    tenant=tenant, name=name, source=path)
         assert v.status == "ready", v.rejection_reason
         return v.sha256
 

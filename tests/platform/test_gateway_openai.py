@@ -85,6 +85,10 @@ def test_models_list_and_get(platform):
     ids = [m.id for m in client.models.list()]
     assert ids == [BASE]
     assert client.models.retrieve(BASE).id == BASE
+    # The base model's card says what it is (extra fields, as vLLM's max_model_len; clients keep them).
+    card = client.models.retrieve(BASE).model_dump()
+    assert (card["architecture"], card["max_model_len"]) == ("llama", platform.gateway.engine.max_model_len)
+    assert client.models.list().data[0].model_dump() == card
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-adapter")
     assert e.value.body["code"] == "model_not_found"

@@ -23,6 +23,7 @@ class CountingEngineClient:
     def __init__(self, inner):
         self.inner = inner
         self.tokenizer, self.model_name, self.max_model_len = inner.tokenizer, inner.model_name, inner.max_model_len
+        self.base_model = inner.base_model
         self.completion_tokens = 0
         self.prompt_tokens = 0
 

@@ -101,7 +101,7 @@ def test_requests_tokens_latency_and_refusals_per_tenant(platform):
 def upload(platform, tenant: str, name: str, path: Path):
     ctx = build_context(platform.settings)
     with ctx.session_factory() as s:
-        return registry.upload_adapter(session=s, store=ctx.store, settings=platform.settings,
+        return registry.upload_adapter(session=s, store=ctx.store, settings=platform.gateway.registry_settings(),
                                        tenant=registry.get_tenant(session=s, name=tenant), name=name, source=path)
 
 

@@ -65,8 +65,8 @@ def tenant(platform):
     with ctx.session_factory() as s:
         owner = registry.get_tenant(session=s, name=t.name)
         for name in DEMO_NAMES:
-            v = registry.upload_adapter(session=s, store=ctx.store, settings=platform.settings, tenant=owner,
-                                        name=name, source=DEMO / name)
+            v = registry.upload_adapter(session=s, store=ctx.store, settings=platform.gateway.registry_settings(),
+                                        tenant=owner, name=name, source=DEMO / name)
             assert v.status == "ready", v.rejection_reason
     return t
 

@@ -14,13 +14,18 @@ export async function render(main, ctx) {
   const tenant = picker.value;
   const enc = encodeURIComponent(tenant);
   const listBox = h("div");
-  // The served base models, offered in the upload form's "Base model" field.
+  // The served base models, offered in the upload form's "Base model" field, and what the engine
+  // says about each (architecture, layers, the modules an adapter may target).
   const baseModels = h("datalist", { id: newId("base-models") });
+  const servedModel = h("p", { class: "hint served-model" });
 
   async function refresh() {
     const answer = await api("GET", `/tenants/${enc}/adapters`);
     if (ctx.signal.aborted) return;
     clear(baseModels, (answer.served_base_models || []).map((m) => h("option", { value: m })));
+    clear(servedModel, (answer.served_base_model_details || []).map((m) => h("span", {},
+      "Served base model: ", h("code", {}, m.name), ` (${m.architecture}, ${m.num_layers} layers). `,
+      "An adapter's target_modules name its modules: ", h("code", {}, m.modules.join(", ")), ".")));
     const adapters = answer.data;
     if (!adapters.length) {
       clear(listBox, emptyState("No adapters yet",
@@ -89,12 +94,12 @@ export async function render(main, ctx) {
   clear(main,
     h("h1", {}, "Adapters"),
     h("div", { class: "toolbar" }, picker.element),
-    uploadCard(tenant, ctx, refresh, baseModels),
+    uploadCard(tenant, ctx, refresh, baseModels, servedModel),
     h("section", { class: "card-list", "aria-label": `Adapters of ${tenant}` }, h("h2", {}, `Adapters of ${tenant}`), listBox));
   await refresh();
 }
 
-function uploadCard(tenant, ctx, refresh, baseModels) {
+function uploadCard(tenant, ctx, refresh, baseModels, servedModel) {
   const enc = encodeURIComponent(tenant);
   let files = [];
   const name = h("input", { name: "adapter_name", required: true, maxlength: 64, autocomplete: "off", placeholder: "e.g. support-bot" });
@@ -145,7 +150,7 @@ function uploadCard(tenant, ctx, refresh, baseModels) {
     zone,
     field("Base model (optional)", baseModel,
       "Leave empty unless the upload is refused for its base model: adapter_config.json may name a local path this server cannot tell. Then choose the served model the adapter was trained on."),
-    baseModels, h("div", { class: "actions" }, submit), progressRow, status, errors);
+    servedModel, baseModels, h("div", { class: "actions" }, submit), progressRow, status, errors);
 
   function showStatus(v) {
     if (v.status === "validating") {

@@ -10,8 +10,12 @@
 Upload: multipart form with `files` = adapter_config.json + adapter_model.safetensors, or one
 .zip / .tar.gz holding them; optional `base_model` when the config's base_model_name_or_path is
 neither a served model nor an alias of one (a local path ending in one counts; the list answers
-`served_base_models`); without it such an upload is refused with 422 (param "base_model"),
-nothing stored. The answer (201) is the version: 'ready' or 'rejected' with its reason when
+`served_base_models`, the names of what the engine serves, and `served_base_model_details`, each
+one's architecture, layers and LoRA-able modules); without it such an upload is refused with 422
+(param "base_model", code base_model_not_served), nothing stored. An adapter whose modules or
+tensor shapes are not the served model's is refused with 422 (code adapter_does_not_fit_base)
+naming the first that does not fit and the model's dimensions, nothing stored; before any engine
+has described the model it serves, uploads are refused with 503. The answer (201) is the version: 'ready' or 'rejected' with its reason when
 validation ran inline (embedded mode), else 'validating' until the Celery worker decides; poll GET .../{name}.
 An unsafe or incomplete upload (pickle weights, missing file, bad archive) is refused with 422
 and nothing stored. The body may be up to settings.max_upload_bytes (app.py lets this route
@@ -34,7 +38,7 @@ from fastapi import APIRouter, File, Form, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapter_registry import services as registry
-from adapter_registry.errors import BaseModelRefused
+from adapter_registry.errors import AdapterDoesNotFitBase, BaseModelRefused
 from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.errors import ApiError
@@ -70,11 +74,21 @@ def _adapter_dict(session, tenant, adapter) -> dict:
             "versions": [version_dict(v, adapter.current_version_id) for v in reversed(versions)]}
 
 
+def served_base_models(gw) -> dict:
+    """What the engine serves, for the upload form: the names adapters may give as their base
+    (the served model's own; its name before any engine described it) and each described model's
+    architecture, layers and LoRA-able modules."""
+    described = gw.registry_settings().served_base_models
+    return {"served_base_models": [m.name for m in described] or [gw.engine.model_name],
+            "served_base_model_details": [{"name": m.name, "architecture": m.architecture, "num_layers": m.num_layers,
+                                           "modules": list(m.module_names)} for m in described]}
+
+
 @router.get("/tenants/{tenant}/adapters")
 async def list_adapters(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         t = attach(session, tenant)
-        return {"tenant": t.name, "served_base_models": list(gw.settings.served_base_models),
+        return {"tenant": t.name, **served_base_models(gw),
                 "data": [_adapter_dict(session, t, a) for a in registry.list_adapters(session=session, tenant=t)]}
 
     return await run_db(gw, run, changes=False)
@@ -117,10 +131,12 @@ async def upload_version(_: AdminDep, tenant: PathTenant, name: str, gw: Gateway
             t = attach(session, tenant)
             source = _save_upload(files, Path(work))
             try:
-                v = registry.upload_adapter(session=session, store=gw.store, settings=gw.settings, tenant=t, name=name,
-                                            source=source, base_model=base_model or None)
+                v = registry.upload_adapter(session=session, store=gw.store, settings=gw.registry_settings(), tenant=t,
+                                            name=name, source=source, base_model=base_model or None)
             except BaseModelRefused as e:
                 raise ApiError(422, str(e), param=e.param, code="base_model_not_served") from None
+            except AdapterDoesNotFitBase as e:
+                raise ApiError(422, str(e), param=e.param, code="adapter_does_not_fit_base") from None
             return version_dict(v, v.adapter.current_version_id)
 
         return await run_db(gw, run, changes=False)

@@ -22,18 +22,21 @@ def model_not_found(name: str) -> ApiError:
 
 async def resolve_adapter(*, gw: Gateway, caller: Caller, model: str, request_id: str | None = None) -> str | None:
     """The adapter version id (sha256) `model` names for this caller; None for the base model.
-    Raises ApiError: 404 model_not_found, the registry's 4xx (e.g. no ready version), or a 503
-    when the registry's database fails (`request_id` is named in it)."""
+    Raises ApiError: 404 model_not_found, the registry's 4xx (e.g. no ready version), 409
+    adapter_base_not_served for a version trained for another base model than the one served now
+    (the deployment changed models since it was uploaded), or a 503 when the registry's database
+    fails (`request_id` is named in it)."""
     if model == gw.engine.model_name:
         return None
 
-    def resolve() -> str:
+    def resolve() -> tuple[str, str, str | None]:
         with gw.session_factory() as session:
             tenant = session.get(Tenant, caller.tenant_id)
-            return registry.resolve_version(session=session, tenant=tenant, ref=model).sha256
+            v = registry.resolve_version(session=session, tenant=tenant, ref=model)
+            return v.sha256, v.ref, v.base_model
 
     try:
-        return await anyio.to_thread.run_sync(resolve)
+        sha256, ref, base = await anyio.to_thread.run_sync(resolve)
     except NotFound:
         raise model_not_found(model) from None
     except RegistryError as e:
@@ -42,11 +45,25 @@ async def resolve_adapter(*, gw: Gateway, caller: Caller, model: str, request_id
         raise ApiError(e.http_status, str(e), param="model") from None
     except SQLAlchemyError as e:
         raise unavailable(request_id, "the adapter registry is unavailable", type(e).__name__) from None
+    if not gw.serves_base(base):
+        raise ApiError(409, f"adapter version {ref} was trained for base model {base}, and this platform now serves "
+                            f"{gw.engine.model_name}; upload a version trained for {gw.engine.model_name}",
+                       param="model", code="adapter_base_not_served")
+    return sha256
 
 
 def model_card(id: str, owned_by: str, created: float | None = None) -> dict:
     """One entry of /v1/models in OpenAI's shape."""
     return {"id": id, "object": "model", "created": int(created or 0), "owned_by": owned_by}
+
+
+def base_model_card(gw: Gateway) -> dict:
+    """The served base model's entry of /v1/models: OpenAI's fields, plus its context length
+    (`max_model_len`, the name vLLM uses) and architecture (its Hugging Face model_type, null
+    before an engine described it); OpenAI clients keep fields they do not know."""
+    base = getattr(gw.engine, "base_model", None)
+    return {**model_card(gw.engine.model_name, "tessera"), "max_model_len": gw.engine.max_model_len,
+            "architecture": base.architecture if base is not None else None}
 
 
 async def models_of(*, gw: Gateway, caller: Caller) -> list[dict]:
@@ -58,4 +75,4 @@ async def models_of(*, gw: Gateway, caller: Caller) -> list[dict]:
             return [model_card(a.name, caller.tenant_name, a.created_at.timestamp())
                     for a in registry.list_adapters(session=session, tenant=tenant) if a.current_version_id]
 
-    return [model_card(gw.engine.model_name, "tessera")] + await anyio.to_thread.run_sync(adapters)
+    return [base_model_card(gw)] + await anyio.to_thread.run_sync(adapters)

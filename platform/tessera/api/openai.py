@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from tessera.api import admission, generation
 from tessera.api import completions_request as checks
 from tessera.api.completions_request import Body, Job
-from tessera.api.model_resolution import model_card, models_of, resolve_adapter
+from tessera.api.model_resolution import base_model_card, model_card, models_of, resolve_adapter
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
 from tessera.auth import CallerDep, GatewayDep
 from tessera.gateway import Gateway
@@ -43,7 +43,7 @@ async def list_models(caller: CallerDep, gw: GatewayDep):
 async def get_model(model: str, caller: CallerDep, gw: GatewayDep):
     """One model the caller may use (base, adapter name or name@version); 404 otherwise."""
     await resolve_adapter(gw=gw, caller=caller, model=model)
-    return model_card(model, "tessera" if model == gw.engine.model_name else caller.tenant_name)
+    return base_model_card(gw) if model == gw.engine.model_name else model_card(model, caller.tenant_name)
 
 
 async def serve_completion(*, gw: Gateway, caller: Caller, body: Body, kind: str, http: Request) -> Response:

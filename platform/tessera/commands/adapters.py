@@ -2,7 +2,9 @@
 
 Reads the same TESSERA_* settings as the server (database, object store). With the embedded
 SQLite database the schema is migrated on first use; other databases must be migrated with
-`alembic upgrade head` first.
+`alembic upgrade head` first. An upload is checked against the base model the deployment serves:
+TESSERA_MODEL_PATH / TESSERA_MODEL_NAME (default: the embedded SmolLM2), described from the
+model's config or header (tessera.served_model; no weights are read).
 """
 from __future__ import annotations
 
@@ -95,18 +97,37 @@ def _version_dict(v) -> dict:
     }
 
 
+def _serving(settings):
+    """`settings` serving the deployment's base model (TESSERA_MODEL_PATH / TESSERA_MODEL_NAME);
+    CLIError with one line when the model cannot be read or an alias names another model."""
+    from tessera.cli import CLIError
+    from tessera.commands.serve import load_settings
+    from tessera.served_model import describe_model_files
+
+    platform = load_settings()
+    try:
+        _, base = describe_model_files(platform.model_path, platform.model_name)
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(f"the served base model (TESSERA_MODEL_PATH) cannot be read: {e}") from None
+    try:
+        return settings.serving([base])
+    except ValueError as e:
+        raise CLIError(f"settings: {e}") from None
+
+
 def _upload(args: argparse.Namespace) -> int:
     from adapter_registry import services
     from adapter_registry.errors import NotFound
 
     def go(ctx, session):
+        settings = _serving(ctx.settings)
         try:
             tenant = services.get_tenant(session=session, name=args.tenant)
         except NotFound:
             if not args.create_tenant:
                 raise NotFound(f"tenant {args.tenant!r} not found (pass --create-tenant to create it)") from None
             tenant = services.create_tenant(session=session, name=args.tenant)
-        v = services.upload_adapter(session=session, store=ctx.store, settings=ctx.settings, tenant=tenant,
+        v = services.upload_adapter(session=session, store=ctx.store, settings=settings, tenant=tenant,
                                     name=args.name, source=args.path, base_model=args.base_model)
         if v.status == "rejected":
             print(f"{v.ref} rejected: {v.rejection_reason}", file=sys.stderr)

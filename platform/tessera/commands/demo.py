@@ -4,6 +4,11 @@ CPU). It creates the demo tenant with a fresh key, uploads the demo adapters, st
 and prints what works when pasted: a curl and an openai-client example, an admin API call and an
 adapter upload (curl), and where the admin web UI signs in.
 
+`--model PATH` (or TESSERA_MODEL_PATH; served as TESSERA_MODEL_NAME when set) serves another base
+model: a .gguf file or a Hugging Face checkpoint directory. The demo adapters were trained on the
+embedded SmolLM2; for any other model they are not uploaded (one printed line says why), and the
+printed commands talk to that model and show how to upload an adapter trained for it.
+
 `--self-test` does the same against the server itself and exits (0 when all of it worked): the
 streamed chat as curl sends it, the openai client, the admin API call, signing in to the web UI
 with the admin password (then a page and an admin API call on the session cookie), an upload of
@@ -29,11 +34,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000, or TESSERA_PORT)")
     p.add_argument("--self-test", action="store_true", help="run the printed examples against the server, then exit")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="the base model to serve: a .gguf file or a Hugging Face checkpoint directory "
+                        "(default: TESSERA_MODEL_PATH, else the embedded SmolLM2)")
     p.set_defaults(func=run)
 
 
+def demo_adapters_for(settings) -> tuple[list[Path], str | None]:
+    """(the demo adapter folders whose files are there and whose base is the served model, a
+    line saying why the others are not uploaded or None). `settings` serve the model."""
+    from adapter_registry.validation import AdapterRejected, read_adapter_config, resolve_base_model
+
+    folders = sorted(p for p in ADAPTERS_DIR.iterdir() if p.is_dir()) if ADAPTERS_DIR.is_dir() else []
+    fitting, other_bases = [], {}
+    for folder in folders:
+        if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
+            print(f"tessera demo: skipping adapter {folder.name!r}: its files are not there (yet)", file=sys.stderr)
+            continue
+        try:
+            trained_for = read_adapter_config(folder / "adapter_config.json").get("base_model_name_or_path")
+            resolve_base_model(trained_for, settings.served_names, settings.aliases)
+        except AdapterRejected:
+            other_bases.setdefault(str(trained_for), []).append(folder.name)
+            continue
+        fitting.append(folder)
+    if not other_bases:
+        return fitting, None
+    served = settings.served_base_models[0]
+    names = ", ".join(n for group in other_bases.values() for n in group)
+    return fitting, (f"tessera demo: not uploading the demo adapters ({names}): they were trained for "
+                     f"{' and '.join(other_bases)}, and this demo serves {served.label}")
+
+
 def _setup(settings) -> tuple[str, list[str]]:
-    """Migrate, ensure the demo plan/tenant, issue a key, upload the adapters; (key, adapter names)."""
+    """Migrate, ensure the demo plan/tenant, issue a key, upload the demo adapters trained for the
+    served model (`settings` serve it); (key, adapter names)."""
     from adapter_registry import services as registry
     from adapter_registry.context import build_context
     from adapter_registry.errors import NotFound, RegistryError
@@ -56,12 +91,11 @@ def _setup(settings) -> tuple[str, list[str]]:
         except NotFound:
             tenant = services.create_tenant(session=s, name=DEMO_TENANT, plan=DEMO_PLAN)
         _, key = services.issue_key(session=s, tenant=tenant, name="demo")
-        _seed_prices(s)
-        folders = sorted(p for p in ADAPTERS_DIR.iterdir() if p.is_dir()) if ADAPTERS_DIR.is_dir() else []
+        _seed_prices(s, settings.served_names[0])
+        folders, skipped = demo_adapters_for(settings)
+        if skipped:
+            print(skipped, flush=True)
         for folder in folders:
-            if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
-                print(f"tessera demo: skipping adapter {folder.name!r}: its files are not there (yet)", file=sys.stderr)
-                continue
             try:
                 v = registry.upload_adapter(session=s, store=ctx.store, settings=settings, tenant=tenant,
                                             name=folder.name, source=folder)
@@ -76,13 +110,12 @@ def _setup(settings) -> tuple[str, list[str]]:
     return key, names
 
 
-def _seed_prices(session) -> None:
-    """Set a demo price book for the embedded model, only when the book has no price for it yet."""
+def _seed_prices(session, model: str) -> None:
+    """Set a demo price book for the served `model`, only when the book has no price for it yet."""
     from datetime import date
 
     from sqlalchemy import select
 
-    from engine.loader.gguf_loader import DEFAULT_MODEL_NAME
     from engine.sampling_params import Priority
     from tessera.billing.models import Price
     from tessera.billing.prices import set_price
@@ -90,11 +123,11 @@ def _seed_prices(session) -> None:
     # Micro-USD per million (input, output) tokens: realtime costs twice standard, batch half.
     demo_prices = {Priority.realtime: (200_000, 800_000), Priority.standard: (100_000, 400_000),
                    Priority.batch: (50_000, 200_000)}
-    if session.scalar(select(Price.id).where(Price.base_model == DEFAULT_MODEL_NAME).limit(1)) is not None:
+    if session.scalar(select(Price.id).where(Price.base_model == model).limit(1)) is not None:
         return
     for priority, (inp, out) in demo_prices.items():
         for kind, micros in (("input", inp), ("output", out)):
-            set_price(session=session, base_model=DEFAULT_MODEL_NAME, priority=priority.name, token_kind=kind,
+            set_price(session=session, base_model=model, priority=priority.name, token_kind=kind,
                       micros_per_mtok=micros, effective_from=date(2026, 1, 1))
 
 
@@ -121,19 +154,49 @@ EOF
 """
 
 
-def admin_examples(url: str, admin: str, adapters: list[str]) -> str:
-    """The admin side: an admin API call, an adapter upload (curl) and the web UI's address."""
-    folder = ADAPTERS_DIR / (adapters[0] if adapters else "pirate")
+def admin_examples(url: str, admin: str, adapters: list[str], base=None) -> str:
+    """The admin side: an admin API call, an adapter upload (curl) and the web UI's address. With
+    no demo adapter for the served model (`base`, a BaseModelShape), the upload names a folder of
+    the user's own, trained for that model."""
+    if adapters or base is None:
+        folder, trained = ADAPTERS_DIR / (adapters[0] if adapters else "pirate"), ""
+    else:
+        folder = Path("/path/to/your-adapter")
+        trained = (f"\n(a PEFT LoRA adapter trained on {base.name}; its LoRA-able modules: "
+                   f"{', '.join(base.module_names)})")
     return f"""
 Admin API: {url}/admin/v1 with header 'Authorization: Bearer {admin}'. Demo adapters: {', '.join(adapters) or 'none'}.
   curl {url}/admin/v1/tenants/{DEMO_TENANT}/adapters -H "Authorization: Bearer {admin}"
 
-upload an adapter for tenant {DEMO_TENANT!r} (adapter_config.json + adapter_model.safetensors, or one .zip of them):
+upload an adapter for tenant {DEMO_TENANT!r} (adapter_config.json + adapter_model.safetensors, or one .zip of them):{trained}
   curl {url}/admin/v1/tenants/{DEMO_TENANT}/adapters/my-adapter/versions -H "Authorization: Bearer {admin}" \\
     -F "files=@{folder}/adapter_config.json" -F "files=@{folder}/adapter_model.safetensors"
 
 Admin web UI: {url}/admin (password: the admin token above, unless TESSERA_ADMIN_PASSWORD is set).
 """
+
+
+def _served_base(settings):
+    """The served model's description, from its files (the engine loads once the server starts);
+    CLIError with one line when they cannot be read."""
+    from tessera.cli import CLIError
+    from tessera.served_model import describe_model_files
+
+    try:
+        return describe_model_files(settings.model_path, settings.model_name)[1]
+    except (FileNotFoundError, ValueError) as e:
+        where = f"--model {settings.model_path}" if settings.model_path else "the embedded model"
+        raise CLIError(f"{where} cannot be served: {e}") from None
+
+
+def _serving(settings, base):
+    """`settings` serving `base`; CLIError with one line when an alias names another model."""
+    from tessera.cli import CLIError
+
+    try:
+        return settings.serving([base])
+    except ValueError as e:
+        raise CLIError(f"settings: {e}") from None
 
 
 class _SelfTest:
@@ -152,11 +215,16 @@ class _SelfTest:
         self.uploaded: str | None = None
 
     def run(self) -> bool:
-        """Every step in the order the demo prints them; one line each; True when all worked."""
+        """Every step in the order the demo prints them; one line each; True when all worked.
+        Without a demo adapter for the served model, the upload steps are skipped (said so)."""
         steps = [("curl-style stream", self.curl_stream), ("openai client", lambda: self.chat(self.model)),
-                 ("admin API call", self.admin_call), ("admin web UI sign-in", self.sign_in),
-                 ("adapter upload", self.upload), ("chat with the uploaded adapter", self.chat_uploaded)]
-        return all([self._step(name, fn) for name, fn in steps])
+                 ("admin API call", self.admin_call), ("admin web UI sign-in", self.sign_in)]
+        if self.adapters:
+            steps += [("adapter upload", self.upload), ("chat with the uploaded adapter", self.chat_uploaded)]
+        ok = all([self._step(name, fn) for name, fn in steps])
+        if not self.adapters:
+            print("self-test: adapter upload skipped; no demo adapter was trained for the served model", flush=True)
+        return ok
 
     @staticmethod
     def _step(name: str, fn) -> bool:
@@ -233,13 +301,14 @@ def run(args: argparse.Namespace) -> int:
     from tessera.commands.serve import check_port_free, load_settings
 
     admin = os.environ.get("TESSERA_ADMIN_TOKEN") or secrets.token_urlsafe(24)
-    settings = load_settings(host=args.host, port=args.port, admin_token=admin,
+    settings = load_settings(host=args.host, port=args.port, admin_token=admin, model_path=args.model,
                              engine_mode="inprocess", redis_url=None, celery_eager=True,
                              # usage shows up priced in the web UI within a minute
                              billing_rollup_interval_s=None if "TESSERA_BILLING_ROLLUP_INTERVAL_S" in os.environ else 60.0)
     check_port_free(settings.host, settings.port)
-    key, adapters = _setup(settings)
-    model = "pirate" if "pirate" in adapters else (adapters[0] if adapters else "SmolLM2-135M-Instruct")
+    base = _served_base(settings)
+    key, adapters = _setup(_serving(settings, base))
+    model = "pirate" if "pirate" in adapters else (adapters[0] if adapters else base.name)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                                            log_level="warning"))
     url = f"http://{settings.host}:{settings.port}"
@@ -251,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
                 return
             time.sleep(0.1)
         print(examples(url, key, model), flush=True)
-        print(admin_examples(url, admin, adapters), flush=True)
+        print(admin_examples(url, admin, adapters, base), flush=True)
         if args.self_test:
             try:
                 result["ok"] = _SelfTest(url, key, model, admin=admin, password=admin_password(settings),
@@ -263,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("Press Ctrl+C to stop.", flush=True)
 
-    print("tessera demo: loading the engine (SmolLM2-135M on CPU)...", flush=True)
+    print(f"tessera demo: loading the engine ({base.name}, {base.architecture}, on CPU)...", flush=True)
     threading.Thread(target=announce, daemon=True).start()
     try:
         server.run()

@@ -1,4 +1,5 @@
-"""`tessera generate PROMPT`: stream the embedded model's answer to stdout."""
+"""`tessera generate PROMPT`: stream the base model's answer to stdout: the embedded SmolLM2, or
+`--model PATH` (a .gguf file or a Hugging Face checkpoint directory of any served family)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--model", default=None, help="GGUF file or HF safetensors directory (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="the base model: a .gguf file or a Hugging Face checkpoint directory (config.json + "
+                        "*.safetensors) of a Llama, Mistral, Qwen2/3, Gemma 2/3 or Phi-3 model (default: the "
+                        "embedded SmolLM2)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--backend", default=None, choices=["cpu", "triton"],
                    help="the engine's kernels (default: cpu on the CPU, triton on CUDA; "

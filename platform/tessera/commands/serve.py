@@ -1,6 +1,9 @@
 """`tessera serve`: the gateway with settings from TESSERA_* env vars / .env (the scale-out form:
 Postgres, S3, Redis, engine workers), and `tessera engine-worker`: one engine process serving the
-internal streaming API the gateway's HTTP engine client talks to."""
+internal streaming API the gateway's HTTP engine client talks to. Both serve the base model
+TESSERA_MODEL_PATH names (a .gguf file or a Hugging Face directory; default: the embedded
+SmolLM2) under TESSERA_MODEL_NAME (default: the checkpoint's name); give every process of a
+deployment the same two (the gateway refuses workers that serve another model)."""
 from __future__ import annotations
 
 import argparse
@@ -104,10 +107,10 @@ def _worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
     from tessera.cli import CLIError
     from tessera.engine_client.worker import create_worker_app
     from tessera.engine_config import engine_config_from_settings
+    from tessera.served_model import load_engine
 
     settings = load_settings()
     secret = args.secret or (settings.engine_secret.get_secret_value() if settings.engine_secret else None)
@@ -121,7 +124,10 @@ def _worker(args: argparse.Namespace) -> int:
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
                                    cache_dir=settings.adapter_cache_dir)
     config = engine_config_from_settings(settings, device=args.device, backend=args.backend)
-    engine = LLMEngine(settings.model_path, config, adapter_source=source)
+    try:
+        engine = load_engine(settings.model_path, config, model_name=settings.model_name, adapter_source=source)
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(f"the base model (TESSERA_MODEL_PATH) cannot be served: {e}") from None
     aengine = AsyncLLMEngine(engine)
     app = create_worker_app(aengine, secret=secret)
     server = _draining_server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"),

@@ -8,12 +8,18 @@ InvalidRequestError before the first delta for a request the engine refuses, Eng
 when no engine can serve (dead, restarting, unreachable, or it stopped answering); leaving the
 iteration early aborts the request in the engine. `ready()` says whether a request sent now
 would find an engine (the gateway's GET /ready).
+
+`model_name` is the served base model's name, `base_model` its description for LoRA
+(engine.lora.peft_format.BaseModelShape: architecture, layers, modules and shapes) as the engine
+gives it: the registry checks uploads against it (Gateway.registry_settings). Over HTTP it is
+None until a worker serving this deployment's model has published it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from engine.lora.peft_format import BaseModelShape
 from engine.sampling_params import GenerationRequest, RequestOutput
 from engine.tokenizer import TextTokenizer
 
@@ -25,9 +31,10 @@ class EngineUnavailable(RuntimeError):
 @dataclass
 class EngineReadiness:
     """Whether an engine can serve now. `state`: the engine's ("ready", "restarting", "failed",
-    "stopped"; over HTTP "ready" when a worker is, else "unavailable"); `reason`: why not, for
-    the operator (no tenant data); `engines`: per engine worker (HTTP mode), worker-<i> -> its
-    state (an engine state, or "unreachable")."""
+    "stopped"; over HTTP "ready" when a worker is, else "unavailable"); `reason`: why not, or
+    (HTTP) why a worker is refused although others serve (it serves another model), for the
+    operator (no tenant data); `engines`: per engine worker (HTTP mode), worker-<i> -> its state
+    (an engine state, "unreachable", or "wrong_model")."""
 
     ready: bool
     state: str
@@ -40,6 +47,8 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: TextTokenizer
+    #: The served model's description (None over HTTP until a worker has published it).
+    base_model: BaseModelShape | None
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
 

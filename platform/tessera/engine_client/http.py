@@ -17,6 +17,15 @@ goes silent for longer than the read timeout mid-request, never a hang.
 `ready()` reads the same view (a fresh poll if the last one is older than `READY_CACHE_S`), so the
 gateway's GET /ready is true when at least one worker serves and is not draining. Workers are
 named worker-0, worker-1, ... in what it reports: their URLs stay internal.
+
+Every worker must serve the deployment's model: the one the gateway's own settings name
+(TESSERA_MODEL_PATH / TESSERA_MODEL_NAME, whose tokenizer and config it reads). A worker's GET
+/internal/info (read when it is first seen serving, and again whenever it comes back) says which
+model it serves and describes it (engine.lora.peft_format.BaseModelShape); a worker that serves
+another model, or the same name with another shape than the deployment's files describe, is
+refused: out of routing with the state "wrong_model", the refusal logged and given as /ready's
+reason, both models named. The description a worker published, once accepted, is `base_model`:
+what the registry checks uploads against.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from typing import AsyncIterator
 
 import httpx
 
+from engine.lora.peft_format import BaseModelShape
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 from engine.tokenizer import TextTokenizer
 from tessera.engine_client import EngineReadiness, EngineUnavailable
@@ -43,20 +53,21 @@ READY_CACHE_S = 2.0
 READY_TIMEOUT_S = 1.0
 
 
-def load_tokenizer(model_path: Path | None) -> tuple[TextTokenizer, str, int]:
-    """The base model's tokenizer, name and context length, read from its files (no weights)."""
+def load_served_model(model_path: Path | None,
+                      model_name: str | None = None) -> tuple[TextTokenizer, str, int, BaseModelShape]:
+    """The deployment's base model as its files say (no weights): its tokenizer, served name
+    (`model_name`, else the checkpoint's: see tessera.served_model), context length and
+    description."""
     from gguf import GGUFReader
 
-    from engine.loader.gguf_loader import DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME, default_model_path, read_metadata
+    from engine.loader.gguf_loader import default_model_path, read_metadata
+    from tessera.served_model import describe_model_files
 
     path = Path(model_path) if model_path else default_model_path()
-    if path.is_dir():
-        cfg = json.loads((path / "config.json").read_text())
-        return TextTokenizer.from_hf_directory(path), path.name, int(cfg.get("max_position_embeddings", 2048))
-    meta = read_metadata(GGUFReader(str(path)))
-    name = DEFAULT_MODEL_NAME if path.name == DEFAULT_GGUF_FILE else path.stem
-    ctx = int(meta.get(f"{meta.get('general.architecture', 'llama')}.context_length", 2048))
-    return TextTokenizer.from_gguf_metadata(meta), name, ctx
+    cfg, described = describe_model_files(path, model_name)
+    tokenizer = (TextTokenizer.from_hf_directory(path) if path.is_dir()
+                 else TextTokenizer.from_gguf_metadata(read_metadata(GGUFReader(str(path)))))
+    return tokenizer, cfg.name, cfg.max_position_embeddings, described
 
 
 class _Replica:
@@ -67,6 +78,8 @@ class _Replica:
     def __init__(self, name: str, url: str):
         self.name, self.url = name, url
         self.published = ReplicaState(name=name, up=False, state="unreachable")
+        #: Why it is refused (it serves another model), None while it is not.
+        self.refusal: str | None = None
         # Requests in flight that no published state counts yet, per poll generation (the poll
         # started after them is the first whose answer counts them): generation -> class -> n.
         self._generation = 0
@@ -115,13 +128,18 @@ class _Replica:
 
 
 class HttpEngineClient:
-    def __init__(self, urls: list[str], *, secret: str, model_path: Path | None = None,
+    def __init__(self, urls: list[str], *, secret: str, model_path: Path | None = None, model_name: str | None = None,
                  connect_timeout_s: float = 2.0, read_timeout_s: float = 120.0,
                  poll_s: float = 0.5, balance: float = DEFAULT_BALANCE):
+        """Workers at `urls` serving the model at `model_path` (None: the embedded SmolLM2) under
+        `model_name` (None: its own name): the deployment's model, whose tokenizer this reads."""
         if not urls:
             raise ValueError("HttpEngineClient needs at least one engine worker URL")
         self.urls = [u.rstrip("/") for u in urls]
-        self.tokenizer, self.model_name, self.max_model_len = load_tokenizer(model_path)
+        self.tokenizer, self.model_name, self.max_model_len, self._expected = load_served_model(model_path, model_name)
+        #: The served model's description as a worker serving it published it (None until one did).
+        self.base_model: BaseModelShape | None = None
+        self._context_from_worker = False
         self._headers = {"authorization": f"Bearer {secret}"}
         self.replicas = [_Replica(f"worker-{i}", url) for i, url in enumerate(self.urls)]
         self.ring = HashRing([r.name for r in self.replicas])
@@ -134,17 +152,9 @@ class HttpEngineClient:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
     async def start(self) -> None:
-        """Learn the served model's name and context from a worker (a worker not up yet is not
-        fatal), take a first view of every worker and keep it fresh in the background."""
-        for url in self.urls:
-            try:
-                r = await self.client.get(f"{url}/internal/info", headers=self._headers)
-                r.raise_for_status()
-                info = r.json()
-                self.model_name, self.max_model_len = info["model"], int(info["max_model_len"])
-                break
-            except (httpx.HTTPError, KeyError, ValueError) as e:
-                log.warning("engine worker %s: %s", url, e)
+        """Take a first view of every worker (checking the model each serves, and learning the
+        model's description and context from the first that serves it; a worker not up yet is
+        not fatal) and keep it fresh in the background."""
         await self.refresh()
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
@@ -182,9 +192,58 @@ class HttpEngineClient:
                 state = ReplicaState(name=replica.name, up=False, state=f"http_{r.status_code}")
             else:
                 state = ReplicaState.from_dict(replica.name, r.json())
+            if state.up:
+                # The model it serves: by the name each state carries, and from its description
+                # when it is first seen serving or comes back (it may have restarted on another).
+                refusal = self._name_refusal(replica, state.model)
+                if refusal is None and not replica.published.up:
+                    refusal = await self._info_refusal(replica)
+                self._note_refusal(replica, refusal)
+                if refusal is not None:
+                    state = ReplicaState(name=replica.name, up=False, state="wrong_model", model=state.model)
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             state = ReplicaState(name=replica.name, up=False, state="unreachable")
         replica.polled(generation, state)
+
+    def _name_refusal(self, replica: _Replica, model: str | None) -> str | None:
+        """Why `replica` is refused when it says it serves `model` (None: it serves this
+        deployment's, or did not say)."""
+        if model is None or model == self.model_name:
+            return None
+        return f"{replica.name} serves {model!r}, not this deployment's {self.model_name!r}; refused"
+
+    async def _info_refusal(self, replica: _Replica) -> str | None:
+        """Read `replica`'s GET /internal/info: why it is refused (another model's name, or the
+        same name with another description than the deployment's files give), or None; the first
+        accepted description becomes `base_model` and its context `max_model_len`. httpx/
+        ValueError/KeyError/TypeError when it does not answer as a worker does."""
+        r = await self.client.get(f"{replica.url}/internal/info", headers=self._headers, timeout=READY_TIMEOUT_S)
+        r.raise_for_status()
+        info = r.json()
+        refusal = self._name_refusal(replica, str(info["model"]))
+        if refusal is not None or info.get("base_model") is None:  # a worker from before descriptions: by name
+            return refusal
+        try:
+            described = BaseModelShape.from_dict(info["base_model"])
+        except ValueError as e:
+            return f"{replica.name} describes its model in a malformed way ({e}); refused"
+        if described != self._expected:
+            return (f"{replica.name} serves {described.label} ({described.dims_text()}), not this deployment's "
+                    f"{self._expected.label} ({self._expected.dims_text()}); refused")
+        if self.base_model is None:
+            self.base_model = described
+        if not self._context_from_worker:
+            self.max_model_len, self._context_from_worker = int(info["max_model_len"]), True
+        return None
+
+    @staticmethod
+    def _note_refusal(replica: _Replica, refusal: str | None) -> None:
+        """Keep (and log once, when it changes) why `replica` is refused."""
+        if refusal != replica.refusal and refusal is not None:
+            log.error("engine worker %s: %s", replica.url, refusal)
+        elif refusal != replica.refusal:
+            log.warning("engine worker %s serves this deployment's model again", replica.url)
+        replica.refusal = refusal
 
     def _order(self, request: GenerationRequest) -> list[_Replica]:
         views = [r.view() for r in self.replicas]
@@ -199,10 +258,13 @@ class HttpEngineClient:
             await self.refresh()
         engines = {r.name: r.published.state for r in self.replicas}
         serving = sum(r.published.accepting for r in self.replicas)
+        refusals = [r.refusal for r in self.replicas if r.refusal and r.published.state == "wrong_model"]
+        reason = None if serving else "no engine worker is ready (" + ", ".join(
+            f"{name}: {state}" for name, state in engines.items()) + ")"
+        if refusals:
+            reason = "; ".join(([reason] if reason else []) + refusals)
         return EngineReadiness(
-            ready=serving > 0, state="ready" if serving else "unavailable",
-            reason=None if serving else "no engine worker is ready (" + ", ".join(
-                f"{name}: {state}" for name, state in engines.items()) + ")",
+            ready=serving > 0, state="ready" if serving else "unavailable", reason=reason,
             restarts=sum(r.published.restarts for r in self.replicas), engines=engines)
 
     # -- requests ---------------------------------------------------------------------------------

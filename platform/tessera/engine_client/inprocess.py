@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
+from engine.lora.weights import base_shape_of
 from engine.sampling_params import GenerationRequest, RequestOutput
 from tessera.engine_client import EngineReadiness, EngineUnavailable
 
@@ -20,6 +21,7 @@ class InProcessEngineClient:
         self.tokenizer = aengine.tokenizer
         self.model_name = aengine.engine.model_config.name
         self.max_model_len = aengine.engine.max_model_len
+        self.base_model = base_shape_of(aengine.engine.model_config)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         try:
@@ -44,10 +46,11 @@ class InProcessEngineClient:
 
 
 def build_inprocess_client(settings, adapter_source=None) -> InProcessEngineClient:
-    """Load the base model from settings (default: embedded SmolLM2) into an owned engine."""
-    from engine.llm_engine import LLMEngine
+    """Load the base model from settings (model_path, served as model_name; default: the embedded
+    SmolLM2) into an owned engine."""
     from tessera.engine_config import engine_config_from_settings
+    from tessera.served_model import load_engine
 
     config = engine_config_from_settings(settings)
-    engine = LLMEngine(settings.model_path, config, adapter_source=adapter_source)
+    engine = load_engine(settings.model_path, config, model_name=settings.model_name, adapter_source=adapter_source)
     return InProcessEngineClient(AsyncLLMEngine(engine), owns_engine=True)

@@ -62,7 +62,8 @@ class ReplicaState:
     slot) or being loaded; `free_slots`: device slots no running sequence's adapter holds;
     `draining`: the worker admits nothing new (SIGTERM); `up`: it answered its last poll with a
     state ("ready"); `state`: its words for what it is ("ready", "draining", "restarting",
-    "failed", "stopped", "unreachable"); `restarts`: times its engine's step loop died and restarted;
+    "failed", "stopped", "unreachable", or the gateway's "wrong_model"); `model`: the base model it
+    serves (None: not said); `restarts`: times its engine's step loop died and restarted;
     `seat_s`/`load_s`: its recent mean time a request held a seat / an adapter took to load into
     the CPU tier, in seconds (None until it has measured one)."""
 
@@ -70,6 +71,7 @@ class ReplicaState:
     up: bool = True
     draining: bool = False
     state: str = "ready"
+    model: str | None = None
     running: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)
     max_num_seqs: int = 64
@@ -126,7 +128,7 @@ class ReplicaState:
 
     def to_dict(self) -> dict:
         """The wire form (GET /internal/state): priority classes by name, adapters as lists."""
-        return {"name": self.name, "state": self.state, "draining": self.draining,
+        return {"name": self.name, "model": self.model, "state": self.state, "draining": self.draining,
                 "running": {Priority(p).name: n for p, n in self.running.items()},
                 "waiting": {Priority(p).name: n for p, n in self.waiting.items()},
                 "max_num_seqs": self.max_num_seqs, "num_slots": self.num_slots, "free_slots": self.free_slots,
@@ -140,8 +142,10 @@ class ReplicaState:
         ValueError/KeyError/TypeError when malformed."""
         state = str(data.get("state", "ready"))
         draining = bool(data.get("draining", False))
+        model = data.get("model")
         return cls(
-            name=name, up=state in ("ready", "draining"), draining=draining or state == "draining",
+            name=name, model=None if model is None else str(model),
+            up=state in ("ready", "draining"), draining=draining or state == "draining",
             state="draining" if draining else state,
             running={int(Priority.parse(p)): int(n) for p, n in (data.get("running") or {}).items()},
             waiting={int(Priority.parse(p)): int(n) for p, n in (data.get("waiting") or {}).items()},

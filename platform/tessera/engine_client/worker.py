@@ -1,7 +1,11 @@
 """The engine worker's internal API (one process per GPU, `tessera engine-worker`).
 
 Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
-- GET  /internal/info      -> {"model", "max_model_len", "alive", "state"}
+- GET  /internal/info      -> {"model", "architecture", "max_model_len", "base_model", "alive", "state"}:
+                              the served model's name (ModelConfig.name, TESSERA_MODEL_NAME), family,
+                              context, and its description for LoRA (`base_model`:
+                              engine.lora.peft_format.BaseModelShape.to_dict), which the gateways check
+                              against their deployment's model and hand to the registry.
 - GET  /metrics            -> Prometheus text: the engine's series (engine/metrics.py); no secret
                               needed (no tenant data in them), so Prometheus scrapes it directly.
 - GET  /health             -> 200 {"status": "ok", "engine": {state, restarts, last_error}} while
@@ -9,7 +13,8 @@ Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
 - GET  /ready              -> 200 {"status": "ready", ...} when the engine serves, else 503
                               {"status": "not_ready", "reason", ...} (restarting, failed, stopped)
                               or 503 {"status": "draining", ...} once the worker drains; no secret.
-- GET  /internal/state     -> the replica's routing state (routing.ReplicaState.to_dict: sequences
+- GET  /internal/state     -> the replica's routing state (routing.ReplicaState.to_dict: its model's name,
+                              sequences
                               running and waiting per priority class, free device slots, free KV
                               blocks, adapters per tier, draining, recent mean seat and adapter
                               load times), polled by the gateways.
@@ -36,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
+from engine.lora.weights import base_shape_of
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, SamplingParams
 from tessera.engine_client.routing import ReplicaState
 from tessera.streaming import DisconnectAwareStream
@@ -51,6 +57,7 @@ def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
     shared `secret`."""
     app = FastAPI(title="tessera engine worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = aengine
+    app.state.base_model = base_shape_of(aengine.engine.model_config).to_dict()  # the served model, for LoRA
     app.state.draining = False
     app.state.in_flight = 0
     app.state.expected_authorization = f"Bearer {secret}".encode()
@@ -105,7 +112,7 @@ def replica_state(app: FastAPI) -> ReplicaState:
         num_slots = lm.slots.num_slots
     state = aengine.state
     return ReplicaState(
-        name="", up=state == READY, draining=app.state.draining,
+        name="", model=engine.model_config.name, up=state == READY, draining=app.state.draining,
         state="draining" if app.state.draining else state, running=running, waiting=waiting,
         max_num_seqs=sched.max_num_seqs, num_slots=num_slots,
         free_slots=max(0, num_slots - len(running_adapters)),
@@ -144,8 +151,9 @@ async def ready(request: Request):
 @router.get("/internal/info")
 async def info(request: Request):
     aengine = _engine(request)
-    return {"model": aengine.engine.model_config.name, "max_model_len": aengine.engine.max_model_len,
-            "alive": aengine.is_alive, "state": aengine.state}
+    mc = aengine.engine.model_config
+    return {"model": mc.name, "architecture": mc.architecture, "max_model_len": aengine.engine.max_model_len,
+            "base_model": request.app.state.base_model, "alive": aengine.is_alive, "state": aengine.state}
 
 
 @router.get("/internal/state")
