@@ -328,5 +328,7 @@ class HttpEngineClient:
                 errors.append(f"{replica.name}: {type(e).__name__} before any output")
             finally:
                 replica.ended(token, prio)
-        why = "; ".join(errors) or "none is ready"
+        # The operator's log names every worker and its state (the tenant's message is scrubbed).
+        states = ", ".join(f"{r.url} {r.published.state}" for r in self.replicas)
+        why = "; ".join(errors) or f"none is ready: {states}"
         raise EngineUnavailable(f"no engine worker could take the request ({why})")
