@@ -108,3 +108,22 @@ def test_priority_class_request(platform):
         client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body={"priority": "urgent"})
     assert sorted(e.priority for e in platform.usage_events(t.name)) == ["batch"]
+
+
+def test_non_text_content_parts_are_a_400_naming_them(platform):
+    """An image (or any non-text part) sent to a text-only model is refused by its type, as the
+    openai client sends it; text parts are served."""
+    t = platform.tenant()
+    client = platform.openai(t)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=BASE, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]}])
+    assert e.value.status_code == 400
+    assert e.value.body["message"] == ("messages.0.content: content part 1 has type 'image_url': this model takes "
+                                       "text only (parts of type 'text')")
+    assert e.value.body["param"] == "messages.0.content"
+    r = client.chat.completions.create(model=BASE, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}])
+    assert r.usage.completion_tokens >= 1
+    assert [ev.status for ev in platform.usage_events(t.name)] == ["completed"]

@@ -28,6 +28,21 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        """A content part of another type (image_url, input_audio, file, ...) is refused by name:
+        the served models take text only."""
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError(
+                        "unsupported_content",
+                        "content part {index} has type {kind}: this model takes text only (parts of type 'text')",
+                        {"index": i, "kind": repr(kind[:64])})
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
