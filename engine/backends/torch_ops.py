@@ -46,15 +46,6 @@ def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.gelu(g, approximate="tanh").mul_(u)
 
 
-def act_mul(gu: torch.Tensor, act: str) -> torch.Tensor:
-    """The gated MLP activation `act` ("silu" | "gelu_tanh", engine.config.ACTIVATIONS)."""
-    if act == "silu":
-        return silu_mul(gu)
-    if act == "gelu_tanh":
-        return gelu_tanh_mul(gu)
-    raise ValueError(f"unknown activation {act!r}")
-
-
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache[slots] for slots of any shape: rows [*slots.shape, Hkv, D]. index_select on the flat
     slot list is much faster on CPU than advanced indexing with a 2-D index (bench/RESULTS.md),

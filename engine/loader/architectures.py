@@ -169,6 +169,23 @@ def _ropes_from_hf(cfg: Mapping[str, Any], max_pos: int) -> tuple[RopeConfig, Ro
 # Sliding windows
 
 
+def global_every(num_layers: int, n: int) -> list[bool]:
+    """Which layers slide when every n-th layer is global (Gemma 3's pattern, llama.cpp's
+    set_swa_pattern(n))."""
+    return [(i + 1) % n != 0 for i in range(num_layers)]
+
+
+def default_sliding_layers(arch: Architecture, num_layers: int) -> list[bool]:
+    """Which layers slide where a checkpoint states a window but not which layers: the family's
+    rule (Gemma 2: even layers; Gemma 3: all but every sixth), else all (Mistral, Phi-3, a GGUF
+    of any other family)."""
+    if arch.window_rule == "alternate":
+        return [i % 2 == 0 for i in range(num_layers)]
+    if arch.window_rule == "pattern":
+        return global_every(num_layers, 6)
+    return [True] * num_layers
+
+
 def _layer_windows(cfg: Mapping[str, Any], arch: Architecture, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
@@ -179,13 +196,11 @@ def _layer_windows(cfg: Mapping[str, Any], arch: Architecture, num_layers: int) 
         if unknown:
             raise UnsupportedModelError(f"unsupported layer type {unknown[0]!r}")
         sliding = [t == "sliding_attention" for t in types]
-    elif arch.window_rule == "all":
-        sliding = [True] * num_layers
-    elif arch.window_rule == "alternate":
-        sliding = [i % 2 == 0 for i in range(num_layers)]
     elif arch.window_rule == "pattern":
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+        sliding = global_every(num_layers, pattern)
+    elif arch.window_rule in ("all", "alternate"):
+        sliding = default_sliding_layers(arch, num_layers)
     elif arch.window_rule == "qwen":
         first = int(cfg.get("max_window_layers", num_layers))
         sliding = [bool(cfg.get("use_sliding_window")) and i >= first for i in range(num_layers)]

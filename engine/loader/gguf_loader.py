@@ -30,7 +30,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeConfig
-from engine.loader.architectures import ARCHITECTURES, Architecture, UnsupportedModelError, architecture_of_gguf
+from engine.loader.architectures import (ARCHITECTURES, Architecture, UnsupportedModelError, architecture_of_gguf,
+                                         default_sliding_layers, global_every)
+from engine.model.rope import longrope_attention_default
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -182,25 +184,9 @@ _GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn", "long
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def longrope_attention_default(factor: float, original_max_position: int) -> float:
-    """LongRoPE's cos/sin factor when the config states none (transformers' and llama.cpp's
-    formula): sqrt(1 + ln(factor) / ln(original_max_position)), 1 for factor <= 1."""
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
-
-
 def default_query_pre_attn_scalar(gguf_arch: str, num_layers: int, hidden: int, heads: int, head_dim: int) -> float:
     """The query_pre_attn_scalar llama.cpp assumes for a Gemma file without `attention.scale`."""
     return float(hidden // heads if GEMMA_27B_LAYERS.get(gguf_arch) == num_layers else head_dim)
-
-
-def default_sliding_layers(arch: Architecture, num_layers: int) -> list[bool]:
-    """Which layers slide in a file that states a window but no `attention.sliding_window_pattern`:
-    llama.cpp's rule for the arch (Gemma 2: even layers; Gemma 3: all but every sixth), else all."""
-    if arch.window_rule == "alternate":
-        return [i % 2 == 0 for i in range(num_layers)]
-    if arch.window_rule == "pattern":
-        return [(i + 1) % 6 != 0 for i in range(num_layers)]
-    return [True] * num_layers
 
 
 def _rope_from_metadata(get, gguf_arch: str, context: int, rope_tensors: Mapping[str, tuple[float, ...]]) -> RopeConfig:
@@ -252,7 +238,7 @@ def _layer_windows(get, arch: Architecture, num_layers: int) -> tuple[int | None
                                         f"for {num_layers} layers")
         sliding = [bool(s) for s in pattern]
     else:  # every pattern-th layer is global, as llama.cpp's set_swa_pattern(n)
-        sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+        sliding = global_every(num_layers, int(pattern))
     return tuple(int(window) if s else None for s in sliding) if any(sliding) else ()
 
 

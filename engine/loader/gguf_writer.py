@@ -43,10 +43,11 @@ from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from engine.config import ModelConfig
-from engine.loader.architectures import ARCHITECTURES, UnsupportedModelError
+from engine.loader.architectures import ARCHITECTURES, UnsupportedModelError, default_sliding_layers, global_every
 from engine.loader.gguf_loader import (FUSED_TENSORS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, ROPE_FREQS,
                                        contract_tensor_names, contract_tensor_shape, default_query_pre_attn_scalar,
-                                       default_sliding_layers, layer_tensor_map, longrope_attention_default)
+                                       layer_tensor_map)
+from engine.model.rope import longrope_attention_default
 
 F32, F16, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0
 Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
@@ -197,7 +198,7 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- metadata
 
 
-def _add_value(w: GGUFWriter, key: str, value: Any) -> None:
+def add_metadata_value(w: GGUFWriter, key: str, value: Any) -> None:
     """One tokenizer / free-form key in GGUF's types: bool, uint32 for ids and counts, float32,
     string, array."""
     if isinstance(value, bool):
@@ -288,7 +289,7 @@ def _add_windows(w: GGUFWriter, cfg: ModelConfig) -> None:
     if sliding == default_sliding_layers(ARCHITECTURES[cfg.architecture], cfg.num_layers):
         return
     n = next((n for n in range(2, cfg.num_layers + 1)
-              if sliding == [(i + 1) % n != 0 for i in range(cfg.num_layers)]), None)
+              if sliding == global_every(cfg.num_layers, n)), None)
     w.add_sliding_window_pattern(n if n is not None else sliding)
 
 
@@ -333,7 +334,7 @@ def _add_metadata(w: GGUFWriter, cfg: ModelConfig, tokenizer_meta: Mapping[str, 
             meta.pop(key, None)
         meta.update(_eos_slots(cfg, tokenizer_meta))
     for key, value in meta.items():
-        _add_value(w, key, value)
+        add_metadata_value(w, key, value)
 
 
 # ----------------------------------------------------------------------------- the file

@@ -72,8 +72,8 @@ from engine.config import ModelConfig
 from engine.loader.architectures import ARCHITECTURES, model_config_from_hf
 from engine.loader.gguf_loader import contract_tensor_names, contract_tensor_shape
 from engine.loader.gguf_writer import (PRE_TOKENIZER_REGEX, QUANTS, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
-                                       TOKEN_USER_DEFINED, gguf_plan, rope_tensor_values, tensor_type,
-                                       write_gguf_stream)
+                                       TOKEN_USER_DEFINED, add_metadata_value, gguf_plan, rope_tensor_values,
+                                       tensor_type, write_gguf_stream)
 from engine.tokenizer import byte_level_chars
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -352,14 +352,7 @@ def write_synthetic_gguf(path: str | Path, shape: str = "tiny", *, seed: int = 0
     w.add_file_type(LlamaFileType.MOSTLY_Q4_1 if quant == "q4_1" else LlamaFileType.MOSTLY_Q4_0)
     w.add_quantization_version(2)
     for key, value in tokenizer_metadata(s.vocab_size).items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        add_metadata_value(w, key, value)
 
     # Declare every tensor, write the header, then generate and write the data tensor by tensor.
     for name, (rows, cols), qtype, _ in plan:

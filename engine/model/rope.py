@@ -63,12 +63,16 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return interpolation * (1 - keep) + extrapolation * keep, float(attention)
 
 
+def longrope_attention_default(factor: float, original_max_position: int) -> float:
+    """LongRoPE's cos/sin factor when the config states none (transformers' and llama.cpp's
+    formula): sqrt(1 + ln(factor) / ln(original_max_position)), 1 for factor <= 1."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
+
+
 def _longrope_attention(rope: RopeConfig) -> float:
     if rope.attention_factor is not None:
         return rope.attention_factor
-    if rope.factor <= 1.0:
-        return 1.0
-    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position))
+    return longrope_attention_default(rope.factor, rope.original_max_position)
 
 
 def inv_freq(rope: RopeConfig, head_dim: int, max_positions: int, *, long: bool = False) -> tuple[torch.Tensor, float]:

@@ -114,12 +114,12 @@ class TritonBackend(Backend):
 
         return norms.silu_mul(gu)
 
-    # -- attention ----------------------------------------------------------------------------
-
     def gelu_tanh_mul(self, gu):
         from engine.backends.triton import norms
 
         return norms.gelu_tanh_mul(gu)
+
+    # -- attention ----------------------------------------------------------------------------
 
     def attention(self, qkv, rope, cos_sin, k_cache, v_cache, meta, spec):
         """With block tables (ModelRunner's paged form): the fused RoPE + KV write (reading the
@@ -136,11 +136,7 @@ class TritonBackend(Backend):
         T, nd, bs = qkv.shape[0], meta.num_decode, self.config.block_size
         q = tk.rope_kv_write(qkv, rope.cos, rope.sin, paged.positions, k_cache, v_cache, meta.slot_mapping, H, Hkv, D)
         out = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
-        extra = {}
-        if spec.sliding_window is not None:
-            extra["sliding_window"] = spec.sliding_window
-        if spec.softcap is not None:
-            extra["softcap"] = spec.softcap
+        extra = {"sliding_window": spec.sliding_window, "softcap": spec.softcap}
         if nd:
             out[:nd] = tk.paged_decode_attention(q[:nd], k_cache, v_cache, paged.decode_block_tables,
                                                  paged.decode_seq_lens, bs, spec.scale, **extra)
