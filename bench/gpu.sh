@@ -8,6 +8,7 @@
 #   env.txt                nvidia-smi, Python, torch, triton, the GPU torch sees
 #   steps.log              each step's command, exit code, seconds, and its stderr's last lines
 #   pytest.log             TRITON_INTERPRET=0 python -m pytest -q tests/punica_kernels (CUDA cases)
+#   parity.log             the engine on the Triton backend on the GPU vs the CPU backend and transformers
 #   kernels.json           bench/kernels.py --device cuda --quick (JSON lines: BGMV, SGMV)
 #   engine_smollm2.json    bench/engine.py on a synthetic SmolLM2-135M (+ transformers on CUDA)
 #   multi_lora.json        bench/multi_lora.py on the same (+ PEFT on CUDA)
@@ -115,10 +116,17 @@ log "env.txt written"
 # runs one of the two; the CPU-tensor cases skip here, CI runs them under the interpreter; see
 # tests/conftest.py's `device` fixture). Third-party pytest plugins of the image are not loaded: they
 # may not match the carried pytest.
-step pytest 120 "$OUT/pytest.log" \
+step pytest 150 "$OUT/pytest.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
   tests/punica_kernels tests/engine/test_w4a16.py tests/engine/test_paged_attention.py tests/engine/test_fused_norms.py
 cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
+
+# The whole engine on the Triton backend, compiled for the GPU, against the CPU backend (a mixed
+# adapter batch that prefills in chunks and preempts) and against transformers (every family).
+step parity 90 "$OUT/parity.log" \
+  env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+  tests/engine/test_backend_parity.py "tests/engine/test_families.py::test_family_matches_transformers"
+cat /tmp/gpu_step.err >>"$OUT/parity.log" 2>/dev/null
 
 step synthetic_smollm2 60 - "$PY" -m engine.loader.synthetic --shape smollm2 --out /tmp/synthetic/smollm2.gguf
 step synthetic_llama3_8b 90 - "$PY" -m engine.loader.synthetic --shape llama3-8b --out /tmp/synthetic/llama3-8b.gguf
@@ -129,7 +137,7 @@ step synthetic_qwen2_5_7b 90 - "$PY" -m engine.loader.synthetic --family qwen2.5
 
 step kernels 75 "$OUT/kernels.json" "$PY" bench/kernels.py --device cuda --quick
 
-step engine_smollm2 90 "$OUT/engine_smollm2.json" "$PY" bench/engine.py --model /tmp/synthetic/smollm2.gguf \
+step engine_smollm2 120 "$OUT/engine_smollm2.json" "$PY" bench/engine.py --model /tmp/synthetic/smollm2.gguf \
   --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT,bf16" --concurrency 1,8,32
 
 step multi_lora 100 "$OUT/multi_lora.json" "$PY" bench/multi_lora.py --model /tmp/synthetic/smollm2.gguf \
@@ -144,7 +152,7 @@ step engine_llama3_8b 240 "$OUT/engine_llama3_8b.json" "$PY" bench/engine.py --m
 # 4-bit Llama-3-8B shape, against the same run without adapters.
 step multi_lora_llama3_8b 300 "$OUT/multi_lora_llama3_8b.json" "$PY" bench/multi_lora.py \
   --model /tmp/synthetic/llama3-8b.gguf --backend "$BACKEND" --device cuda --format "$ENGINE_FORMAT" \
-  --requests 64 --new-tokens 32 --rounds 2 --skip-peft
+  --requests 64 --new-tokens 32 --rounds 2 --skip-peft --kv-cache-mb 2048
 
 # The model families at real shapes, as engine_llama3_8b runs Llama-3-8B's: Llama-3.1-8B (the same
 # matmuls, llama3-scaled RoPE tables) and Qwen2.5-7B (q/k/v biases, 7 query heads per KV head,

@@ -41,6 +41,20 @@ def device(request) -> torch.device:
 
 
 @pytest.fixture(scope="session")
+def triton_engine_device() -> str:
+    """Where a test's whole engine on the Triton backend runs: CPU tensors under the interpreter
+    (the default run), or the GPU when this process compiled the kernels (`TRITON_INTERPRET=0` on
+    a GPU machine, as bench/gpu.sh runs them)."""
+    from punica_kernels.kernels._common import INTERPRETED
+
+    if INTERPRETED:
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 compiles the kernels for a GPU, and none is present")
+    return "cuda"
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's standalone S3 server on a free loopback port, for the whole run."""
     from moto.server import ThreadedMotoServer

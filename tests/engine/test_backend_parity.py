@@ -34,7 +34,7 @@ ADAPTERS = {"r4-attn": (4, ("q_proj", "k_proj", "v_proj", "o_proj")), "r8-all": 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, triton_engine_device):
     root = tmp_path_factory.mktemp("tiny")
     path = write_synthetic_gguf(root / "tiny.gguf", "tiny", seed=3)
     checkpoint = load_checkpoint(path)
@@ -42,15 +42,16 @@ def tiny(tmp_path_factory):
     for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
         kw = {"targets": targets} if targets else {}
         write_random_adapter(root / "adapters" / name, rank, base=base_shape_of(cfg), seed=10 + i, std=0.08, **kw)
-    return path, checkpoint, TextTokenizer.from_gguf_metadata(checkpoint[2]), root / "adapters"
+    return path, checkpoint, TextTokenizer.from_gguf_metadata(checkpoint[2]), root / "adapters", triton_engine_device
 
 
 def _engine(tiny, backend: str, **overrides) -> LLMEngine:
-    path, checkpoint, tokenizer, adapters = tiny
+    path, checkpoint, tokenizer, adapters, triton_device = tiny
     # The CPU backend's exact format against the Triton backend's own: 4-bit weights from the
     # file's Q4_1 blocks (they dequantize to exactly the CPU backend's fp32 weights).
     fmt = "fp32" if backend == "cpu" else "auto"
-    cfg = EngineConfig(**{"backend": backend, "weight_format": fmt, "block_size": 16, "num_kv_blocks": 12,
+    device = "cpu" if backend == "cpu" else triton_device
+    cfg = EngineConfig(**{"backend": backend, "weight_format": fmt, "device": device, "block_size": 16, "num_kv_blocks": 12,
                           "max_num_batched_tokens": 48, "max_num_seqs": 8, "max_loras": 4, "max_lora_rank": 16,
                           **overrides})
     return LLMEngine(path, cfg, checkpoint=checkpoint, tokenizer=tokenizer,
@@ -91,7 +92,7 @@ def _run(engine: LLMEngine, requests) -> tuple[dict, dict]:
 
 
 def test_triton_backend_matches_the_cpu_backend_on_a_mixed_adapter_batch(tiny):
-    _, _, tokenizer, _ = tiny
+    tokenizer = tiny[2]
     requests = _requests(tokenizer)
     cpu, triton = _engine(tiny, "cpu"), _engine(tiny, "triton")
     want_tokens, want_rows = _run(cpu, requests)
@@ -139,4 +140,4 @@ def test_triton_backend_refuses_what_it_cannot_run(tiny, monkeypatch):
         EngineConfig(backend="cpu", device="cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        _engine(tiny, "triton")
+        _engine(tiny, "triton", device="cpu")

@@ -49,7 +49,7 @@ def test_buckets_pad_a_batch_to_the_next_captured_size():
 
 
 def test_decode_graphs_give_the_cpu_backends_tokens_and_replays_read_fresh_lora_metadata(tiny):  # noqa: F811
-    _, _, tokenizer, _ = tiny
+    tokenizer = tiny[2]
     want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer))
     engine = _engine(tiny, "triton")
     capture = RecordingCapture()
@@ -71,7 +71,7 @@ def test_a_replay_that_skipped_rewriting_the_lora_slots_would_be_caught(tiny, mo
     """The negative control: if the static LoRA slots were not rewritten before a replay (the stale
     metadata bug), the tokens would differ from the CPU backend's; this is what the test above
     would then see."""
-    _, _, tokenizer, _ = tiny
+    tokenizer = tiny[2]
     want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer))
     engine = _engine(tiny, "triton")
     graphs = _with_graphs(engine, RecordingCapture())

@@ -92,13 +92,14 @@ def _greedy(prompt) -> SamplingParams:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_family_matches_transformers(family, backend, tokenizer):
+def test_family_matches_transformers(family, backend, tokenizer, request):
     name, path, model = family
     long_prompt, short_prompt = _prompt(1, 37), _prompt(2, 21)
     want_long = hf_greedy(model, long_prompt, STEPS)
     want_short = hf_greedy(model, short_prompt, STEPS)
 
-    engine = family_engine(path, backend, tokenizer)
+    device = request.getfixturevalue("triton_engine_device") if backend == "triton" else "cpu"
+    engine = family_engine(path, backend, tokenizer, device=device)
     cfg = engine.model_config
     assert cfg.architecture == model.config.model_type
     # The prompts are longer than every sliding window, so the windows are what is compared.
