@@ -9,6 +9,9 @@ import re
 #: The largest JSON schema accepted, in bytes of its compact JSON: compile time and the grammar's
 #: memory grow with it, and a real schema is far smaller.
 MAX_SCHEMA_BYTES = 32 * 1024
+#: The largest Lark grammar accepted (tool calls: every tool's schema, each within the bounds
+#: above, plus the call syntax around them).
+MAX_GRAMMAR_BYTES = 4 * MAX_SCHEMA_BYTES
 #: The deepest nesting of objects and arrays accepted in a schema.
 MAX_SCHEMA_DEPTH = 32
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -19,12 +22,24 @@ def normalize(value) -> dict | None:
     """A response_format as OpenAI shapes it -> None (no constraint: absent or type "text"),
     {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema"?,
     "strict"?, "description"?}} with only the keys given. Raises ValueError saying which part
-    is wrong (unknown keys included); nothing is compiled here."""
+    is wrong (unknown keys included); nothing is compiled here.
+
+    Also {"type": "lark", "lark": text}: a Lark grammar (llguidance's dialect, `%json {...}` for
+    embedded schemas) that the gateway builds for forced tool calls (tessera.tool_calls) from
+    schemas it has bounded like json_schema's. It is not an OpenAI type: the tenant-facing API
+    never accepts it (tessera.api.schemas.ResponseFormat), and its size is bounded here."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise ValueError("must be an object with a 'type'")
     kind = value.get("type")
+    if kind == "lark":
+        text = value.get("lark")
+        if set(value) != {"type", "lark"} or not isinstance(text, str) or not text:
+            raise ValueError("a lark response_format is {'type': 'lark', 'lark': <grammar text>}")
+        if len(text.encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"the grammar is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+        return {"type": "lark", "lark": text}
     if kind not in _TYPES:
         raise ValueError(f"type must be one of {', '.join(repr(t) for t in _TYPES)} (got {_brief(kind)})")
     allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}

@@ -33,6 +33,10 @@ from engine.sampling_params import InvalidRequestError
 
 #: Compiled grammars kept per engine.
 DEFAULT_CACHE_SIZE = 256
+#: llguidance's JSON options for every schema compiled here (and for the schemas a Lark grammar
+#: embeds, as their "x-guidance"): compact JSON, since flexible whitespace would let a model emit
+#: blank lines until max_tokens; a schema's own x-guidance options cannot turn that back on.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 #: The longest library message passed on to a client (its parser state is not the client's concern).
 _MAX_REASON_CHARS = 300
 
@@ -99,11 +103,14 @@ class StructuredOutput:
 
     def compile(self, response_format: dict) -> Grammar:
         """The grammar of a validated response_format (SamplingParams.response_format), from the
-        cache or compiled now. Raises InvalidRequestError naming `response_format` when the
-        library is missing or cannot compile it."""
-        schema = schema_of(response_format)
-        # The schema alone decides the grammar (not its name or description).
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        cache or compiled now. Raises InvalidRequestError naming `response_format` (`tools` for a
+        tool-call grammar) when the library is missing or cannot compile it."""
+        if response_format["type"] == "lark":
+            schema, key = None, "lark:" + response_format["lark"]
+        else:
+            schema = schema_of(response_format)
+            # The schema alone decides the grammar (not its name or description).
+            key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -112,17 +119,15 @@ class StructuredOutput:
         ll = _library()
         tokenizer = self._llguidance_tokenizer(ll)
         try:
-            # Compact JSON: flexible whitespace would let a model emit blank lines until
-            # max_tokens; the schema's own x-guidance options cannot turn that back on.
-            text = ll.LLMatcher.grammar_from_json_schema(
-                schema, overrides={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+            if schema is None:
+                text = ll.LLMatcher.grammar_from_lark(response_format["lark"])
+            else:
+                text = ll.LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
             template = ll.LLMatcher(tokenizer, text, log_level=0, limits=ll.LLParserLimits(verbose_errors=False))
         except Exception as e:  # noqa: BLE001 - whatever the library says about a schema is the client's 400
-            raise InvalidRequestError(f"response_format: the schema cannot be compiled: {_short(str(e))}",
-                                      "response_format") from None
+            raise _uncompilable(schema, str(e)) from None
         if template.is_error():
-            raise InvalidRequestError(
-                f"response_format: the schema cannot be compiled: {_short(template.get_error())}", "response_format")
+            raise _uncompilable(schema, template.get_error())
         grammar = Grammar(key, template)
         with self._lock:
             self._cache[key] = grammar
@@ -231,6 +236,14 @@ class StructuredOutput:
         if not m.consume_token(token):
             raise GrammarRejected(f"the response_format grammar rejected token {token}: {_short(m.get_error())}")
         return m.is_stopped()
+
+
+def _uncompilable(schema: dict | None, reason: str) -> InvalidRequestError:
+    """The 400 for a grammar the library refused: a response_format's schema, or (schema None)
+    the tool-call grammar built from the request's tools."""
+    if schema is None:
+        return InvalidRequestError(f"tools: the tools' parameters cannot be compiled: {_short(reason)}", "tools")
+    return InvalidRequestError(f"response_format: the schema cannot be compiled: {_short(reason)}", "response_format")
 
 
 def _short(reason: str) -> str:

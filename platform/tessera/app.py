@@ -18,7 +18,7 @@ from sqlalchemy import event
 from adapter_registry.context import build_context
 from adapter_registry.services import recover_stuck_versions_at_start
 from tessera import admin_pages, auth
-from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, probes, usage
+from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, probes, responses, usage
 from tessera.billing.embedded import billing_loop
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
@@ -178,6 +178,7 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     install_handlers(app)
     for api in (openai, admin, admin_tenants, admin_adapters, admin_slo, admin_billing, usage):
         app.include_router(api.router)
+    app.include_router(responses.router)  # /v1/responses: OpenAI's Responses API, run as chat
     admin_pages.mount(app)  # the web UI at /admin (sign-in, pages, assets)
     app.include_router(probes.router)  # /health, /ready, /metrics
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,

@@ -103,3 +103,33 @@ class UsageEvent(Base):
     # billing_runs.id; deliberately no foreign key: checking one per event would cost the rollup
     # a fifth of its time, and only the rollup writes this column.
     billing_run_id: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class StoredResponse(Base):
+    """A /v1/responses answer kept for GET /v1/responses/{id} and `previous_response_id` (the
+    request's `store`, true by default): its own input items (as the request gave them,
+    normalized) and output items, so a chain is rebuilt by following previous_response_id.
+    Only its tenant reads or deletes it; it expires after responses_retention_days and goes with
+    its tenant (tessera.responses_store)."""
+
+    __tablename__ = "responses"
+    __table_args__ = (
+        # Reads are one tenant's id; retention deletes by age across tenants.
+        Index("ix_responses_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_responses_created_at", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "resp_..."
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    model: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16))  # completed | incomplete | failed
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    instructions: Mapped[str | None] = mapped_column(String)
+    input_items: Mapped[list[Any]] = mapped_column(JSON)
+    output_items: Mapped[list[Any]] = mapped_column(JSON)
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+    #: The rest of the response object as answered (tools, tool_choice, text, sampling fields...).
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

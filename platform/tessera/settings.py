@@ -72,6 +72,9 @@ class PlatformSettings(RegistrySettings):
     max_upload_bytes: int = Field(512 << 20, ge=1024, description="Largest adapter upload (multipart) body at the admin API.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context).")
     default_plan: str = Field("default", description="Plan of tenants created without one.")
+    responses_retention_days: int = Field(30, ge=1, le=36500, description="How long a stored /v1/responses answer "
+                                          "(store true, the default) is kept: older ones are the same 404 as an "
+                                          "unknown id and are deleted (tessera.responses_store).")
 
     # Usage outbox (tessera/outbox.py): where usage events wait while the database cannot take them.
     usage_outbox_dir: Path = Field(Path("./var/usage-outbox"), description="Directory of the gateway processes' usage outbox files (one per process; local disk, kept across restarts).")

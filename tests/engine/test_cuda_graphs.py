@@ -12,7 +12,7 @@ from .test_backend_parity import _engine, _requests, _run, tiny  # noqa: F401 - 
 
 
 class RecordingCapture:
-    """Stands in for cuda_graph_capture: capture keeps the closure; a replay calls it again. Logs
+    """Stands in for CudaGraphCapture: capture keeps the closure; a replay calls it again. Logs
     the static LoRA token slots each replay of each bucket read."""
 
     def __init__(self):

@@ -316,11 +316,14 @@ def test_usage_reports_the_cached_prompt_tokens(platform):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"logit_bias": {"forty-two": 5}}, "logit_bias"),
+    ({"logit_bias": {"42": 101}}, "logit_bias"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"service_tier": "platinum"}, "service_tier"),
     ({"n": 17}, "n"),
     ({"extra_body": {"mirostat": 2}}, "mirostat"),
     ({"extra_body": {"function_call": "auto"}}, "function_call"),
@@ -341,11 +344,17 @@ def test_unsupported_completion_fields_are_a_400_naming_the_field(platform):
         assert e.value.body["param"] == param
 
 
-def test_no_op_values_of_unsupported_fields_are_accepted(platform):
+def test_the_fields_sdks_and_frameworks_send_are_accepted(platform):
     client = platform.openai(platform.tenant())
     r = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, presence_penalty=0,
                                        frequency_penalty=0, logit_bias={}, tool_choice="none",
-                                       parallel_tool_calls=False, stream_options=None)
+                                       parallel_tool_calls=False, stream_options=None, store=False,
+                                       metadata={"session": "s-1"}, service_tier="auto", prompt_cache_key="k1",
+                                       safety_identifier="user-hash-1", user="u-1")
     assert r.choices[0].message.content is not None
+    r = client.chat.completions.create(model=BASE, messages=FRANCE, max_tokens=2, store=True,
+                                       extra_body={"ignore_eos": True, "min_tokens": 2, "min_p": 0.05,
+                                                   "repetition_penalty": 1.1})
+    assert r.usage.completion_tokens == 2
     r = client.completions.create(model=BASE, prompt="hi", max_tokens=2, echo=False, best_of=1)
     assert r.choices[0].text is not None

@@ -15,7 +15,7 @@ A batch of n sequences runs in the smallest bucket b >= n: rows [n, b) are paddi
 position 0, no adapter, length 1 over the KV cache's sink block, which no sequence owns, so
 their K/V writes land there) and their logits are dropped.
 
-`capture` is the one call into CUDA (`cuda_graph_capture`); tests pass a stand-in that runs the
+`capture` is the one call into CUDA (a `CudaGraphCapture`); tests pass a stand-in that runs the
 recorded closure again at each replay, which replays exactly the frozen host decisions.
 """
 from __future__ import annotations
@@ -36,28 +36,34 @@ def buckets_for(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
     return tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
 
 
-_POOL = None
+class CudaGraphCapture:
+    """Captures a closure into a CUDA graph (after one warm-up call on a side stream, which
+    compiles Triton kernels and settles the allocator); calling it returns the graph's replay.
 
+    One instance per engine (DecodeGraphs makes its own): every bucket's graph shares the
+    instance's memory pool, since graphs replay one at a time and what one graph's kernels leave
+    in its temporaries is never read by another (outputs are copied into buffers allocated
+    outside the graphs), so the pool holds about one bucket's activations, which the KV cache's
+    activation reserve (LLMEngine._activation_reserve_bytes) already leaves free. The pool is not
+    shared across engines: capturing into a pool whose graphs a discarded engine freed trips the
+    caching allocator's internal assert (seen on an H200 with torch 2.11: a second engine in one
+    process could not capture)."""
 
-def cuda_graph_capture(run: Callable[[], None]) -> Callable[[], None]:
-    """Capture `run` (after one warm-up call on a side stream, which compiles Triton kernels and
-    settles the allocator) into a CUDA graph; returns its replay. Every bucket's graph shares one
-    memory pool: graphs replay one at a time, and what one graph's kernels leave in its
-    temporaries is never read by another (outputs are copied into buffers allocated outside the
-    graphs), so the pool holds about one bucket's activations, which the KV cache's activation
-    reserve (LLMEngine._activation_reserve_bytes) already leaves free."""
-    global _POOL
-    if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_POOL):
-        run()
-    return graph.replay
+    def __init__(self):
+        self.pool = None
+
+    def __call__(self, run: Callable[[], None]) -> Callable[[], None]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run()
+        return graph.replay
 
 
 class DecodeGraphs:
@@ -68,14 +74,14 @@ class DecodeGraphs:
     no sequence owns; lora_slots: the LoRASlots (None without adapters); capture: see above."""
 
     def __init__(self, runner, *, max_batch: int, block_width: int, sink_block: int, lora_slots=None,
-                 capture: Callable[[Callable[[], None]], Callable[[], None]] = cuda_graph_capture,
+                 capture: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
                  buckets=DEFAULT_BUCKETS):
         self.runner = runner
         self.buckets = buckets_for(max_batch, buckets)
         self.block_width = block_width
         self.sink_block = sink_block
         self.lora_slots = lora_slots
-        self.capture = capture
+        self.capture = capture if capture is not None else CudaGraphCapture()
         dev, bmax = runner.device, self.buckets[-1]
         vocab = runner.model.cfg.vocab_size
         self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)

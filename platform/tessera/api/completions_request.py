@@ -17,6 +17,7 @@ from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
 from tessera.errors import ApiError
 from tessera.gateway import Gateway
 from tessera.services import Caller
+from tessera.tool_calls import ToolFormat, ToolPlan, ToolsError, constraint, plan, render, tool_format
 
 #: Prompts up to this many characters are tokenized on the event loop (tens of microseconds,
 #: less than a hop to a worker thread); longer ones on a worker thread, so one tenant's large
@@ -41,6 +42,11 @@ class Job:
     include_usage: bool  # streaming: a last chunk with the usage
     n: int = 1  # choices: n engine requests with the same prompt (generation.py)
     user: str | None = None  # the body's `user`: the tenant's end user, for its own records
+    safety_identifier: str | None = None  # the body's, for the tenant's own records
+    #: The request's tools and how the served model writes calls (chat; None: no tools offered).
+    tools: ToolPlan | None = None
+    tool_format: ToolFormat | None = None
+    continuous_usage: bool = False  # streaming: every chunk carries the usage so far
     started: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -70,15 +76,34 @@ def priority_of(caller: Caller, requested: str | None) -> str:
     return name
 
 
-async def prompt_ids(gw: Gateway, body: Body) -> list[int]:
-    """The prompt's token ids (unchecked: `sampling_params` checks them): on the event loop when
-    short, else on a worker thread."""
+def tools_of(gw: Gateway, body: Body) -> tuple[ToolPlan | None, ToolFormat | None]:
+    """The chat request's checked tools and the served model's tool-call format (None, None for
+    a text completion, which takes no tools). 400 naming `tools` or `tool_choice` for what
+    tessera.tool_calls.plan refuses."""
+    if not isinstance(body, ChatCompletionRequest):
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(body, name) is not None:
+                raise ApiError(400, f"{name} is for chat completions (/v1/chat/completions)", param=name)
+        return None, None
+    try:
+        tool_plan = plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolsError as e:
+        raise ApiError(400, e.message, param=e.param) from None
+    tok = gw.engine.tokenizer
+    return tool_plan, tool_format(tok.chat_template, tok.tokenizer.token_to_id)
+
+
+async def prompt_ids(gw: Gateway, body: Body, tools: tuple[ToolPlan | None, ToolFormat | None] = (None, None)
+                     ) -> list[int]:
+    """The prompt's token ids (unchecked: `sampling_params` checks them), the chat's tools
+    rendered as `tools_of` read them: on the event loop when short, else on a worker thread."""
     if _text_chars(body) <= INLINE_TOKENIZE_CHARS:
-        return _tokenize(gw, body)
-    return await anyio.to_thread.run_sync(_tokenize, gw, body)
+        return _tokenize(gw, body, tools)
+    return await anyio.to_thread.run_sync(_tokenize, gw, body, tools)
 
 
-def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
+def sampling_params(gw: Gateway, body: Body, ids: list[int], tool_plan: ToolPlan | None = None,
+                    fmt: ToolFormat | None = None) -> SamplingParams:
     """Check the prompt `ids` (check_prompt: vocabulary, empty, context, prompt + max_tokens) and
     the body's sampling fields; max_tokens left to the server is the settings' default, capped by
     the room the context leaves. Raises ApiError 400 naming the first bad field."""
@@ -93,9 +118,12 @@ def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
         raise invalid(e) from None
     _refuse_unsupported(body)
     raw = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p", "min_tokens", "ignore_eos"):
         if getattr(body, name) is not None:
             raw[name] = getattr(body, name)
+    if body.logit_bias:
+        raw["logit_bias"] = {int(k): v for k, v in body.logit_bias.items()}
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -107,6 +135,12 @@ def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
         raw["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.response_format is not None and body.response_format.type != "text":
         raw["response_format"] = body.response_format.model_dump(by_alias=True, exclude_none=True)
+    forced = constraint(tool_plan, fmt) if tool_plan is not None else None
+    if forced is not None:
+        if "response_format" in raw:
+            raise ApiError(400, "response_format cannot be combined with a tool_choice that forces a call "
+                                "('required' or a named function)", param="response_format")
+        raw["response_format"] = forced
     try:
         return SamplingParams.from_dict(raw)
     except InvalidRequestError as e:
@@ -115,9 +149,7 @@ def sampling_params(gw: Gateway, body: Body, ids: list[int]) -> SamplingParams:
 
 #: OpenAI fields this server does not implement, with the values that mean "not used": any
 #: other value is a 400 naming the field.
-_NO_OP_VALUES = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "tools": (None, []),
-                 "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                 "echo": (False,), "suffix": (None, "")}
+_NO_OP_VALUES = {"functions": (None, []), "function_call": (None, "none"), "echo": (False,), "suffix": (None, "")}
 
 
 def _refuse_unsupported(body: Body) -> None:
@@ -145,23 +177,47 @@ def _given_as_ids(body: Body) -> bool:
 
 def _text_chars(body: Body) -> int:
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(m.text()) for m in body.messages)
+        if body.tools:  # rendering the tools' schemas costs more than their count says
+            return INLINE_TOKENIZE_CHARS + 1
+        calls = sum(len(c.function.arguments) for m in body.messages for c in m.tool_calls or ())
+        return sum(len(m.text()) for m in body.messages) + calls
     if isinstance(body.prompt, str):
         return len(body.prompt)
     return sum(len(x) for x in body.prompt if isinstance(x, str))
 
 
-def _tokenize(gw: Gateway, body: Body) -> list[int]:
-    """Render (chat) and encode the prompt. A prompt whose UTF-8 size alone shows it cannot fit
-    the context is refused before encoding (400 context_length_exceeded). Messages' contents
-    are text: special tokens written in them never become control tokens."""
+def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The body's messages as the chat template (and tool_calls.render) take them: developer
+    messages as system ones, contents as text, calls and call ids where given."""
+    out = []
+    for m in body.messages:
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _tokenize(gw: Gateway, body: Body, tools: tuple[ToolPlan | None, ToolFormat | None] = (None, None)) -> list[int]:
+    """Render (chat, with its tools) and encode the prompt. A prompt whose UTF-8 size alone
+    shows it cannot fit the context is refused before encoding (400 context_length_exceeded).
+    Messages' contents are text: special tokens written in them never become control tokens."""
     tok = gw.engine.tokenizer
     ctx = gw.engine.max_model_len
     most = ctx - 1  # the prompt must leave room for one generated token
     try:
         if isinstance(body, ChatCompletionRequest):
-            return tok.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                                    for m in body.messages], max_tokens=most)
+            messages, tool_list = chat_messages(body), None
+            tool_plan, fmt = tools
+            if tool_plan is not None:
+                messages, tool_list = render(messages, tool_plan, fmt)
+            return tok.encode_chat(messages, max_tokens=most, tools=tool_list)
         if _given_as_ids(body):
             return list(body.prompt)
         if not isinstance(body.prompt, str) and len(body.prompt) != 1:

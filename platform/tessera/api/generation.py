@@ -22,6 +22,7 @@ import json
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -44,6 +45,7 @@ from tessera.streaming import (
     Final,
     cancel_on_disconnect,
 )
+from tessera.tool_calls import StreamParser, parse
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 _INT64 = 1 << 64
@@ -224,17 +226,90 @@ async def respond(gen: Generation, http: Request) -> Response:
                                      headers=gen.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     try:
-        return await cancel_on_disconnect(http.receive, lambda: _collect(gen))
+        body = await cancel_on_disconnect(http.receive, lambda: collect(gen))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
+    return JSONResponse(body, headers=gen.headers)
 
 
-async def _collect(gen: Generation) -> JSONResponse:
-    """The whole completion as one JSON body (chat.completion or text_completion), n choices."""
+async def collect_chat(gen: Generation) -> dict:
+    """A chat generation's whole chat.completion object (`collect`): the Responses API's entry."""
+    assert gen.job.kind == "chat"
+    return await collect(gen)
+
+
+def stream_chat(gen: Generation) -> AsyncGenerator[dict, None]:
+    """A chat generation's chat.completion.chunk objects (`chunk_groups`, one by one, the usage
+    chunk always last): the Responses API's entry. Closing it early aborts and bills what was
+    yielded, as a client that disconnects."""
+    assert gen.job.kind == "chat"
+    gen.job.include_usage = True
+
+    async def chunks():
+        async with aclosing(chunk_groups(gen)) as groups:
+            async for group in groups:
+                for c in group:
+                    yield c
+    return chunks()
+
+
+class _Reply:
+    """One choice's reply as its client gets it: the text, the tool calls read out of it
+    (tessera.tool_calls) when the request offered tools, and the logprobs released so far."""
+
+    def __init__(self, job: Job, c: Choice):
+        self.job, self.choice = job, c
+        self.parser = StreamParser(job.tools, job.tool_format) if job.tools is not None else None
+        self.texts: list[str] = []
+        self.logprobs: list[dict] = []  # released, not yet sent (a stream) or all (a JSON answer)
+
+    def push(self, out: RequestOutput) -> None:
+        self.texts.append(out.text)
+        if self.choice.logprobs is not None and (part := self.choice.logprobs.release(out.text)) is not None:
+            self.logprobs.append(part)
+
+    def take_logprobs(self) -> dict | None:
+        parts, self.logprobs = self.logprobs, []
+        return api_logprobs.merge(self.job.kind, parts) if parts else None
+
+    def message(self, finish_reason: str) -> tuple[dict, str]:
+        """(the chat message, the OpenAI finish_reason) of the finished reply."""
+        text = "".join(self.texts)
+        if self.parser is None:
+            return {"role": "assistant", "content": text}, _FINISH.get(finish_reason, "stop")
+        content, calls = parse(text, self.job.tools, self.job.tool_format)
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = [call.as_openai() for call in calls]
+        return msg, self._finish(finish_reason, bool(calls))
+
+    def deltas(self, text: str, final: bool) -> list[dict]:
+        """The chunk deltas `text` (the next engine text) gives, and at the end what was held."""
+        if self.parser is None:
+            return [{"content": text}] if text else []
+        out = self.parser.feed(text) if text else []
+        if final:
+            out += self.parser.finish()
+        return [d.as_openai() for d in out if d.index is not None or d.content]
+
+    def stream_finish(self, finish_reason: str) -> str:
+        return self._finish(finish_reason, self.parser is not None and self.parser.calls > 0)
+
+    def _finish(self, finish_reason: str, called: bool) -> str:
+        # As OpenAI: "tool_calls" when the model chose to call; a call the request forced by
+        # name ends as "stop".
+        if called and self.job.tools.mode != "named":
+            return "tool_calls"
+        return _FINISH.get(finish_reason, "stop")
+
+
+async def collect(gen: Generation) -> dict:
+    """The whole completion as one JSON object (chat.completion or text_completion), n choices;
+    the generation is finished (usage event, settled quota) exactly once. Raises the ApiError of
+    an engine failure; a cancellation (the client went away) aborts and bills nothing."""
     job = gen.job
     turns = _Turns(gen.choices)
-    texts: list[list[str]] = [[] for _ in gen.choices]
-    lps: list[list[dict]] = [[] for _ in gen.choices]
+    replies = [_Reply(job, c) for c in gen.choices]
     finals: dict[int, RequestOutput] = {}
     completion = 0
     try:
@@ -242,10 +317,8 @@ async def _collect(gen: Generation) -> JSONResponse:
             c, out = item
             if out is not c.first:
                 gen.seen(c, out)
-            texts[c.index].append(out.text)
+            replies[c.index].push(out)
             completion += len(out.token_ids)
-            if c.logprobs is not None and (part := c.logprobs.release(out.text)) is not None:
-                lps[c.index].append(part)
             if out.finished:
                 finals[c.index] = out
                 if out.finish_reason == "error":
@@ -266,32 +339,58 @@ async def _collect(gen: Generation) -> JSONResponse:
         raise gen.failed(failed)
     await gen.finish(status="completed", finish_reason=finals[0].finish_reason, completion_tokens=completion)
     choices = []
-    for c in gen.choices:
-        text, finish = "".join(texts[c.index]), _FINISH.get(finals[c.index].finish_reason, "stop")
-        logprobs = api_logprobs.merge(job.kind, lps[c.index]) if c.logprobs is not None else None
+    for c, reply in zip(gen.choices, replies):
+        logprobs = reply.take_logprobs() if c.logprobs is not None else None
         if job.kind == "chat":
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": logprobs, "finish_reason": finish})
+            message, finish = reply.message(finals[c.index].finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
-            choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish})
-    return JSONResponse({"id": job.request_id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-                         "created": job.created, "model": job.model, "choices": choices,
-                         "usage": _usage_dict(len(job.prompt_ids), completion, gen.cached_tokens)},
-                        headers=gen.headers)
+            choices.append({"index": c.index, "text": "".join(reply.texts), "logprobs": logprobs,
+                            "finish_reason": _FINISH.get(finals[c.index].finish_reason, "stop")})
+    return {"id": job.request_id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "choices": choices,
+            "usage": _usage_dict(len(job.prompt_ids), completion, gen.cached_tokens)}
 
 
 async def _events(gen: Generation):
-    """SSE body: one chunk per engine delta that has text (each with its choice's index), the
-    usage chunk if asked, then [DONE]. Chunks produced at the same moment go out in one write
-    (the role chunks with the first delta; the last delta, usage, [DONE] and the end of the body
-    together). The usage event is durable before the last write; on a disconnect the `finally`
-    records what was forwarded."""
+    """SSE body: each group of `chunk_groups` in one write, then [DONE] after a completed one;
+    the last write is Final (sent with the end of the body)."""
+    async with aclosing(chunk_groups(gen)) as groups:
+        async for group in groups:
+            data = b"".join(_sse(c) for c in group)
+            if group.last:
+                yield Final(data if group.failed else data + _sse("[DONE]"))
+            else:
+                yield data
+
+
+class _Group(list):
+    """Chunks written together; `last`: the stream's end (`failed`: an error body ends it)."""
+
+    last = False
+    failed = False
+
+
+async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
+    """The stream's chunk objects, in groups written together: the role chunks with the first
+    delta; a group per engine delta that has something to send (text, or a tool call's start or
+    arguments, each its own chunk); the last deltas, the usage chunk (with include_usage) in the
+    last group. The usage event is durable before the last group is yielded; a mid-stream engine
+    failure ends with the error body. Closed early (the client went away), the engine requests
+    are aborted and the completion tokens already yielded are billed (status "aborted")."""
     job = gen.job
     turns = _Turns(gen.choices)
+    replies = [_Reply(job, c) for c in gen.choices]
     completion, done, failed, finish_reason = 0, False, None, None
+    prompt = len(job.prompt_ids)
+
+    def chunk(index: int, delta: dict | None, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        usage = _usage_dict(prompt, completion, gen.cached_tokens) if job.continuous_usage else None
+        return _chunk(job, index, delta, finish, logprobs, usage=usage)
+
     try:
-        pending = b"".join(_sse(_chunk(job, c.index, None, None, first=True)) for c in gen.choices) \
-            if job.kind == "chat" else b""
+        pending = _Group(_chunk(job, c.index, None, None, first=True) for c in gen.choices) \
+            if job.kind == "chat" else _Group()
         while (item := await turns.next()) is not None:
             c, out = item
             if out is not c.first:
@@ -300,43 +399,47 @@ async def _events(gen: Generation):
             if out.finish_reason == "error":
                 failed = out
                 break
-            lp = c.logprobs.release(out.text) if c.logprobs is not None else None
-            if not out.finished:
-                if out.text:
-                    yield pending + _sse(_chunk(job, c.index, out.text, None, lp))
-                    pending = b""
-                continue
-            finish = _FINISH.get(out.finish_reason, "stop")
-            if c.index == 0:
-                finish_reason = out.finish_reason
+            reply = replies[c.index]
+            reply.push(out)
             if job.kind == "chat":
-                if out.text or lp:
-                    pending += _sse(_chunk(job, c.index, out.text, None, lp))
-                pending += _sse(_chunk(job, c.index, None, finish))
+                for d in reply.deltas(out.text, out.finished):
+                    pending.append(chunk(c.index, d, None, reply.take_logprobs()))
+                if out.finished:
+                    finish = reply.stream_finish(out.finish_reason)
+                    pending.append(chunk(c.index, {}, finish, reply.take_logprobs()))
             else:
-                pending += _sse(_chunk(job, c.index, out.text, finish, lp))
-            if turns.running:  # the last choice's end goes out with the usage and [DONE]
+                finish = _FINISH.get(out.finish_reason, "stop") if out.finished else None
+                if out.text or finish or reply.logprobs:
+                    pending.append(chunk(c.index, {"text": out.text}, finish, reply.take_logprobs()))
+            if out.finished and c.index == 0:
+                finish_reason = out.finish_reason
+            if pending and (not out.finished or turns.running):  # the last end goes out with the usage
                 yield pending
-                pending = b""
+                pending = _Group()
         done = True
         if failed is not None:
             await gen.close()  # the other choices
             await gen.finish(status="error", finish_reason="error", completion_tokens=completion)
-            yield Final(pending + _sse(gen.failed(failed).body()))
+            pending.append(gen.failed(failed).body())
+            pending.last = pending.failed = True
+            yield pending
             return
         await gen.finish(status="completed", finish_reason=finish_reason, completion_tokens=completion)
         if job.include_usage:
-            pending += _sse({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
-                             "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-                             "usage": _usage_dict(len(job.prompt_ids), completion, gen.cached_tokens)})
-        yield Final(pending + _sse("[DONE]"))
+            pending.append({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
+                            "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+                            "usage": _usage_dict(prompt, completion, gen.cached_tokens)})
+        pending.last = True
+        yield pending
     except EngineUnavailable as e:
         if not done:
             done = True
             await gen.close()
             await gen.finish(status="error", finish_reason=None, completion_tokens=completion)
-            yield Final(_sse(unavailable(job.request_id, "the engine failed mid-request", e,
-                                         code="engine_unavailable").body()))
+            error = _Group([unavailable(job.request_id, "the engine failed mid-request", e,
+                                        code="engine_unavailable").body()])
+            error.last = error.failed = True
+            yield error
     finally:
         await gen.close()  # aborts the engine requests still running (shielded)
         if not done:
@@ -348,20 +451,22 @@ def _usage_dict(prompt: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
 
 
-def _chunk(job: Job, index: int, text: str | None, finish: str | None, logprobs: dict | None = None, *,
-           first: bool = False) -> dict:
-    """One SSE chunk object of choice `index`: chat.completion.chunk (the first one carries the
-    role) or text_completion."""
+def _chunk(job: Job, index: int, delta: dict | None, finish: str | None, logprobs: dict | None = None, *,
+           first: bool = False, usage: dict | None = None) -> dict:
+    """One SSE chunk object of choice `index`: chat.completion.chunk (`delta`: the chat delta; the
+    first chunk carries the role) or text_completion (`delta`: {"text": ...}). `usage`: the usage
+    so far (continuous_usage_stats); otherwise null where include_usage asks for the key."""
     if job.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+        delta = {"role": "assistant", "content": ""} if first else (delta or {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": (delta or {}).get("text") or "", "logprobs": logprobs,
+                  "finish_reason": finish}
         obj = "text_completion"
     c = {"id": job.request_id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
-    if job.include_usage:
-        c["usage"] = None
+    if usage is not None or job.include_usage:
+        c["usage"] = usage
     return c
 
 

@@ -46,21 +46,34 @@ async def get_model(model: str, caller: CallerDep, gw: GatewayDep):
     return base_model_card(gw) if model == gw.engine.model_name else model_card(model, caller.tenant_name)
 
 
-async def serve_completion(*, gw: Gateway, caller: Caller, body: Body, kind: str, http: Request) -> Response:
-    """Answer one completion request (`kind` "chat" or "text") in the order of the module
-    docstring; every refusal is an ApiError raised before any quota is held, or after settling it."""
-    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+async def start_generation(*, gw: Gateway, caller: Caller, body: Body, kind: str,
+                           request_id: str | None = None) -> generation.Generation:
+    """Every check of a completion request (`kind` "chat" or "text") in the order of the module
+    docstring, then its engine requests, up to their first deltas (generation.start). Every
+    refusal is an ApiError raised before any quota is held, or after settling it. Also the entry
+    point of the Responses API (api/responses.py), which runs as a chat request."""
+    request_id = request_id or ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     priority = checks.priority_of(caller, body.priority)
     await admission.refuse_early(gw=gw, caller=caller, body=body)
     adapter = await resolve_adapter(gw=gw, caller=caller, model=body.model, request_id=request_id)
-    ids = await checks.prompt_ids(gw, body)
+    tool_plan, fmt = checks.tools_of(gw, body)
+    ids = await checks.prompt_ids(gw, body, (tool_plan, fmt))
+    options = body.stream_options
     job = Job(kind=kind, request_id=request_id, model=body.model, adapter=adapter, priority=priority,
-              prompt_ids=ids, params=checks.sampling_params(gw, body, ids), stream=body.stream,
-              include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
-              n=body.n, user=body.user)
+              prompt_ids=ids, params=checks.sampling_params(gw, body, ids, tool_plan, fmt), stream=body.stream,
+              include_usage=bool(body.stream and options and options.include_usage),
+              continuous_usage=bool(body.stream and options and options.continuous_usage_stats),
+              n=body.n, user=body.user, safety_identifier=body.safety_identifier,
+              tools=tool_plan if tool_plan is not None and tool_plan.offered else None, tool_format=fmt)
     decision = await admission.admit(gw=gw, caller=caller, job=job)
     headers = admission.ratelimit_headers(decision) | {"x-request-id": request_id}
-    gen = await generation.start(gw=gw, caller=caller, job=job, decision=decision, headers=headers)
+    return await generation.start(gw=gw, caller=caller, job=job, decision=decision, headers=headers)
+
+
+async def serve_completion(*, gw: Gateway, caller: Caller, body: Body, kind: str, http: Request) -> Response:
+    """Answer one completion request (`kind` "chat" or "text"): `start_generation`, then the
+    SSE stream or the JSON body (generation.respond)."""
+    gen = await start_generation(gw=gw, caller=caller, body=body, kind=kind)
     return await generation.respond(gen, http)
 
 

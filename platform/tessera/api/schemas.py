@@ -14,6 +14,8 @@ from tessera.errors import OUT_OF_RANGE
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 #: The most choices one request may ask for (`n`): its quota reservation covers all of them.
 MAX_N = 16
+#: The most entries one logit_bias may hold.
+MAX_LOGIT_BIAS = 1024
 
 
 class TextPart(BaseModel):
@@ -22,11 +24,44 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    #: The arguments as JSON text (OpenAI's shape); decoded for the chat template when they parse.
+    arguments: str = ""
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's `tool_calls` entries, as clients send them back)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+    index: int | None = None  # sent back by some clients that reassembled a stream; unused
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    #: An assistant message's calls; a tool message's `tool_call_id` names the call it answers.
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
+    #: Fields of OpenAI's assistant messages that clients echo back in a history: accepted, unused.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls is only for assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -54,6 +89,8 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    #: vLLM's: every chunk carries the usage so far (load tools such as guidellm read it).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaSpec(BaseModel):
@@ -95,16 +132,31 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    #: The end user, for the tenant's own records (passed on to the request's Job).
+    #: The end user and OpenAI's safety identifier, for the tenant's own records (its usage events).
     user: str | None = Field(None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    #: OpenAI fields not implemented here, accepted only with their no-op values (None, empty,
-    #: "none"); completions_request.sampling_params answers another value 400 naming the field.
-    logit_bias: dict[str, float] | None = None
-    tools: list[dict] | None = None
+    safety_identifier: str | None = Field(None, max_length=256)
+    #: OpenAI's penalties over the tokens generated so far, and per-token logit biases (token id
+    #: as a string -> bias; ids are checked against the vocabulary).
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    #: vLLM's sampling extensions: repetition penalty (over prompt and output), min-p, a floor
+    #: on completion tokens before EOS or a stop token may end it, and ignoring EOS.
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    #: OpenAI's function tools (tessera.tool_calls checks and renders them).
+    tools: list[dict] | None = Field(None, max_length=128)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    #: OpenAI fields accepted for compatibility: `store` (nothing is stored for chat completions
+    #: here; see the README), `metadata` (at most 16 string pairs), `service_tier` (one tier
+    #: here: answered as "default"), `prompt_cache_key` (the prefix cache is per tenant already).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = Field(None, max_length=256)
     #: Extension: priority class (realtime, standard, batch); default: the tenant's plan default.
     priority: str | None = None
     #: The output's format (engine.structured_output constrains it to the grammar).
@@ -117,6 +169,24 @@ class _Common(BaseModel):
             raise PydanticCustomError(OUT_OF_RANGE, "must be an integer from -2**63 to 2**63-1 (int64)")
         return v
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds: at most 16 pairs, keys up to 64 characters, values up to 512."""
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("at most 16 pairs, keys of at most 64 characters and values of at most 512")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_values(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be from -100 to 100 (token {key}: {bias})")
+        return v
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -124,7 +194,8 @@ class ChatCompletionRequest(_Common):
     #: Per generated token its logprob; with top_logprobs (0..20) that many likeliest alternatives.
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    functions: list[dict] | None = None  # no-op values only (see _Common.logit_bias)
+    #: OpenAI's deprecated function calling: accepted only with no-op values (use tools).
+    functions: list[dict] | None = None
     function_call: str | dict | None = None
 
 
@@ -133,5 +204,5 @@ class CompletionRequest(_Common):
     echo: bool = False
     #: Per generated token its logprob and the `logprobs` (0..5) likeliest alternatives.
     logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = None  # no-op values only: None or n (see _Common.logit_bias)
+    best_of: int | None = None  # no-op values only: None or n (completions_request._refuse_unsupported)
     suffix: str | None = None
