@@ -420,8 +420,9 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"argum
 class StreamParser:
     """Turns a reply's text deltas into `Delta`s as they arrive: content streams until a call
     may begin (a possible start of the marker is held back, never sent as content); a hermes
-    call streams as its start (once its name is known) then its arguments in pieces as the model
-    writes them. The JSON formats (llama3_json, mistral), whose reply is either wholly calls or
+    call goes out as its start (id, name) then its arguments: forced by a grammar ("required",
+    a named function), in pieces as the model writes them; chosen by the model ("auto"), once
+    its block has closed and parsed (else it is text). The JSON formats (llama3_json, mistral), whose reply is either wholly calls or
     wholly text, hold a reply that starts like a call until it ends. Whatever turns out not to be
     a call is sent as content, by `finish` at the latest. `calls` counts the calls sent."""
 
@@ -435,6 +436,9 @@ class StreamParser:
         self._in_string = self._escaped = False
         self._whole = ""  # the JSON formats: the held reply
         self._gap = ""  # the whitespace before a held call marker (sent if it was no call)
+        # Arguments stream as written only where a grammar forces the call (it always parses);
+        # a call the model chose is held until its block closes, so what does not parse is text.
+        self._stream_arguments = tool_plan.mode in ("required", "named")
 
     def feed(self, text: str) -> list[Delta]:
         if self._state == "plain":
@@ -498,7 +502,7 @@ class StreamParser:
             self._buf = self._buf[len(content):]
             return [Delta(content=content)] if content else []
         if self._state == "call_header":
-            m = _HEADER.match(self._buf)
+            m = _HEADER.match(self._buf) if self._stream_arguments else None
             if m and m.group(1) in self.names:
                 call = Delta(index=self.calls, id=new_call_id(), name=m.group(1))
                 self._buf = self._buf[m.end():]
