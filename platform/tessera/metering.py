@@ -59,6 +59,8 @@ class Usage:
     duration_ms: float
     base_model: str | None = None  # the base model that served it (billing prices by it)
     cached_tokens: int = 0  # of prompt_tokens, those served from the engine's prefix cache
+    end_user: str | None = None  # the request's `user`, for the tenant's own reports
+    safety_identifier: str | None = None  # the request's `safety_identifier`, likewise
 
     def __post_init__(self):
         # Billing charges prompt_tokens - cached_tokens at the input price: a count outside
@@ -72,7 +74,7 @@ class Usage:
 
 
 #: The Usage fields an event stored by an older gateway (an outbox file) may lack, with the value
-#: they mean there: cached_tokens 0, base_model unknown.
+#: they mean there: cached_tokens 0, base_model, end_user and safety_identifier unknown.
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(Usage) if f.default is not MISSING}
 
 

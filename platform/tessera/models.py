@@ -95,6 +95,9 @@ class UsageEvent(Base):
     #: Of prompt_tokens, those whose KV the engine's prefix cache already held (0 <= cached_tokens
     #: <= prompt_tokens, metering.Usage keeps it so); billing prices them as the cached_input kind.
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    #: The request's `user` and `safety_identifier` (OpenAI's), for the tenant's own reports.
+    end_user: Mapped[str | None] = mapped_column(String(256))
+    safety_identifier: Mapped[str | None] = mapped_column(String(256))
     status: Mapped[str] = mapped_column(String(16))
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     ttft_ms: Mapped[float | None] = mapped_column(Float)

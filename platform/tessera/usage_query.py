@@ -8,7 +8,7 @@ and each result sums the tenant's usage events in that bucket:
     {"object": "usage.result", "input_tokens", "input_cached_tokens", "output_tokens",
      "num_model_requests", "cost_micros", "amount": {"value", "currency"}, "unpriced_tokens",
      plus, per group_by field: "adapter" (adapter name; null = the base model), "priority",
-     "api_key_id"}
+     "api_key_id", "end_user" (the requests' `user`; null where none was given)}
 input_tokens are all prompt tokens and input_cached_tokens those of them the engine's prefix
 cache served, as in OpenAI's usage API.
 Cost is the tenant's price (its contract price, else the book's, in effect on each event's UTC
@@ -38,7 +38,7 @@ from tessera.billing.rollup import usage_day
 from tessera.models import UsageEvent
 
 BUCKET_SECONDS = {"1h": 3600, "1d": 86400}
-GROUP_FIELDS = ("adapter", "priority", "api_key")
+GROUP_FIELDS = ("adapter", "priority", "api_key", "end_user")
 MAX_BUCKETS = {"1h": 168, "1d": 31}
 DEFAULT_BUCKETS = {"1h": 24, "1d": 7}
 
@@ -127,6 +127,8 @@ def _group_columns(group_by: list[str]) -> list:
         cols.append(UsageEvent.priority)
     if "api_key" in group_by:
         cols.append(UsageEvent.api_key_id)
+    if "end_user" in group_by:
+        cols.append(UsageEvent.end_user)
     return cols
 
 
@@ -144,6 +146,9 @@ def _group_of(keys: list, group_by: list[str]) -> dict:
         i += 1
     if "api_key" in group_by:
         group["api_key_id"] = keys[i]
+        i += 1
+    if "end_user" in group_by:
+        group["end_user"] = keys[i]
     return group
 
 

@@ -92,6 +92,23 @@ def test_bucket_edges_grouping_and_pages(platform):
     assert not p2["has_more"] and p2["next_page"] is None and p2["data"][0]["results"] == []
 
 
+def test_requests_end_users_are_recorded_and_reported_per_end_user(platform):
+    t = platform.tenant()
+    before = int(time.time())
+    client = platform.openai(t)
+    for user in ("alice", "alice", "bob", None):
+        client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Say hi."}], max_tokens=2,
+                                       temperature=0, user=user, safety_identifier=user and f"hash-{user}")
+    events = platform.usage_events(t.name)
+    assert sorted((e.end_user or "", e.safety_identifier or "") for e in events) == [
+        ("", ""), ("alice", "hash-alice"), ("alice", "hash-alice"), ("bob", "hash-bob")]
+    start = before - before % HOUR
+    data = get(platform, t.key, start_time=start, end_time=start + 2 * HOUR, bucket_width="1h",
+               group_by="end_user").json()["data"]
+    counts = {x["end_user"]: x["num_model_requests"] for b in data for x in b["results"]}
+    assert counts == {"alice": 2, "bob": 1, None: 1}
+
+
 def test_bad_parameters_are_400s_naming_them(platform):
     t = platform.tenant()
     for params, param in (({}, "start_time"), ({"start_time": 0, "bucket_width": "1w"}, "bucket_width"),

@@ -96,7 +96,8 @@ class Generation:
                           prompt_tokens=prompt, completion_tokens=completion_tokens, status=status,
                           finish_reason=finish_reason, ttft_ms=None if self.ttft is None else self.ttft * 1000.0,
                           duration_ms=(time.perf_counter() - job.started) * 1000.0,
-                          base_model=gw.engine.model_name, cached_tokens=min(self.cached_tokens, prompt))
+                          base_model=gw.engine.model_name, cached_tokens=min(self.cached_tokens, prompt),
+                          end_user=job.user, safety_identifier=job.safety_identifier)
             await gw.meter.record(usage)
             await gw.quota.settle(self.decision.reservation, used_tokens=prompt + completion_tokens)
             return usage

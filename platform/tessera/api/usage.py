@@ -4,7 +4,7 @@
   GET /admin/v1/tenants/{tenant}/usage/buckets   any tenant's usage (admin)
 
 Query: start_time (unix seconds, inclusive, required), end_time (exclusive), bucket_width 1h|1d
-(default 1d), group_by (repeatable, or comma-separated: adapter, priority, api_key), limit
+(default 1d), group_by (repeatable, or comma-separated: adapter, priority, api_key, end_user), limit
 (buckets per page), page (the previous answer's next_page). The answer's shape is in
 tessera/usage_query.py. A bad parameter is a 400 naming it.
 """
