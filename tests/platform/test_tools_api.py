@@ -12,6 +12,8 @@ import jsonschema
 import openai
 import pytest
 
+from .conftest import Platform, ServerThread
+from .test_gateway_http_engine import gateway_for, worker  # noqa: F401 - the worker fixture
 from .test_gateway_isolation import upload
 
 BASE = "SmolLM2-135M-Instruct"
@@ -199,3 +201,16 @@ def test_a_tool_message_without_its_call_id_is_a_400(platform, tenant):
         platform.openai(tenant).chat.completions.create(
             model=BASE, max_tokens=2, messages=ASK + [{"role": "tool", "content": "21C"}])
     assert "tool_call_id" in e.value.body["message"]
+
+
+def test_a_forced_call_through_an_engine_worker(platform, tenant, worker):  # noqa: F811
+    """The scale-out form: the call's grammar crosses the worker protocol in the sampling params."""
+    app, settings = gateway_for(platform, [worker.url])
+    with ServerThread(app) as server:
+        client = Platform(server.url, settings, app).openai(tenant)
+        r = client.chat.completions.create(model=BASE, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        chunks = list(client.chat.completions.create(model=BASE, messages=ASK, tools=TOOLS, max_tokens=120,
+                                                     temperature=0, tool_choice="required", stream=True))
+    _valid_calls(r.choices[0].message.tool_calls, {"get_weather"})
+    assert any(d.function.name for c in chunks for ch in c.choices for d in ch.delta.tool_calls or ())
