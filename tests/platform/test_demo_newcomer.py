@@ -134,7 +134,7 @@ def test_the_printed_commands_work_as_pasted_and_ctrl_c_stops_the_demo(demo):
 
     # The admin API call lists the demo tenant's adapters.
     listed = json.loads(sh(admin_call, cwd))
-    assert {"json-answer", "pirate", "upper"} <= {a["name"] for a in listed["data"]}
+    assert {"json-answer", "pirate", "upper", "weather-tools"} <= {a["name"] for a in listed["data"]}
 
     # The printed upload, as pasted: a new adapter version, validated and ready.
     uploaded = json.loads(sh(upload_curl, cwd))

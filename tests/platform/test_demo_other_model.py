@@ -23,7 +23,7 @@ def test_demo_on_another_model_skips_the_smollm2_adapters_and_prints_its_command
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout.splitlines()
-    assert out[0] == ("tessera demo: not uploading the demo adapters (json-answer, pirate, upper): they were trained "
+    assert out[0] == ("tessera demo: not uploading the demo adapters (json-answer, pirate, upper, weather-tools): they were trained "
                       f"for HuggingFaceTB/SmolLM2-135M-Instruct, and this demo serves {QWEN} (qwen2)")
     assert sum("not uploading the demo adapters" in line for line in out) == 1
     assert f'"model": "{QWEN}"' in r.stdout and f'model="{QWEN}"' in r.stdout  # curl and openai examples

@@ -19,10 +19,11 @@ def test_demo_command_serves_the_printed_examples(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"curl -N http://127.0.0.1:{port}/v1/chat/completions" in r.stdout
     assert "from openai import OpenAI" in r.stdout
-    # Every printed example ran and worked: the tenant's two, the admin API call, the web UI
-    # sign-in, an upload through the admin API and a chat with the adapter it made.
-    for step in ("curl-style stream", "openai client", "admin API call", "admin web UI sign-in", "adapter upload",
-                 "chat with the uploaded adapter"):
+    # Every printed example ran and worked: the tenant's three (the last a tool round trip with
+    # weather-tools), the admin API call, the web UI sign-in, an upload through the admin API and
+    # a chat with the adapter it made.
+    for step in ("curl-style stream", "openai client", "tool round trip", "admin API call", "admin web UI sign-in",
+                 "adapter upload", "chat with the uploaded adapter"):
         assert f"self-test: {step} ok" in r.stdout, r.stdout
     assert (tmp_path / "var" / "tessera.db").is_file()
 

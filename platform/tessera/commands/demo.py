@@ -1,8 +1,10 @@
 """`tessera demo`: the whole platform on one machine with the embedded defaults (SQLite under
 ./var, local object store, eager validation, in-memory quotas, the engine in this process on
 CPU). It creates the demo tenant with a fresh key, uploads the demo adapters, starts the server
-and prints what works when pasted: a curl and an openai-client example, an admin API call and an
-adapter upload (curl), and where the admin web UI signs in.
+and prints what works when pasted: a curl and an openai-client example, a tool-call round trip
+with the `weather-tools` adapter (openai client: the request with `tools`, the call it returns,
+the tool's result sent back, the answer), an admin API call and an adapter upload (curl), and
+where the admin web UI signs in.
 
 `--model PATH` (or TESSERA_MODEL_PATH; served as TESSERA_MODEL_NAME when set) serves another base
 model: a .gguf file or a Hugging Face checkpoint directory. The demo adapters were trained on the
@@ -10,13 +12,15 @@ embedded SmolLM2; for any other model they are not uploaded (one printed line sa
 printed commands talk to that model and show how to upload an adapter trained for it.
 
 `--self-test` does the same against the server itself and exits (0 when all of it worked): the
-streamed chat as curl sends it, the openai client, the admin API call, signing in to the web UI
-with the admin password (then a page and an admin API call on the session cookie), an upload of
-a demo adapter under a new name through the admin API, and a chat with that adapter.
+streamed chat as curl sends it, the openai client, the tool round trip (when weather-tools is
+uploaded), the admin API call, signing in to the web UI with the admin password (then a page and
+an admin API call on the session cookie), an upload of a demo adapter under a new name through
+the admin API, and a chat with that adapter.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import sys
@@ -27,6 +31,12 @@ from pathlib import Path
 DEMO_TENANT = "demo"
 DEMO_PLAN = "demo"
 ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "demo_adapters"
+#: The demo adapter trained to call tools (scripts/train_demo_adapters.py), and the tool it was
+#: trained with, as the printed example sends it.
+TOOLS_ADAPTER = "weather-tools"
+GET_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -131,8 +141,9 @@ def _seed_prices(session, model: str) -> None:
                       micros_per_mtok=micros, effective_from=date(2026, 1, 1))
 
 
-def examples(url: str, key: str, model: str) -> str:
-    """The copy-paste examples: curl (streamed SSE) and the openai client (this interpreter)."""
+def examples(url: str, key: str, model: str, tools_model: str | None = None) -> str:
+    """The copy-paste examples: curl (streamed SSE) and the openai client (this interpreter); with
+    `tools_model` (the weather-tools adapter, when uploaded), a tool-call round trip through it."""
     py = sys.executable
     return f"""
 Tessera is running at {url}  (tenant {DEMO_TENANT!r}; models: GET /v1/models)
@@ -150,6 +161,29 @@ stream = client.chat.completions.create(model="{model}", max_tokens=48, stream=T
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True)
 print()
+EOF
+""" + (tools_example(url, key, tools_model) if tools_model else "")
+
+
+def tools_example(url: str, key: str, model: str) -> str:
+    """The tool round trip (openai client): a request with `tools`, the model's call, the tool's
+    result sent back in a `tool` message, the model's answer from it."""
+    return f"""
+tools, a round trip with the {model} adapter (it calls get_weather, then answers from the result):
+{sys.executable} - <<'EOF'
+import json
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="{key}")
+tools = {json.dumps([GET_WEATHER])}
+messages = [{{"role": "user", "content": "What's the weather like in Edinburgh?"}}]
+reply = client.chat.completions.create(model="{model}", messages=messages, tools=tools, temperature=0, max_tokens=64)
+call = reply.choices[0].message.tool_calls[0]  # finish_reason: "tool_calls"
+print("call:", call.function.name, call.function.arguments)
+city = json.loads(call.function.arguments)["city"]
+result = {{"city": city, "temperature_c": 14, "condition": "rainy"}}  # your get_weather runs here
+messages += [reply.choices[0].message, {{"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}}]
+answer = client.chat.completions.create(model="{model}", messages=messages, tools=tools, temperature=0, max_tokens=64)
+print("answer:", answer.choices[0].message.content)
 EOF
 """
 
@@ -217,8 +251,10 @@ class _SelfTest:
     def run(self) -> bool:
         """Every step in the order the demo prints them; one line each; True when all worked.
         Without a demo adapter for the served model, the upload steps are skipped (said so)."""
-        steps = [("curl-style stream", self.curl_stream), ("openai client", lambda: self.chat(self.model)),
-                 ("admin API call", self.admin_call), ("admin web UI sign-in", self.sign_in)]
+        steps = [("curl-style stream", self.curl_stream), ("openai client", lambda: self.chat(self.model))]
+        if TOOLS_ADAPTER in self.adapters:
+            steps.append(("tool round trip", self.tool_round_trip))
+        steps += [("admin API call", self.admin_call), ("admin web UI sign-in", self.sign_in)]
         if self.adapters:
             steps += [("adapter upload", self.upload), ("chat with the uploaded adapter", self.chat_uploaded)]
         ok = all([self._step(name, fn) for name, fn in steps])
@@ -248,6 +284,23 @@ class _SelfTest:
         text = "".join((c.choices[0].delta.content or "") for c in self.client.chat.completions.create(
             model=model, max_tokens=16, stream=True, messages=self.QUESTION))
         return bool(text), f"{model} answered {text!r}"
+
+    def tool_round_trip(self) -> tuple[bool, str]:
+        """The printed tool example: a get_weather call, its result sent back, an answer from it."""
+        messages = [{"role": "user", "content": "What's the weather like in Edinburgh?"}]
+        reply = self.client.chat.completions.create(model=TOOLS_ADAPTER, messages=messages, tools=[GET_WEATHER],
+                                                    temperature=0, max_tokens=64)
+        choice = reply.choices[0]
+        if choice.finish_reason != "tool_calls" or not choice.message.tool_calls:
+            return False, f"no call: finish_reason {choice.finish_reason!r}, content {choice.message.content!r}"
+        call = choice.message.tool_calls[0]
+        city = json.loads(call.function.arguments).get("city")
+        result = {"city": city, "temperature_c": 14, "condition": "rainy"}
+        messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}]
+        answer = self.client.chat.completions.create(model=TOOLS_ADAPTER, messages=messages, tools=[GET_WEATHER],
+                                                     temperature=0, max_tokens=64).choices[0].message.content or ""
+        return (call.function.name == "get_weather" and "14" in answer,
+                f"{call.function.name}({call.function.arguments}), then {answer!r}")
 
     def chat_uploaded(self) -> tuple[bool, str]:
         return self.chat(self.uploaded) if self.uploaded else (False, "nothing was uploaded")
@@ -319,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
             if server.should_exit:
                 return
             time.sleep(0.1)
-        print(examples(url, key, model), flush=True)
+        print(examples(url, key, model, TOOLS_ADAPTER if TOOLS_ADAPTER in adapters else None), flush=True)
         print(admin_examples(url, admin, adapters, base), flush=True)
         if args.self_test:
             try:
