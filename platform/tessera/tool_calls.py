@@ -262,9 +262,15 @@ def constraint(tool_plan: ToolPlan, fmt: ToolFormat) -> dict | None:
         return None
     tools = [t for t in tool_plan.tools if tool_plan.mode == "required" or t.name == tool_plan.named]
     args_key = "parameters" if fmt.name == "llama3_json" else "arguments"
-    alternatives = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: _params_schema(t)},
-                     "required": ["name", args_key], "additionalProperties": False} for t in tools]
+    defs: dict = {}
+    alternatives = []
+    for i, t in enumerate(tools):
+        params = _hoisted(_params_schema(t), f"t{i}_", defs)
+        alternatives.append({"type": "object", "properties": {"name": {"const": t.name}, args_key: params},
+                             "required": ["name", args_key], "additionalProperties": False})
     call = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    if defs:
+        call = {**call, "$defs": defs}
     if fmt.name == "mistral":
         array = {"type": "array", "items": call, "minItems": 1}
         if not tool_plan.parallel:
@@ -287,9 +293,69 @@ def constraint(tool_plan: ToolPlan, fmt: ToolFormat) -> dict | None:
 
 
 def _params_schema(tool: Tool) -> dict:
-    schema = dict(tool.parameters)
+    """The schema a forced call's arguments follow: the tool's parameters with every object that
+    lists its properties closed to them (JSON Schema leaves them open unless a schema says
+    `additionalProperties`, and pydantic's schemas do not: a small model then invents keys until
+    max_tokens), as OpenAI's strict function calling has them."""
+    schema = _closed(tool.parameters)
     schema.pop("x-guidance", None)
     return schema or {"type": "object"}
+
+
+def _hoisted(schema: dict, prefix: str, defs: dict) -> dict:
+    """`schema` made to work inside the call's schema, whose root is not its own: its `$defs`
+    (or `definitions`) move to `defs` under `prefix`-ed names, and its references (to those, or
+    to its own root) are rewritten to match."""
+    local = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            if ref == "#":
+                out["$ref"] = f"#/$defs/{prefix}root"
+            elif ref.startswith(("#/$defs/", "#/definitions/")):
+                out["$ref"] = f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
+        return out
+
+    if not local and '"#' not in json.dumps(body):
+        return body
+    for name, sub in local.items():
+        defs[f"{prefix}{name}"] = rewrite(sub)
+    body = rewrite(body)
+    defs[f"{prefix}root"] = body
+    return body
+
+
+#: Keywords whose subschemas are closed too; allOf's parts are left open, since closing each part
+#: would refuse the properties the other parts add.
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_OPENNESS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+
+
+def _closed(schema):
+    """A copy of `schema` with the objects that list properties and say nothing of other keys
+    closed (additionalProperties false); depth is bounded by `plan`'s check."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(v) for v in out[key]]
+    if isinstance(out.get("items"), dict):
+        out["items"] = _closed(out["items"])
+    if "properties" in out and not any(k in out for k in _OPENNESS):
+        out["additionalProperties"] = False
+    return out
 
 
 def _json(schema: dict) -> str:

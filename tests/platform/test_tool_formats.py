@@ -190,3 +190,25 @@ def test_plan_modes():
     named = _plan({"type": "function", "function": {"name": "get_time"}})
     assert named.mode == "named" and named.named == "get_time" and not named.parallel
     assert not _plan("required", parallel=False).parallel
+
+
+def test_a_forced_call_closes_the_objects_its_schema_leaves_open(smollm2):
+    """A pydantic-made schema says nothing of other keys (JSON Schema then allows any): the
+    forced call's grammar closes every object that lists its properties, except allOf's parts."""
+    open_schema = {"type": "object", "properties": {"city": {"type": "string"}, "where": {"$ref": "#/$defs/Geo"}},
+                   "required": ["city"], "$defs": {"Geo": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+                   "x-guidance": {"whitespace_flexible": True}}
+    closed = tc._params_schema(tc.Tool("f", None, open_schema))
+    assert closed["additionalProperties"] is False and closed["$defs"]["Geo"]["additionalProperties"] is False
+    assert "x-guidance" not in closed and "additionalProperties" not in open_schema  # the tool's own is untouched
+    kept = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": {"type": "integer"}}
+    assert tc._params_schema(tc.Tool("g", None, kept))["additionalProperties"] == {"type": "integer"}
+    parts = {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]}
+    assert "additionalProperties" not in tc._params_schema(tc.Tool("h", None, parts))["allOf"][0]
+
+    structured = StructuredOutput(smollm2, smollm2.vocab_size, [smollm2.eos_token_id])
+    tool = {"type": "function", "function": {"name": "f", "parameters": open_schema}}
+    structured.start("r", structured.compile(tc.constraint(tc.plan([tool], "required", None), tc.tool_format(None))))
+    with pytest.raises(GrammarRejected):
+        for tok in smollm2.encode(tc.call_block("f", {"city": "Oslo", "invented": 1}), add_special_tokens=False):
+            structured.accept("r", tok)
