@@ -7,7 +7,7 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: setup tools browser admin-ui kernels guidellm run test test-prometheus bench clean
 
-setup: $(VENV)/.installed tools browser admin-ui kernels guidellm
+setup: $(VENV)/.installed tools browser admin-ui kernels
 
 # The CPU kernels (punica_kernels/csrc: LoRA; engine/backends/cpu/csrc: int8 linear, int8 on AMX, Q4_1,
 # decode ops; C + OpenMP, -march=native) are compiled on first use; building them here keeps that ~1 s out
@@ -73,7 +73,7 @@ $(GUIDELLM_VENV)/.installed: Makefile
 run: setup
 	$(VENV)/bin/tessera demo
 
-test: setup
+test: setup guidellm
 	$(PY) -m pytest -q tests
 
 # The real-Prometheus integration test alone (it is also part of `make test`).

@@ -1,9 +1,9 @@
 """What a test needs from the machine, and one rule for when it is missing.
 
 A test that needs a service (Postgres, Redis) or a tool (Chromium, promtool, prometheus, amtool,
-a C compiler) calls `require(...)` (or one of the `require_*` shortcuts, or names the matching
-fixture in tests/conftest.py). Where it is missing the test skips with the reason and how to get
-it, except under `CI=true`, where it fails: a green CI run means every such test ran.
+a C compiler, guidellm) calls `require(...)` (or one of the `require_*` shortcuts, or names the
+matching fixture in tests/conftest.py). Where it is missing the test skips with the reason and how
+to get it, except under `CI=true`, where it fails: a green CI run means every such test ran.
 
 Probes are cached for the run; a service probe is one TCP connect with a short timeout.
 """
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
+#: guidellm in its own virtualenv (the Makefile's `guidellm` target, which `make test` runs).
+GUIDELLM = Path(__file__).resolve().parent.parent / ".venv-guidellm" / "bin" / "guidellm"
 
 HOW = {
     "postgres": "PostgreSQL on 127.0.0.1:5432, trust auth for user postgres (apt-get install postgresql)",
@@ -27,6 +29,7 @@ HOW = {
     "prometheus": "Debian's prometheus package (make setup installs it)",
     "amtool": "Debian's prometheus-alertmanager package (make setup installs it)",
     "cc": "a C compiler on PATH as cc or gcc (apt-get install gcc)",
+    "guidellm": "guidellm 0.8.1 in its own virtualenv at .venv-guidellm (`make guidellm`; `make test` runs it)",
 }
 
 
@@ -88,3 +91,7 @@ def require_c_compiler() -> None:
 
 def require_chromium() -> None:
     require("Chromium for the browser tests", has_chromium(), HOW["chromium"])
+
+
+def require_guidellm() -> None:
+    require(f"guidellm at {GUIDELLM}", GUIDELLM.exists(), HOW["guidellm"])
