@@ -4,8 +4,8 @@
 `continuous_usage_stats`) is accepted, no request errors, and every request gets exactly the
 output tokens guidellm asked for.
 
-guidellm lives in its own virtualenv (.venv-guidellm; `make guidellm` installs it, `make test` runs it): without it the
-test skips saying so, or fails under CI=true (tests/requirements.py).
+guidellm lives in its own virtualenv (.venv-guidellm; `make guidellm` installs it, `make test` runs
+it): without it the test skips saying so, or fails under CI=true (tests/requirements.py).
 """
 from __future__ import annotations
 
