@@ -358,3 +358,14 @@ def test_the_fields_sdks_and_frameworks_send_are_accepted(platform):
     assert r.usage.completion_tokens == 2
     r = client.completions.create(model=BASE, prompt="hi", max_tokens=2, echo=False, best_of=1)
     assert r.choices[0].text is not None
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(platform):
+    client = platform.openai(platform.tenant())
+    chunks = list(client.chat.completions.create(
+        model=BASE, messages=FRANCE, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done[0] == 0 and done == sorted(done) and done[-1] == 6
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}

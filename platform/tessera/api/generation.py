@@ -390,7 +390,8 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
         return _chunk(job, index, delta, finish, logprobs, usage=usage)
 
     try:
-        pending = _Group(_chunk(job, c.index, None, None, first=True) for c in gen.choices) \
+        usage0 = _usage_dict(prompt, 0, gen.cached_tokens) if job.continuous_usage else None
+        pending = _Group(_chunk(job, c.index, None, None, first=True, usage=usage0) for c in gen.choices) \
             if job.kind == "chat" else _Group()
         while (item := await turns.next()) is not None:
             c, out = item
