@@ -38,8 +38,8 @@ from engine.backends import create_backend
 from engine.model.attention import KVCache
 from engine.model.decoder import DecoderModel
 from engine.model_runner import ModelRunner
-from engine.request_checks import check_prompt
-from engine.sampler import sample, sample_tokens
+from engine.request_checks import check_logit_bias, check_prompt
+from engine.sampler import SamplingError, sample, sample_tokens
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -165,12 +165,13 @@ class LLMEngine:
         grammar = None if params.response_format is None else (
             request.grammar or self.structured.compile(params.response_format))
         check_prompt(ids, max_model_len=self.max_model_len, max_tokens=params.max_tokens, vocab_size=vocab)
+        check_logit_bias(params.logit_bias, self.model_config.vocab_size)
         priority = Priority.parse(request.priority)
         if request.adapter is not None and self.lora_manager is None:
             raise InvalidRequestError("this engine serves no adapters", "model")
         seq = Sequence(request.request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
                        tenant_id=request.tenant_id, priority=priority, adapter=request.adapter,
-                       cache_salt=request.cache_salt, device=self.device)
+                       cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids)
         if request.adapter is not None:
             self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
         self.requests[seq.request_id] = seq
@@ -335,31 +336,51 @@ class LLMEngine:
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput],
                           lp: engine_logprobs.StepLogprobs | None = None) -> list[int | None]:
         """Sampling where the logits live off the host: rows that are not finite (one row sum) are
-        zeroed before sampling (a NaN probability would stop the device, not just raise), and
-        the tokens, the finite flags and `lp`'s logprobs (kept for `_delta`) come back in one
-        device-to-host copy. Rows that were not finite, or whose sampling raised, fail their
-        sequences (token None)."""
+        zeroed before sampling (a NaN probability would stop the device, not just raise), the
+        controls and the draw run on the device (engine.sampler.sample_tokens: its host-built
+        parameters go up in one upload), and the tokens, the finite and sampled flags and `lp`'s
+        logprobs (kept for `_delta`) come back in one device-to-host copy. Rows that were not
+        finite, or could not be sampled, fail their sequences (token None)."""
         finite = torch.isfinite(logits.sum(dim=1))
         safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
         safe = self._constrain(safe, seqs, outputs)
         errors: dict[int, Exception] = {}
-        tokens_dev = sample_tokens(safe, seqs, errors)
+        try:
+            tokens_dev, sampled = sample_tokens(safe, seqs, self.backend.upload)
+        except Exception:  # noqa: BLE001 - each row on its own below
+            tokens_dev, sampled = self._sample_rows_alone(safe, seqs, errors)
         n = len(seqs)
-        packed = torch.cat([tokens_dev, finite.to(torch.int64)])
+        packed = torch.cat([tokens_dev, finite.to(torch.int64), sampled.to(torch.int64)])
         if lp is not None:  # float64 holds token ids exactly
             packed = torch.cat([packed.double(), engine_logprobs.gather(lp, tokens_dev)])
         host = self.backend.to_host(packed)
         tokens: list[int | None] = [int(t) for t in host[:n]]
-        for i, (seq, ok) in enumerate(zip(seqs, host[n:])):
+        for i, (seq, ok, drawn) in enumerate(zip(seqs, host[n:2 * n], host[2 * n:3 * n])):
             if not ok:
                 outputs.append(self._fail_non_finite_seq(seq))
                 tokens[i] = None
-            elif i in errors:
-                outputs.append(self._fail_sampling(seq, errors[i]))
+            elif not drawn:
+                outputs.append(self._fail_sampling(seq, errors.get(i) or SamplingError(
+                    "no token can be sampled: every token is masked")))
                 tokens[i] = None
         if lp is not None:
-            self._keep_logprobs(lp, seqs, tokens, host[2 * n:])
+            self._keep_logprobs(lp, seqs, tokens, host[3 * n:])
         return tokens
+
+    def _sample_rows_alone(self, logits: torch.Tensor, seqs: list[Sequence],
+                           errors: dict[int, Exception]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_tokens` row by row, after it raised for the batch: a row that raises keeps its
+        argmax, is flagged not sampled, and its exception goes to errors[i]."""
+        tokens, sampled = [], []
+        for i, seq in enumerate(seqs):
+            try:
+                t, ok = sample_tokens(logits[i:i + 1], [seq], self.backend.upload)
+            except Exception as e:  # noqa: BLE001 - fails only this request
+                errors[i] = e
+                t, ok = logits[i:i + 1].max(dim=-1).indices, torch.zeros(1, dtype=torch.bool, device=logits.device)
+            tokens.append(t)
+            sampled.append(ok)
+        return torch.cat(tokens), torch.cat(sampled)
 
     def _keep_logprobs(self, lp: engine_logprobs.StepLogprobs, seqs: list[Sequence], tokens: list[int | None],
                        host: list[float]) -> None:
@@ -453,7 +474,10 @@ class LLMEngine:
             reason = "stop"
         else:
             seq.output_text += seq.detokenizer.push(tok)
-            if p.stop and self._truncate_at_stop(seq):
+            if len(seq.output_token_ids) == p.min_tokens:
+                seq.stop_text_floor = len(seq.output_text)  # a stop string must end after it
+            # Stop strings apply once min_tokens tokens are kept (the sampler masks stop ids until then).
+            if p.stop and len(seq.output_token_ids) > p.min_tokens and self._truncate_at_stop(seq):
                 reason = "stop"
             elif complete:
                 reason = "stop"  # the response_format grammar is complete: only EOS could follow
@@ -467,9 +491,12 @@ class LLMEngine:
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)
-        # A stop string can straddle tokens: search from where a new match could begin.
+        # A stop string can straddle tokens: search from where a new match could begin, and (with
+        # min_tokens) only for matches that end after the min_tokens-th token's text.
         begin = max(0, seq.emitted_text_len - longest + 1)
-        hits = [i for i in (seq.output_text.find(s, begin) for s in seq.params.stop) if i != -1]
+        floor = seq.stop_text_floor
+        hits = [i for i in (seq.output_text.find(s, max(begin, floor - len(s) + 1)) for s in seq.params.stop)
+                if i != -1]
         if not hits:
             return False
         seq.output_text = seq.output_text[:min(hits)]

@@ -1,8 +1,11 @@
 """Token log-probabilities for the requests that ask (SamplingParams.logprobs).
 
-They come from the log-softmax of the model's RAW logits: before temperature, top-k/top-p and
-any mask the sampling path applies, so they describe the model, not the sampler, and the same
-token gets the same logprob whatever the request's sampling settings. The engine step computes
+They come from the log-softmax of the model's RAW logits: before logit_bias, the min_tokens mask,
+the penalties, temperature, top-k/top-p/min-p and any response_format mask the sampling path
+applies (engine.sampler), so they describe the model, not the sampler, and the same token gets
+the same logprob whatever the request's sampling settings (as vLLM's default raw logprobs). Every
+appended token has its entry, the end-of-sequence token that ends a completion included (it
+counts in completion_tokens). The engine step computes
 them right after the forward (`compute`), samples, then reads the sampled tokens' logprobs and
 the top alternatives (`gather`) as one flat float64 tensor, so the device path copies them to
 the host together with the tokens in its one device-to-host copy; `entries` turns that host list

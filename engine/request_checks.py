@@ -4,11 +4,13 @@ engine would refuse is refused there first, with the same message, at no cost.
 
 Checks run in this order and the first failure is raised: token ids in the vocabulary (only for
 a prompt given as ids: a tokenizer's own ids need no check), a non-empty prompt, a prompt that
-leaves room for one generated token, prompt + max_tokens within the context.
+leaves room for one generated token, prompt + max_tokens within the context. `check_logit_bias`
+bounds a request's logit_bias ids by the vocabulary (SamplingParams checks everything else about
+it, and that min_tokens <= max_tokens).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.sampling_params import InvalidRequestError
 
@@ -44,3 +46,12 @@ def check_prompt(ids: Sequence[int], *, max_model_len: int, max_tokens: int | No
     if max_tokens is not None and n + max_tokens > max_model_len:
         raise ContextLengthExceeded(f"max_tokens is too large: the prompt ({n} tokens) + max_tokens ({max_tokens}) "
                                     f"exceeds the context of {max_model_len} tokens", "max_tokens")
+
+
+def check_logit_bias(logit_bias: Mapping[int, float] | None, vocab_size: int) -> None:
+    """Raise InvalidRequestError naming `logit_bias` and the first id (in ascending order) outside
+    [0, vocab_size); return None when every id is inside, or there is no logit_bias."""
+    bad = sorted(t for t in logit_bias or () if not 0 <= t < vocab_size)
+    if bad:
+        raise InvalidRequestError(f"logit_bias: token id {bad[0]} is not in this model's vocabulary "
+                                  f"[0, {vocab_size})", "logit_bias")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from engine import response_format as _response_format
@@ -12,6 +12,10 @@ from engine import response_format as _response_format
 
 #: The seeds SamplingParams accepts: the signed 64-bit range of the OpenAI API's `seed`.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+#: logit_bias bounds: at most this many token ids, each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]
+#: (OpenAI's range). The ids' upper bound is the model's vocabulary, checked by the engine
+#: (engine.request_checks.check_logit_bias).
+LOGIT_BIAS_MAX_ENTRIES, LOGIT_BIAS_MAX = 1024, 100.0
 
 
 class InvalidRequestError(ValueError):
@@ -54,6 +58,10 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(16, ge=1, description="most completion tokens")
+    #: Until this many completion tokens are generated, the end-of-sequence ids (unless
+    #: ignore_eos) and stop_token_ids cannot be sampled, and stop strings do not apply (vLLM's
+    #: min_tokens). At most max_tokens.
+    min_tokens: int = Field(0, ge=0, description="fewest completion tokens before a stop can end it")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
     top_k: int = Field(-1, description="-1 disables; otherwise >= 1")
@@ -61,8 +69,26 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings, matched on text")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
+    # The logits controls, applied in this order (engine.sampler, as vLLM): logit_bias, the
+    # min_tokens mask, repetition_penalty, then frequency/presence penalties; then temperature,
+    # top_k, top_p, min_p. A response_format grammar's mask wins over all of them.
+    #: OpenAI's: minus presence_penalty for every token the completion already holds (not the prompt).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    #: OpenAI's: minus frequency_penalty times how often the completion already holds the token.
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    #: vLLM's / transformers': a token in the prompt or the completion so far has a positive
+    #: logit divided by it, a negative one multiplied by it; 1 is off.
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    #: OpenAI's: token id -> a bias in [-100, 100] added to its logit; at most 1024 ids, each in
+    #: [0, the model's vocabulary) (the engine checks the upper bound). JSON's string keys are
+    #: accepted ("50256").
+    logit_bias: dict[int, float] | None = None
+    #: vLLM's: after temperature, drop the tokens whose probability is below min_p times the
+    #: likeliest token's; 0 is off.
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     #: Per generated token, its log-probability and those of the `logprobs` likeliest tokens
-    #: (0..20), from the model's raw distribution (before temperature and any mask); None: off.
+    #: (0..20), from the model's raw distribution (before the logits controls, temperature and any
+    #: mask: engine.logprobs); None: off.
     logprobs: int | None = Field(None, ge=0, le=20)
     #: OpenAI's response_format, normalized (engine.response_format.normalize): None (free text),
     #: {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}; the output is
@@ -75,6 +101,36 @@ class SamplingParams(BaseModel):
         if v != -1 and v < 1:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
         return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")  # absent when it failed its own check
+        if max_tokens is not None and v > max_tokens:
+            raise ValueError(f"min_tokens ({v}) must not exceed max_tokens ({max_tokens})")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        # Checked here as a whole, so every refusal names the field itself (not a key inside it).
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+        if len(v) > LOGIT_BIAS_MAX_ENTRIES:
+            raise ValueError(f"logit_bias has {len(v)} entries; at most {LOGIT_BIAS_MAX_ENTRIES} are allowed")
+        out: dict[int, float] = {}
+        for key, bias in v.items():
+            tok = _token_id(key)
+            if tok is None or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                    or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
+                raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
+                                 f"got {bias!r} for token {tok}")
+            out[tok] = float(bias)
+        return out
 
     @field_validator("seed")
     @classmethod
@@ -101,6 +157,11 @@ class SamplingParams(BaseModel):
             raise PydanticCustomError("response_format", str(e)) from None
 
     @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
@@ -116,6 +177,17 @@ class SamplingParams(BaseModel):
             if err.get("type") == "extra_forbidden":
                 msg = f"unknown field {param!r}"
             raise InvalidRequestError(f"{param}: {msg}" if param else msg, param) from None
+
+
+def _token_id(key) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of decimal digits (JSON's object keys)."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return None
 
 
 @dataclass

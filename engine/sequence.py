@@ -5,8 +5,7 @@ import enum
 import itertools
 import random
 import time
-
-import torch
+from array import array
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import Priority, SamplingParams
@@ -15,22 +14,54 @@ _seq_ids = itertools.count()
 _MASK64 = (1 << 64) - 1
 
 
-def generator_seed(seed: int | None) -> int:
-    """The torch.Generator seed of a request with `seed` (SamplingParams' signed 64-bit range).
-
-    The CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds that differ only
-    in their high bits or sign (0, 2**32, -2**63) would give the same tokens: seeds in [0, 2**32)
-    are used as they are, others are mixed into 32 bits by splitmix64's finalizer, so every bit
-    counts. No seed: 32 random bits."""
-    if seed is None:
-        return random.getrandbits(32)
-    if 0 <= seed < 1 << 32:
-        return seed
-    z = seed & _MASK64
+def splitmix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers whose every input bit flips about
+    half the output bits."""
+    z = x & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z ^ (z >> 32)) & 0xFFFF_FFFF
+    return z ^ (z >> 31)
+
+
+#: splitmix64's increment (2**64 / the golden ratio, odd).
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def sampling_uniform(seed: int, step: int) -> float:
+    """The uniform number in [0, 1 - 2**-52] that the `step`-th completion token (0-based) of a
+    request seeded with `seed` is drawn with (engine.sampler): the `step`-th output of the
+    splitmix64 generator started at `seed` (taken as unsigned 64 bits), its high 52 bits over
+    2**52. A function of (seed, step) alone: the batch, preemption and the device never change it,
+    and every bit of a signed 64-bit seed counts."""
+    return (splitmix64(seed + (step + 1) * _GAMMA) >> 12) / (1 << 52)
+
+
+class TokenCounts:
+    """The distinct tokens a request's penalties look at and how often the completion holds each,
+    kept as tokens are appended (O(1) each) in two flat arrays the sampler concatenates per step
+    without touching their elements: `ids` (int64) and `counts` (float32, exact below 2**24).
+    Seeded with the prompt's distinct tokens at count 0 when the repetition penalty covers them."""
+
+    __slots__ = ("ids", "counts", "_index")
+
+    def __init__(self, seen=()):
+        self.ids = array("q")
+        self.counts = array("f")
+        self._index: dict[int, int] = {}
+        for t in seen:
+            if t not in self._index:
+                self._index[t] = len(self.ids)
+                self.ids.append(t)
+                self.counts.append(0.0)
+
+    def add(self, token_id: int) -> None:
+        i = self._index.get(token_id)
+        if i is None:
+            self._index[token_id] = len(self.ids)
+            self.ids.append(token_id)
+            self.counts.append(1.0)
+        else:
+            self.counts[i] += 1.0
 
 
 class SequenceStatus(enum.Enum):
@@ -50,9 +81,10 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, *, tenant_id: str = "default",
                  priority: Priority = Priority.standard, adapter: str | None = None,
-                 cache_salt: str | None = None, device: torch.device | str = "cpu"):
-        """`device`: where the engine samples (a non-greedy request's generator lives there).
-        `cache_salt`: the prefix-cache scope (engine.block_manager)."""
+                 cache_salt: str | None = None, eos_token_ids=()):
+        """`cache_salt`: the prefix-cache scope (engine.block_manager). `eos_token_ids`: the
+        model's end-of-sequence ids, masked with stop_token_ids until min_tokens (unless
+        ignore_eos)."""
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.tenant_id = tenant_id
@@ -80,12 +112,28 @@ class Sequence:
         self.output_text = ""
         self.emitted_text_len = 0
         self.emitted_token_len = 0
+        #: Where a stop string may end at the earliest: output_text's length once min_tokens
+        #: tokens were generated (LLMEngine sets it then; 0 without min_tokens).
+        self.stop_text_floor = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(generator_seed(params.seed))
+        #: The seed of this request's draws (engine.sequence.sampling_uniform): its own, or 64
+        #: random bits.
+        self.sampling_seed = random.getrandbits(64) if params.seed is None else params.seed
+        #: The ids masked while fewer than min_tokens tokens are generated (empty: no mask).
+        self.min_tokens_mask_ids: list[int] = []
+        if params.min_tokens:
+            eos = () if params.ignore_eos else eos_token_ids
+            self.min_tokens_mask_ids = sorted(set(params.stop_token_ids) | set(eos))
+        #: With a penalty: the distinct tokens it covers and their completion counts.
+        self.token_counts: TokenCounts | None = None
+        if params.penalized:
+            self.token_counts = TokenCounts(prompt_token_ids if params.repetition_penalty != 1.0 else ())
+        #: Whether engine.sampler has logits controls to apply for this request at some step.
+        self.has_logits_controls = bool(params.logit_bias or params.penalized or self.min_tokens_mask_ids)
+        #: engine.sampler's host arrays of this request (logit_bias ids and values, the
+        #: min_tokens mask), built at its first step.
+        self.controls_cache: dict[str, array] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +154,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
 
     def reset_for_recompute(self) -> None:
         """After preemption: the KV is gone; prompt + output so far will be prefilled again."""

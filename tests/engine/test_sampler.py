@@ -87,11 +87,14 @@ def test_seed_outside_int64_is_refused_naming_the_parameter(seed):
 def test_negative_and_extreme_seeds_are_distinct_and_reproducible():
     logits = torch.zeros(1, 4096)  # uniform: the seed alone picks the token
     picks = {}
-    # The CPU generator keeps 32 bits of its seed: these differ only above them, or in sign.
+    # Seeds that differ only above their low 32 bits, or in sign: every bit of the seed counts.
     for seed in (SEED_MIN, -1, 0, 1, 1 << 32, (1 << 32) + 1, SEED_MAX, -(1 << 32)):
         p = SamplingParams(temperature=1.0, seed=seed)
         first = [sample(logits, [_seq(p)])[0] for _ in range(2)]
         assert first[0] == first[1]
-        s = _seq(p)
-        picks[seed] = tuple(sample(logits, [s])[0] for _ in range(4))
+        s, drawn = _seq(p), []
+        for _ in range(4):  # successive tokens of one completion
+            drawn.append(sample(logits, [s])[0])
+            s.append_token(drawn[-1])
+        picks[seed] = tuple(drawn)
     assert len(set(picks.values())) == len(picks)

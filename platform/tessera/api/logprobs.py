@@ -8,9 +8,12 @@ Alignment: the client gets the logprobs of the tokens whose text it gets. The en
 ids as soon as they are sampled but holds text back (a possible stop string's start) and cuts
 it at a stop string, so `ChoiceLogprobs` releases a token's entry only once the text sent covers
 the token's first byte (its UTF-8 bytes counted from the completion's start; special tokens,
-which decode to no text, take no bytes). Tokens past a stop string's cut, and an end-of-sequence
-token, are never covered and never shown; a chunk's logprobs are those of the tokens its text
-starts.
+which decode to no text, take no bytes); a chunk's logprobs are those of the tokens its text
+starts. The last delta's release (`final=True`) also releases what no text covers, the
+end-of-sequence token and any tokens past a stop string's cut, at the completion's end (their
+text offset): the logprobs hold one entry per completion token, as `completion_tokens` counts
+them. As vLLM, such a token's entry names the token's own text (an end-of-sequence token's
+content, e.g. "<|im_end|>", with its bytes), not the empty string.
 """
 from __future__ import annotations
 
@@ -90,14 +93,15 @@ class ChoiceLogprobs:
             if not special:
                 self._token_bytes += len(b)
 
-    def release(self, text: str) -> dict | None:
-        """The entries whose first byte `text` (the next text sent to the client) covers."""
+    def release(self, text: str, *, final: bool = False) -> dict | None:
+        """The entries whose first byte `text` (the next text sent to the client) covers; with
+        `final` (the choice's last delta), every entry still waiting (module docstring)."""
         piece = text.encode()
         start_bytes, start_chars = self._sent_bytes, self._sent_chars
         self._sent_bytes += len(piece)
         self._sent_chars += len(text)
         out = []
-        while self._waiting and self._waiting[0][0] < self._sent_bytes:
+        while self._waiting and (final or self._waiting[0][0] < self._sent_bytes):
             first, e = self._waiting.popleft()
             # The token's first character offset in the completion's text.
             offset = start_chars + len(piece[:max(0, first - start_bytes)].decode("utf-8", "ignore"))
