@@ -266,7 +266,8 @@ class _Reply:
 
     def push(self, out: RequestOutput) -> None:
         self.texts.append(out.text)
-        if self.choice.logprobs is not None and (part := self.choice.logprobs.release(out.text, final=out.finished)) is not None:
+        lp = self.choice.logprobs
+        if lp is not None and (part := lp.release(out.text, final=out.finished)) is not None:
             self.logprobs.append(part)
 
     def take_logprobs(self) -> dict | None:
