@@ -378,9 +378,6 @@ class ParsedCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
 def parse(text: str, tool_plan: ToolPlan, fmt: ToolFormat) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished reply. With no tools offered, or text that does not parse
     as calls of declared functions, the whole text is the content and there are no calls."""
@@ -391,11 +388,9 @@ def parse(text: str, tool_plan: ToolPlan, fmt: ToolFormat) -> tuple[str | None, 
         start = text.find("<tool_call>")
         if start < 0:
             return text, []
-        rest = text[start:]
-        blocks = _HERMES_BLOCK.findall(rest)
-        leftover = _HERMES_BLOCK.sub("", rest).strip()
-        calls = [_call(b, names, "arguments") for b in blocks]
-        if not blocks or leftover or any(c is None for c in calls):
+        values = _hermes_values(text[start:])
+        calls = [_call_obj(v, names, "arguments") for v in values or ()]
+        if not values or any(c is None for c in calls):
             return text, []
         content = text[:start].strip()
         return (content or None), calls
@@ -411,6 +406,32 @@ def parse(text: str, tool_plan: ToolPlan, fmt: ToolFormat) -> tuple[str | None, 
         return text, []
     calls = [_call_obj(v, names, "arguments") for v in value]
     return (text, []) if any(c is None for c in calls) else (None, calls)
+
+
+def _hermes_values(text: str) -> list | None:
+    """The JSON values of a text made only of `<tool_call>` blocks (whitespace between), or None.
+    Each block's JSON is decoded whole, so a string holding "</tool_call>" cannot end it."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return values
+        if not text.startswith(_OPEN, i):
+            return None
+        i += len(_OPEN)
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if not text.startswith(_CLOSE, i):
+            return None
+        i += len(_CLOSE)
+        values.append(value)
 
 
 def _call(body: str, names: set[str], args_key: str) -> ParsedCall | None:
