@@ -103,6 +103,21 @@ def engine_tok_s(engine, reqs) -> float:
     return sum(o.completion_tokens for o in outs.values()) / dt
 
 
+def decode_tok_s(engine, reqs: list[GenerationRequest]) -> float:
+    """Tokens/s of the steps after every request has its first token, until all finish."""
+    for r in reqs:
+        engine.add_request(r)
+    started: set[str] = set()
+    while len(started) < len(reqs):
+        for out in engine.step():
+            if out.token_ids:
+                started.add(out.request_id)
+    tokens, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - t0)
+
+
 def hf_baseline(path=None, device: str = "cpu"):
     """A GGUF model (default: the embedded one) through Hugging Face transformers (the baseline
     the benchmarks compare against): (model in eval mode, its tokenizer padding on the left for

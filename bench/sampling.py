@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import PROMPTS, load_model, machine  # noqa: E402
+from bench.common import PROMPTS, decode_tok_s, load_model, machine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import GenerationRequest, SamplingParams  # noqa: E402
@@ -55,21 +55,6 @@ def requests(tokenizer, n: int, new_tokens: int, prefix: str, on: bool, temperat
                                 **(CONTROLS if on else {}))
         reqs.append(GenerationRequest(f"{prefix}{i}", prompt=prompt, cache_salt=f"{prefix}{i}", params=params))
     return reqs
-
-
-def decode_tok_s(engine: LLMEngine, reqs: list[GenerationRequest]) -> float:
-    """Tokens/s of the steps after every request has its first token, until all finish."""
-    for r in reqs:
-        engine.add_request(r)
-    started: set[str] = set()
-    while len(started) < len(reqs):
-        for out in engine.step():
-            if out.token_ids:
-                started.add(out.request_id)
-    tokens, t0 = 0, time.perf_counter()
-    while engine.has_unfinished():
-        tokens += sum(len(o.token_ids) for o in engine.step())
-    return tokens / (time.perf_counter() - t0)
 
 
 def throughput(args) -> dict:
