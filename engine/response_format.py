@@ -72,24 +72,25 @@ def normalize(value) -> dict | None:
     if schema is not None:
         if not isinstance(schema, dict):
             raise ValueError("json_schema.schema must be a JSON schema object")
-        _check_depth(schema)
-        size = len(json.dumps(schema, separators=(",", ":")).encode())
-        if size > MAX_SCHEMA_BYTES:
-            raise ValueError(f"json_schema.schema is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
+        check_schema_bounds(schema, "json_schema.schema")
         out["schema"] = schema
     return {"type": "json_schema", "json_schema": out}
 
 
-def _check_depth(schema: dict) -> None:
-    """ValueError when objects and arrays nest deeper than MAX_SCHEMA_DEPTH (checked without
-    recursion, so a hostile nesting cannot exhaust the stack)."""
+def check_schema_bounds(schema: dict, where: str) -> None:
+    """ValueError naming `where` when the schema's compact JSON exceeds MAX_SCHEMA_BYTES or its
+    objects and arrays nest deeper than MAX_SCHEMA_DEPTH (checked without recursion, so a hostile
+    nesting cannot exhaust the stack). Tools' parameters (tessera.tool_calls) have the same bounds."""
     stack = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"json_schema.schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    size = len(json.dumps(schema, separators=(",", ":")).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{where} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted")
 
 
 def _brief(value) -> str:

@@ -28,7 +28,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from engine.response_format import MAX_GRAMMAR_BYTES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+from engine.response_format import MAX_GRAMMAR_BYTES, check_schema_bounds
 from engine.structured_output import COMPACT_JSON
 
 #: The most tools one request may declare (OpenAI's limit).
@@ -177,16 +177,10 @@ def _choice(tool_choice, tools: list[Tool]) -> tuple[str, str | None]:
 
 
 def _check_schema(schema: dict, where: str) -> None:
-    size = len(json.dumps(schema, separators=(",", ":")).encode())
-    if size > MAX_SCHEMA_BYTES:
-        raise ToolsError(f"{where} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted", "tools")
-    stack = [(schema, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ToolsError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels", "tools")
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    try:
+        check_schema_bounds(schema, where)
+    except ValueError as e:
+        raise ToolsError(str(e), "tools") from None
 
 
 # -- rendering the conversation -----------------------------------------------------------------
