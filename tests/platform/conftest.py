@@ -150,3 +150,18 @@ def wait_engine_idle(aengine, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"engine still holds {list(aengine.engine.requests)}")
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def shared_demo(tmp_path_factory):
+    """One `tessera demo` subprocess (tests/platform/demo_process.py) for the modules that only
+    send it requests (the tool clients, the tools adapter, guidellm, the Responses API): each
+    uses its own tenant or only reads, so they share one model load and adapter upload. The
+    newcomer test runs its own (it ends it with Ctrl+C)."""
+    from .demo_process import Demo
+
+    d = Demo(tmp_path_factory.mktemp("shared-demo"))
+    d.wait_ready()
+    yield d
+    d.stop()
+    assert "Traceback" not in d.stderr_text(), d.stderr_text()

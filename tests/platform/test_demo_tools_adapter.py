@@ -4,18 +4,17 @@ in a city it never saw in training, answers from the tool's result in one senten
 round trip the demo prints works as pasted. The base model, which was never taught tools, still
 returns a call whose arguments validate when `tool_choice` is "required": a grammar forces it.
 
-One demo process for the whole file (it loads the engine and uploads the demo adapters).
+The session's one demo process (conftest.py: shared_demo).
 """
 from __future__ import annotations
 
 import json
-import re
 
 import jsonschema
 import openai
 import pytest
 
-from .test_demo_newcomer import Demo, printed_commands, sh
+from .demo_process import printed_commands, sh
 
 BASE = "SmolLM2-135M-Instruct"
 ADAPTER = "weather-tools"
@@ -30,17 +29,10 @@ HELD_OUT = ["Melbourne", "Rio de Janeiro", "Reykjavík"]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("tools-demo")
-    d = Demo(cwd)
-    out = d.wait_ready()
-    url = re.search(r"Tessera is running at (\S+)", out).group(1)
-    key = re.search(r'Authorization: Bearer (\S+)"', next(c for c in printed_commands(out)
-                                                          if "/v1/chat/completions" in c)).group(1)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
-    yield d, cwd, client
-    d.stop()
-    assert "Traceback" not in d.stderr_text(), d.stderr_text()
+def demo(shared_demo, tmp_path_factory):
+    """(the session's demo, a folder to paste its commands in, an openai client with its key)."""
+    client = openai.OpenAI(base_url=f"{shared_demo.url}/v1", api_key=shared_demo.key, max_retries=0, timeout=120)
+    return shared_demo, tmp_path_factory.mktemp("tools-demo"), client
 
 
 def ask_weather(client, city: str):

@@ -10,7 +10,6 @@ it): without it the test skips saying so, or fails under CI=true (tests/requirem
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 
 import pytest
@@ -18,23 +17,15 @@ import pytest
 from bench.guidellm import guidellm_command, guidellm_env, write_tokenizer
 from tests import requirements
 
-from .test_demo_newcomer import Demo, printed_commands
 
 STREAMS, REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 2, 4, 32, 16
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(request):
     requirements.require_guidellm()  # before the demo: starting it is the slow part
-    cwd = tmp_path_factory.mktemp("guidellm-demo")
-    d = Demo(cwd)
-    out = d.wait_ready()
-    url = re.search(r"Tessera is running at (\S+)", out).group(1)
-    key = re.search(r'Authorization: Bearer (\S+)"', next(c for c in printed_commands(out)
-                                                          if "/v1/chat/completions" in c)).group(1)
-    yield url, key
-    d.stop()
-    assert "Traceback" not in d.stderr_text(), d.stderr_text()
+    shared_demo = request.getfixturevalue("shared_demo")
+    return shared_demo.url, shared_demo.key
 
 
 def test_guidellm_runs_against_the_demo_with_no_errors_and_every_request_gets_its_tokens(demo, tmp_path):

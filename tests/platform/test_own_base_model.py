@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from .test_demo_newcomer import ADAPTERS, TESSERA, Demo
+from .demo_process import ADAPTERS, TESSERA, Demo
 
 QWEN = "tessera-synthetic/qwen2.5-tiny"
 

@@ -8,12 +8,7 @@ is tested on SQLite and Postgres without a server."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -33,7 +28,6 @@ from tessera.models import StoredResponse, UsageEvent
 from tessera.responses_store import ChainError, NewResponse
 
 from ..adapter_registry.conftest import create_pg_database, drop_pg_database
-from .conftest import free_port
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -54,35 +48,12 @@ WEATHER_TOOL = {
 
 
 class Served:
-    """`tessera demo` in a fresh folder: its URL, the demo tenant's key, the admin token, its database."""
+    """The session's `tessera demo` (tests/platform/demo_process.py): its URL, the demo tenant's
+    key, the admin token, its database."""
 
-    def __init__(self, cwd: Path):
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {"TESSERA_PORT": str(port)}
-        self.cwd = cwd
-        self.stderr = open(cwd / "demo.stderr", "w+")
-        self.proc = subprocess.Popen([str(TESSERA), "demo"], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True)
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip("\n"))
-                if line.startswith("Press Ctrl+C"):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(300) or self.proc.poll() is not None:
-            self.stop()
-            self.stderr.seek(0)
-            pytest.fail("tessera demo did not start:\n" + "\n".join(self.lines) + self.stderr.read())
-        out = "\n".join(self.lines)
-        self.url = re.search(r"Tessera is running at (\S+)", out).group(1)
-        self.key = re.search(r'/v1/chat/completions[\s\S]*?Authorization: Bearer (\S+)"', out).group(1)
-        self.admin_token = re.search(r"Admin API: \S+ with header 'Authorization: Bearer (\S+)'", out).group(1)
-        self.db = make_engine(f"sqlite:///{cwd / 'var' / 'tessera.db'}")
+    def __init__(self, demo):
+        self.url, self.key, self.admin_token = demo.url, demo.key, demo.admin_token
+        self.db = make_engine(f"sqlite:///{demo.cwd / 'var' / 'tessera.db'}")
 
     def client(self, key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, max_retries=0, timeout=180)
@@ -104,21 +75,11 @@ class Served:
         with self.db.connect() as c:
             return c.execute(select(UsageEvent).where(UsageEvent.request_id == request_id)).first()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    s = Served(tmp_path_factory.mktemp("responses"))
+def served(shared_demo):
+    s = Served(shared_demo)
     yield s
-    s.stop()
     s.db.dispose()
 
 

@@ -9,12 +9,11 @@ Each runs against `tessera demo` started as a subprocess, as `make run` starts i
 demo tools adapter `weather-tools` (trained to call get_weather for a weather question and to
 answer from the result: it is asked with tool_choice "auto") and once with the base model
 (SmolLM2-135M-Instruct, never taught tools: it is asked with a forced choice, which a grammar
-enforces). One demo process for the whole file.
+enforces). The session's one demo process (conftest.py: shared_demo).
 """
 from __future__ import annotations
 
 import json
-import re
 from typing import Literal
 
 import jsonschema
@@ -22,7 +21,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .test_demo_newcomer import Demo, printed_commands
 
 BASE = "SmolLM2-135M-Instruct"
 ADAPTER = "weather-tools"
@@ -50,22 +48,15 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(url, key, models) of `tessera demo` run as a subprocess, read off what it printed; the
-    clients run under OFFLINE while the module's tests run."""
+def server(shared_demo):
+    """(url, key, models) of the session's `tessera demo` subprocess, read off what it printed;
+    the clients run under OFFLINE while the module's tests run."""
     with pytest.MonkeyPatch.context() as mp:
         for k, v in OFFLINE.items():
             mp.setenv(k, v)
-        d = Demo(tmp_path_factory.mktemp("tool-clients"))
-        out = d.wait_ready()
-        url = re.search(r"Tessera is running at (\S+)", out).group(1)
-        key = re.search(r'Authorization: Bearer (\S+)"', next(c for c in printed_commands(out)
-                                                              if "/v1/chat/completions" in c)).group(1)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{shared_demo.url}/v1", api_key=shared_demo.key, max_retries=0, timeout=120)
         models = {m.id for m in client.models.list()}
-        yield f"{url}/v1", key, models
-        d.stop()
-    assert "Traceback" not in d.stderr_text(), d.stderr_text()
+        yield f"{shared_demo.url}/v1", shared_demo.key, models
 
 
 def served(server, model: str) -> str:
