@@ -129,7 +129,7 @@ def main() -> None:
             res["peft_skipped"] = f"{type(e).__name__}: {e}"[:300]
     if getattr(eng, "int8_max_rows", None) is not None:
         res["int8_max_rows"] = list(eng.int8_max_rows)
-        res["dense_ms"] = eng.format_timings
+        res["formats"] = eng.format_timings.get("summary", eng.format_timings)
     res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."),
                 "rank": RANK, "requests": n_req, "new_tokens": new_tokens})
     if not is_default_run(args):

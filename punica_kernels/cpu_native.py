@@ -104,6 +104,52 @@ def _stack_args(stack) -> tuple[int, int, tuple] | None:
     return _STACK_ARGS[stack]
 
 
+class StepCall:
+    """The kernel bound to one step's LoRAMetadata, for a caller that makes the same kind of call
+    on many stacks in a step (the engine's CPU backend: four a layer): the token slots are
+    converted once, and each call checks only what keeps the kernel inside its tensors (dtypes,
+    contiguity, shapes against the stack and the metadata); the rank values are checked by the
+    kernel itself. `for_meta` answers None where the kernel is not built; a call on a stack of
+    another slot count than the metadata was checked for answers False."""
+
+    def __init__(self, lib: ctypes.CDLL, meta):
+        self.lib = lib
+        self.num_tokens = meta.num_tokens
+        self.num_slots = meta.num_slots  # the slot values were checked against it (build_lora_metadata)
+        self.slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
+        self.slots_ptr = self.slots.data_ptr()
+        self.max_run = max_adapter_run(meta)
+
+    @classmethod
+    def for_meta(cls, meta) -> StepCall | None:
+        lib = library()
+        return None if lib is None or meta.token_slots.device.type != "cpu" else cls(lib, meta)
+
+    def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """y += the adapter term of x on `stack` (punica_kernels.add_lora's contract) through the
+        kernel; False (nothing done) where add_lora must serve the call instead."""
+        stack_args = _stack_args(stack)
+        if (stack_args is None or stack.num_slots != self.num_slots or x.dtype != torch.float32 or y.dtype != torch.float32 or not x.is_contiguous()
+                or y.stride(1) != 1 or x.shape[0] != self.num_tokens or y.shape[0] != self.num_tokens
+                or x.shape[1] != stack.in_features or y.shape[1] < stack.min_out_width
+                or stack.ranks.dtype != torch.int32 or not stack.ranks.is_contiguous()):
+            return False
+        wtype, stack_address, _ = stack_args
+        if self.num_tokens == 0 or (wtype == WEIGHT_TYPES[torch.float32] and self.max_run > MAX_RUN):
+            return False
+        rc = self.lib.tessera_add_lora_f32(stack_address, self.num_tokens, y.stride(0), x.data_ptr(), y.data_ptr(),
+                                           self.slots_ptr, stack.ranks.data_ptr())
+        _raise_for(rc)
+        return True
+
+
+def _raise_for(rc: int) -> None:
+    if rc == -2:
+        raise MemoryError("CPU LoRA kernel: no memory for its run list")
+    if rc != 0:  # a rank outside [0, R] here means a bug, not bad input
+        raise RuntimeError("CPU LoRA kernel refused its arguments (rank outside the stack)")
+
+
 def add_lora_f32(args, meta) -> bool:
     """Run the fused LoRA term of a checked `add_lora` call (punica_kernels._checks.AddLoRAArgs:
     its stack holds the weights, scales and ranks) through the kernel; False (nothing done) when
@@ -128,8 +174,5 @@ def add_lora_f32(args, meta) -> bool:
     ranks32 = ranks if ranks.dtype == torch.int32 else ranks.to(torch.int32)
     rc = lib.tessera_add_lora_f32(stack_address, x.shape[0], y.stride(0), x.data_ptr(), y.data_ptr(),
                                   slots.data_ptr(), ranks32.data_ptr())
-    if rc == -2:
-        raise MemoryError("CPU LoRA kernel: no memory for its run list")
-    if rc != 0:  # the checks ran before: a rank outside [0, R] here means a bug, not bad input
-        raise RuntimeError("CPU LoRA kernel refused its arguments (rank outside the stack)")
+    _raise_for(rc)
     return True

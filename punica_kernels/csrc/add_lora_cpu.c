@@ -235,13 +235,13 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
  * stack's R, where [N, R] rows would pull in whole cache lines of padding (4x the bytes for rank
  * 16 in a rank-64 stack).
  *
- * With AVX2 (AVX-512 builds run the same code) the products run in integers: x (per token, in a
- * pass before the work items) and v (per token and slice) are rounded to int16 with one scale
- * each (error at most 2^-16 of their largest element), and vpmaddwd multiplies 16 of them by 16
- * sign-extended weights into 8 int32 pair sums: a third of the instructions of widening each
- * weight to fp32 for an FMA (the compute a many-adapter step's reads do not hide). The
- * row scales and the two int16 scales are applied to each row's sum. Without AVX2: fp32 on the
- * dequantized weights. */
+ * With AVX2 the products run in integers: x (per token, in a pass before the work items) and v
+ * (per token and slice) are rounded to int16 with one scale each (error at most 2^-16 of their
+ * largest element), and vpmaddwd multiplies 16 of them by 16 sign-extended weights into 8 int32
+ * pair sums: a third of the instructions of widening each weight to fp32 for an FMA (the compute
+ * a many-adapter step's reads do not hide). The row scales and the two int16 scales are applied
+ * to each row's sum. AVX-512BW builds take the 16-lane paths below where a block fills them
+ * (bit-identical results). Without AVX2: fp32 on the dequantized weights. */
 #ifdef TESSERA_HAS_AVX2
 /* q[i] = round(src[i] / scale) (|q| <= 32767) for i < n, zeros from n up to pad; returns scale
  * (0 when src is all zero: q is all zero then). */
@@ -281,12 +281,146 @@ ALWAYS_INLINE __m256i sum8_epi32(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
+#ifdef __AVX512BW__
+/* AVX-512BW (VNNI where present): the same integer products 32 at a time, and rank-16 B rows two
+ * to a register. Integer sums are exact in any order and converted to fp32 at the same points as
+ * in the 8-lane code, so both give bit-identical results. */
+#ifdef __AVX512VNNI__
+#define TESSERA_DP16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define TESSERA_DP16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+/* 32 int8 weights from w, sign-extended to int16 */
+ALWAYS_INLINE __m512i load_i8x32(const int8_t *w) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
+}
+
+/* _mm512_shuffle_ps on int32 lanes */
+#define TESSERA_SHUF_PS(a, b, imm) \
+    _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), (imm)))
+
+/* The last two levels of tessera_sum16 on int32 lanes, from u[0], u[1] whose 128-bit lane j
+ * holds (a, a', b, b') partial sums of rows 8i + j (a) and 8i + 4 + j (b): lane r = row r's sum. */
+ALWAYS_INLINE __m512i sum16_tail_epi32(const __m512i u[2]) {
+    const __m512i t = _mm512_add_epi32(TESSERA_SHUF_PS(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       TESSERA_SHUF_PS(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_epi32(idx, t);
+}
+
+/* from w[0..3], whose 128-bit lane j holds 4 partial sums of row 4i + j: lane r = row r's sum */
+ALWAYS_INLINE __m512i sum16_rows4_epi32(const __m512i w[4]) {
+    __m512i u[2];
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_epi32(TESSERA_SHUF_PS(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                TESSERA_SHUF_PS(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return sum16_tail_epi32(u);
+}
+
+/* r[k] = sum of the 16 int32 lanes of v[k], k < 16 (tessera_sum16's tree) */
+ALWAYS_INLINE __m512i sum16_epi32(const __m512i v[16]) {
+    __m512i w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return sum16_rows4_epi32(x);
+}
+
+/* shrink_i8 for a block of 16 rows of a (rows past r repeat the block's first, results dropped):
+ * 32 inputs a step, one accumulator per row. */
+ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
+                                int64_t j0, float sc, float *v) {
+    const int64_t K16 = K / 16 * 16, left = r - j0 < 16 ? r - j0 : 16;
+    const int8_t *row[16];
+    for (int k = 0; k < 16; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K;
+    float tot[16] = {0};
+    for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
+        const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
+        __m512i acc[16];
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_si512();
+        int64_t c = c0;
+        for (; c + 32 <= c1; c += 32) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + c));
+            for (int k = 0; k < 16; k++) acc[k] = TESSERA_DP16(acc[k], xv, load_i8x32(row[k] + c));
+        }
+        if (c < c1) { /* 16 inputs left */
+            const __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + c)));
+            for (int k = 0; k < 16; k++)
+                acc[k] = TESSERA_DP16(acc[k], xv, _mm512_zextsi256_si512(load_i8x16(row[k] + c, 16)));
+        }
+        float out[16];
+        _mm512_storeu_ps(out, _mm512_cvtepi32_ps(sum16_epi32(acc)));
+        for (int k = 0; k < 16; k++) tot[k] += out[k];
+    }
+    for (int k = 0; k < left; k++) {
+        int64_t tail = 0; /* K % 16 inputs */
+        for (int64_t c = K16; c < K; c++) tail += (int64_t)xq[c] * row[k][c];
+        v[j0 + k] = sc * rs[j0 + k] * xs * (tot[k] + (float)tail);
+    }
+}
+
+/* expand_i8's rows n..n+15 for a rank-16 slot: its B rows are 16 bytes each and contiguous, so
+ * one 32-byte load holds two of them (vq repeated in both halves of vv2). */
+ALWAYS_INLINE void expand_i8_r16(__m512i vv2, const int8_t *b, int64_t n, const float *rs, __m512 vsv, float *y) {
+    __m512i p[8], w[4];
+    for (int m = 0; m < 8; m++) p[m] = _mm512_madd_epi16(vv2, load_i8x32(b + (n + 2 * m) * 16));
+    /* p[m]: lanes 0-7 row n + 2m, lanes 8-15 row n + 2m + 1 (128-bit lanes 0-1 and 2-3) */
+    for (int i = 0; i < 4; i++) /* lane j of w[i]: the partial sums of row 4i + j */
+        w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum16_rows4_epi32(w)),
+                                   _mm512_mul_ps(_mm512_loadu_ps(rs + n), vsv));
+    _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), s));
+}
+
+/* expand_i8's rows n..n+15 for 16 < r <= 64: each row in blocks of 32 ranks (vq zero from r up to
+ * nb * 32; the caller keeps the reads inside the slot's room). */
+ALWAYS_INLINE void expand_i8_wide(const __m512i *vv, int64_t nb, const int8_t *b, int64_t r, int64_t n,
+                                  const float *rs, __m512 vsv, float *y) {
+    __m512i acc[16];
+    for (int k = 0; k < 16; k++) acc[k] = _mm512_madd_epi16(vv[0], load_i8x32(b + (n + k) * r));
+    for (int64_t i = 1; i < nb; i++)
+        for (int k = 0; k < 16; k++) acc[k] = TESSERA_DP16(acc[k], vv[i], load_i8x32(b + (n + k) * r + 32 * i));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum16_epi32(acc)),
+                                   _mm512_mul_ps(_mm512_loadu_ps(rs + n), vsv));
+    _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), s));
+}
+
+/* The rows expand_i8 leaves to the 8-lane code: from the first row the 16-row paths cannot take. */
+ALWAYS_INLINE int64_t expand_i8_512(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t r,
+                                    int64_t n_out, int64_t room, float *y) {
+    const __m512 vsv = _mm512_set1_ps(vs);
+    int64_t n = 0;
+    if (r == 16) {
+        const __m512i vv2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)vq));
+        for (; n + 16 <= n_out; n += 16) expand_i8_r16(vv2, b, n, rs, vsv, y);
+    } else if (r > 16) {
+        const int64_t nb = (r + 31) / 32;
+        __m512i vv[2];
+        for (int64_t i = 0; i < nb; i++) vv[i] = _mm512_loadu_si512((const void *)(vq + 32 * i));
+        for (; n + 16 <= n_out && (n + 15) * r + 32 * nb <= room; n += 16) expand_i8_wide(vv, nb, b, r, n, rs, vsv, y);
+    }
+    return n;
+}
+#endif
+
 /* v[j] = sc * rs[j] * xs * (xq . a[j]) for j < r (8 rows at a time sharing each load of xq). The
  * int32 sums are moved to fp32 every 4096 inputs: |pair sum| <= 2 * 127 * 32767, 256 of them fit. */
 ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
                              float sc, float *v) {
     const int64_t K16 = K / 16 * 16;
     for (int64_t j0 = 0; j0 < r; j0 += 8) {
+#ifdef __AVX512BW__
+        if (r - j0 > 8) { /* more than 8 rows left: 16 at a time */
+            shrink_i8_16(xq, xs, a, rs, K, r, j0, sc, v);
+            j0 += 8;
+            continue;
+        }
+#endif
         const int64_t left = r - j0 < 8 ? r - j0 : 8;
         const int8_t *row[8]; /* rows past r repeat the block's first (result dropped) */
         for (int k = 0; k < 8; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K;
@@ -337,7 +471,11 @@ ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const
     __m256i vv[4];
     for (int64_t i = 0; i < nb; i++) vv[i] = _mm256_loadu_si256((const __m256i *)(vq + 16 * i));
     const __m256 vsv = _mm256_set1_ps(vs);
+#ifdef __AVX512BW__
+    int64_t n = expand_i8_512(vq, vs, b, rs, r, n_out, room, y);
+#else
     int64_t n = 0;
+#endif
     for (; n + 8 <= n_out && (n + 7) * r + 16 * nb <= room; n += 8) expand_block_i8(vv, nb, b, r, n, rs, vsv, y, 0);
     for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, r, n, rs, vsv, y, 1);
     for (; n < n_out; n++) {
@@ -362,7 +500,11 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
     int16_t vq[64];
     for (int64_t i = t0; i < t0 + n_tok; i++) {
         shrink_i8(xq + i * K, xs[i], a, a_rs, K, r, sc, v);
+#ifdef __AVX512BW__
+        const float vs = quantize_i16(v, r, (r + 31) / 32 * 32, vq); /* expand_i8_wide reads 32 ranks a block */
+#else
         const float vs = quantize_i16(v, r, (r + 15) / 16 * 16, vq);
+#endif
         if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, r, n_out, n_out * R, y + i * ldy);
     }
 }
@@ -444,7 +586,10 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
         }
     }
 #endif
-#pragma omp parallel if (work > 1)
+    /* Under 16 tokens the items are a few microseconds of work each, less than waking the other
+     * threads costs: the engine's decode steps of a few streams (measured at 1 and 8) run these
+     * calls faster on the calling thread. */
+#pragma omp parallel if (work > 1 && T >= 16)
     {
 #ifdef TESSERA_HAS_AVX2
         if (wtype == W_I8) { /* the rows first (the loop's barrier), shared by every slice's items */

@@ -121,3 +121,36 @@ def test_attention_with_and_without_the_kernel_agree():
     slow = CpuBackend(EngineConfig(cpu_decode_ops=False)).attention(qkv, None, cos_sin, k2, v2, meta, spec)
     assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
     assert torch.allclose(k_cache[meta.slot_mapping], k2[meta.slot_mapping], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32], ids=str)
+def test_the_steps_lora_call_matches_add_lora(dtype, smollm_checkpoint):
+    """The backend's per-step LoRA batch calls the C kernel directly (cpu_native.StepCall) and
+    gives add_lora's own result, for every group of a layer, on a batch mixing the demo adapters
+    and base tokens, and on a prompt longer than the kernel's fp32 runs (which add_lora's torch
+    path serves)."""
+    from pathlib import Path
+
+    import punica_kernels
+    from engine.backends.cpu import CpuLoRABatch
+    from engine.lora.layers import LoRASlots
+    from engine.lora.weights import GROUPS, load_lora_weights
+
+    demo = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters"
+    cfg = smollm_checkpoint[0]
+    slots = LoRASlots(cfg, 3, 64, dtype)
+    for i, name in enumerate(("json-answer", "pirate", "upper")):
+        slots.write(i, load_lora_weights(demo / name, name, cfg, max_rank=64, dtype=dtype))
+    g = torch.Generator().manual_seed(0)
+    widths = {"qkv": (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "o": (cfg.q_size, cfg.hidden_size),
+              "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "down": (cfg.intermediate_size, cfg.hidden_size)}
+    for token_slots in ([-1, 0, 0, 1, 2, 2, 2, -1, 1], [1] * 70 + [-1, 0]):
+        batch = CpuLoRABatch(slots, token_slots)
+        assert batch.native is not None
+        for group in GROUPS:
+            k, n = widths[group]
+            x, y = torch.randn(len(token_slots), k, generator=g), torch.randn(len(token_slots), n, generator=g)
+            want = punica_kernels.add_lora(y.clone(), x, slots.stacks[(3, group)], meta=batch.meta)
+            got = y.clone()
+            batch.apply(3, group, x, got)
+            assert torch.equal(got, want) and not torch.equal(got, y), group

@@ -1,8 +1,9 @@
 """The CPU backend: hand-written C kernels (csrc/, built on first use for this CPU by
 punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_ops) where not.
 
-- Linears (`linear.CpuLinear`): weight formats chosen by measurement when the engine starts
-  (`calibration`): int8 weight-only for decode-sized batches (the C int8 kernel, the Q4_1
+- Linears (`linear.CpuLinear`): weight formats chosen by rules over the CPU's instruction sets
+  and the kernels packed (`formats`), never by a timing, so greedy outputs do not depend on the
+  load at start-up: int8 weight-only for decode-sized batches (the C int8 kernel, the Q4_1
   kernel on the checkpoint's own blocks for the smallest, the AMX kernel for wide ones where the
   CPU has AMX), dense fp32/bf16 copies packed for oneDNN for wider batches, the exact fp32
   copy for steps that prefill unless the fast copy is far faster.
@@ -14,7 +15,6 @@ within the tolerances ARCHITECTURE.md states.
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -23,14 +23,10 @@ from torch import nn
 import punica_kernels
 from engine.backends import torch_ops
 from engine.backends.base import Backend, LoRABatch
-from engine.backends.cpu import decode_ops
-from engine.backends.cpu.calibration import (FAST_PREFILL_MIN_SPEEDUP, calibrate_int8_rows, calibrate_q4_rows,
-                                             choose_dense_dtype, measure_prefill_speedup)
+from engine.backends.cpu import decode_ops, formats
 from engine.backends.cpu.linear import CpuLinear
 from engine.model.attention import AttentionMetadata
 from punica_kernels import cpu_native
-
-log = logging.getLogger(__name__)
 
 #: EngineConfig field -> the environment variable that may switch it off at the CLI edge.
 SWITCHES = {"cpu_decode_ops": "TESSERA_CPU_DECODE_OPS", "cpu_int8_kernel": "TESSERA_CPU_INT8_KERNEL",
@@ -46,15 +42,20 @@ class CpuLoRABatch(LoRABatch):
     """One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole
     mixed batch; tokens without an adapter (slot -1) cost nothing. The metadata (and the CPU
     path's slot-major token plan, cached for it by punica_kernels.cpu) is built once per step and
-    shared by every layer."""
+    shared by every layer. Calls the C kernel takes go to it directly through the step's
+    `cpu_native.StepCall` (the per-call checks of add_lora, ~3 us each, are a share of a
+    single-stream step's 120 calls); the rest through add_lora."""
 
     def __init__(self, slots, token_slots: list[int]):
         self.slots = slots
         self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
+        self.native = cpu_native.StepCall.for_meta(self.meta)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         x = x if x.is_contiguous() else x.contiguous()
-        punica_kernels.add_lora(y, x, self.slots.stacks[(layer, group)], meta=self.meta)
+        stack = self.slots.stacks[(layer, group)]
+        if self.native is None or not self.native(stack, x, y):
+            punica_kernels.add_lora(y, x, stack, meta=self.meta)
 
 
 class CpuBackend(Backend):
@@ -73,8 +74,8 @@ class CpuBackend(Backend):
     def weight_format(self) -> str:
         """"auto": "int8", i.e. int8 weight-only for decode-sized batches and dense copies for
         wider ones (fp32 in steps that prefill; fp32 or bf16 in decode-only steps), with fp32
-        activations; the fast dense dtype and the int8 crossover are measured on the loaded
-        weights at start (prepare_model), because both differ by CPU (bench/RESULTS.md)."""
+        activations; the fast dense dtype and the int8 crossover follow the CPU's kind
+        (prepare_model, `formats`), because the fastest differ by CPU (bench/RESULTS.md)."""
         fmt = self.config.weight_format
         return "int8" if fmt == "auto" else fmt
 
@@ -84,35 +85,32 @@ class CpuBackend(Backend):
         return CpuLinear(weight, self.weight_format(), q4_1=q4_1)
 
     def prepare_model(self, model: nn.Module) -> dict:
-        """For the int8 format: the dense dtype for decode-only wide batches (bf16 beats fp32 with
-        avx512_bf16 and loses to it with AVX2 only), oneDNN and C-kernel packing, the Q4_1 and
-        int8 crossovers, and whether prefill steps stay exact, all timed on the loaded weights."""
+        """For the int8 format: pack the dense copies (oneDNN) and the C kernels' copies, then set
+        every layer's paths by the rules of `formats.choose_formats` over this CPU's kind and the
+        kernels packed (never by a timing: the same CPU kind always gives the same numerics), and
+        log the choice in one line. Returns the choice (`FormatChoice.as_dict`) and what was packed."""
         if self.weight_format() != "int8":
             return {}
         ec = self.config
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
         head = model.lm_head
-        dense, timings = choose_dense_dtype(layers)
-        head.set_fast_dtype(dense)
-        timings["onednn_packed"] = all([layer.pack_dense() for layer in layers + [head]])
-        if ec.cpu_int8_kernel:
-            timings["int8_kernel"] = all([layer.pack_int8(q4=ec.cpu_q4_kernel, amx=ec.cpu_amx_kernel)
-                                          for layer in layers + [head]])
-        else:
-            timings["int8_kernel"] = False
-        timings["q4_1_max_rows"] = calibrate_q4_rows(layers)
-        self.int8_max_rows = (calibrate_int8_rows(layers), calibrate_int8_rows([head]))
-        if ec.exact_prefill is None:
-            speedup = measure_prefill_speedup(layers)
-            timings["prefill_fast_speedup"] = round(speedup, 2)
-            self.exact_prefill = speedup < FAST_PREFILL_MIN_SPEEDUP
-        else:
-            self.exact_prefill = ec.exact_prefill
-        timings["dense"] = str(dense).removeprefix("torch.")
-        log.info("int8 weight-only up to %d rows per step (lm_head %d); dense %s beyond in decode "
-                 "steps, %s in steps that prefill (%s ms)", *self.int8_max_rows, dense,
-                 "fp32" if self.exact_prefill else dense, timings)
-        return timings
+        cpu = formats.detect_cpu()
+        for layer in layers + [head]:
+            layer.set_fast_dtype(formats.dense_dtype(cpu))
+        packed = {"onednn_packed": all([layer.pack_dense() for layer in layers + [head]]),
+                  "int8_kernel": ec.cpu_int8_kernel and all([layer.pack_int8(q4=ec.cpu_q4_kernel, amx=ec.cpu_amx_kernel)
+                                                             for layer in layers + [head]])}
+        packed["amx_kernel"] = packed["int8_kernel"] and all(layer.int8_tiled is not None for layer in layers)
+        choice = formats.choose_formats(cpu, int8_kernel=packed["int8_kernel"], amx_kernel=packed["amx_kernel"],
+                                        q4_kernel=any(layer.q4_blocked is not None for layer in layers),
+                                        exact_prefill=ec.exact_prefill)
+        for layer in layers:
+            layer.int8_max_rows, layer.q4_max_rows = choice.int8_max_rows, choice.q4_max_rows
+        head.int8_max_rows, head.q4_max_rows = choice.head_int8_max_rows, choice.q4_max_rows
+        self.int8_max_rows = (choice.int8_max_rows, choice.head_int8_max_rows)
+        self.exact_prefill = choice.exact_prefill
+        formats.log.info("%s", choice.summary())
+        return {**choice.as_dict(), **packed, "summary": choice.summary()}
 
     def exact_step(self, attn: AttentionMetadata) -> bool:
         """Steps that prefill run wide matmuls on the exact fp32 weights if `exact_prefill`."""

@@ -1,7 +1,12 @@
-"""Measurements the CPU backend makes on the loaded weights when the engine starts: which dense
-dtype serves wide decode batches, up to how many rows the int8 and Q4_1 kernels win, and whether
-steps that prefill may leave the exact fp32 copy. The winners differ by CPU (bench/RESULTS.md), so
-they are timed here, never assumed."""
+"""Measurements behind the CPU backend's format rules (engine.backends.cpu.formats): which dense
+dtype serves wide decode batches fastest, up to how many rows the int8 and Q4_1 kernels win, and
+how much faster the fast copy's prefill GEMMs are than fp32's. The engine never runs them (a
+timing varies with the machine's load, and the choice changes numerics); run
+
+    python -m engine.backends.cpu.calibration
+
+to measure them on this machine's embedded SmolLM2 beside what the rules choose, when checking or
+adding a rule for a CPU kind. Each function sets what it measured on the layers it was given."""
 from __future__ import annotations
 
 import time
@@ -63,8 +68,9 @@ def choose_dense_dtype(layers: list[CpuLinear], rows: int = 64, reps: int = 7, m
     return choice, times
 
 
-#: Steps that prefill take the decode path (the AMX kernel, else the fast dense copy) instead of the
-#: fp32 copy only where the fast copy's GEMMs are at least this many times fp32's at prefill width.
+#: The prefill rule (formats): steps that prefill are worth taking the decode path (the AMX kernel,
+#: else the fast dense copy) instead of the fp32 copy only where the fast copy's GEMMs are at least
+#: this many times fp32's at prefill width (measured only with AMX).
 #: bf16 prefill rounds the activations, which can flip a first token that is a near-tie in fp32;
 #: that is worth it only where bf16 GEMMs are far faster (AMX), and not where they are merely
 #: faster (avx512_bf16 alone), where a test prompt's near-tie did flip (bench/RESULTS.md).
@@ -147,3 +153,36 @@ def calibrate_int8_rows(layers: list[CpuLinear], candidates=(1, 2, 4, 8, 12, 16,
     for layer in layers:
         layer.int8_max_rows = best
     return best
+
+
+def main() -> None:
+    """Print one JSON object: the rules' choice for this CPU and the measured winners, on the
+    embedded SmolLM2's layers packed as the engine packs them."""
+    import json
+
+    from engine.backends.cpu import CpuBackend, formats
+    from engine.config import EngineConfig
+    from engine.loader import default_model_path, load_gguf
+    from engine.model.decoder import DecoderModel
+
+    cfg, weights, _ = load_gguf(default_model_path())
+    backend = CpuBackend(EngineConfig(weight_format="int8"))
+    model = DecoderModel(cfg, weights, backend=backend)
+    chosen = backend.prepare_model(model)
+    layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
+    head = model.lm_head
+    dense, dense_ms = choose_dense_dtype(layers, reps=15)
+    for layer in layers + [head]:
+        layer.set_fast_dtype(dense)
+        layer.pack_dense()
+    measured = {"dense": str(dense).removeprefix("torch."), "dense_ms": dense_ms,
+                "q4_1_max_rows": calibrate_q4_rows(layers, reps=15),
+                "int8_max_rows": calibrate_int8_rows(layers, candidates=(1, 2, 4, 6, 8, 12, 16, 24, 32), reps=15),
+                "lm_head_int8_max_rows": calibrate_int8_rows([head], candidates=(1, 2, 4, 6, 8, 12, 16, 24, 32),
+                                                             reps=15),
+                "prefill_fast_speedup": round(measure_prefill_speedup(layers, reps=9), 2)}
+    print(json.dumps({"cpu": formats.detect_cpu().describe(), "rules": chosen, "measured": measured}))
+
+
+if __name__ == "__main__":
+    main()

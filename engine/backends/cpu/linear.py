@@ -1,5 +1,5 @@
 """The CPU backend's base linear: frozen weights stored as fp32, bf16 or int8 weight-only, each
-batch on the copy measured fastest for its width (engine.backends.cpu.calibration)."""
+batch on the copy the CPU's rules choose for its width (engine.backends.cpu.formats)."""
 from __future__ import annotations
 
 import functools
@@ -24,9 +24,9 @@ class CpuLinear(nn.Module):
         a prompt's first token comes from (near) fp32 numerics, as with the exact format;
       - `dense_fast` (bf16, or None = use `dense`) for decode-only steps wider than the int8
         crossover: bf16 GEMMs beat fp32 where the CPU has avx512_bf16 and lose to it where it has
-        only AVX2, so bf16 is kept only where it was faster when the engine started.
-    Both the crossover and the fast dtype depend on the CPU: `calibrate_int8_rows` and
-    `choose_dense_dtype` measure them on the loaded weights at engine start.
+        only AVX2, so bf16 is kept only on CPUs with avx512_bf16 or AMX.
+    Both the crossover and the fast dtype depend on the CPU: the backend sets them at engine
+    start by the rules of engine.backends.cpu.formats (the same on every start, whatever the load).
     `pack_dense` (CPU with oneDNN) adds oneDNN-blocked copies of those dense weights, which
     `dense_linear` then uses: the same dtype and numerics, without the per-call reorder of a
     plain weight (faster at 1-100 rows; bench/RESULTS.md).
@@ -42,7 +42,7 @@ class CpuLinear(nn.Module):
         self.fmt = fmt
         self.q4_1_raw = q4_1 if fmt == "int8" else None
         self.q4_blocked: torch.Tensor | None = None  # the Q4_1 kernel's layout of q4_1_raw (pack_int8)
-        self.q4_max_rows = 1  # batches up to this many rows take the Q4_1 kernel (calibrate_q4_rows)
+        self.q4_max_rows = 1  # batches up to this many rows take the Q4_1 kernel (formats)
         self.int8_max_rows = self.INT8_MAX_ROWS
         self.out_features, self.in_features = weight.shape
         self.dense_fast: torch.Tensor | None = None

@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     request = GenerationRequest(request_id=uuid.uuid4().hex, prompt=_prompt(args, engine), params=params,
                                 adapter=version)
     _run_stream(engine, request)
+    if engine.format_timings.get("summary"):  # the CPU weight formats this answer came from
+        print(f"[{engine.format_timings['summary']}]", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,182 @@
+"""The live path a newcomer meets: `tessera demo` (gateway + in-process engine, as `make run`
+starts it) streaming chat completions through the official openai client, the demo's three
+adapters mixed with the base model against the base model alone.
+
+    .venv/bin/python bench/demo_mix.py [--streams 1,8,32] [--requests 48] [--max-tokens 64]
+
+For each stream count, after a warm-up (every model once, then `--warmup` requests of the mix),
+two workloads run in turn, `--rounds` times each: "base" (every request on the base model) and
+"mix" (requests cycle base, json-answer, pirate, upper), `--requests` requests per workload and
+round, `streams` of them in flight at a time. Per request: time to first token (first content
+delta) and time per output token after it ((last - first) / (tokens - 1)). Prints one JSON object
+per stream count: per-token p50 of base and of the mix and their ratio, first-token p50/p99/max
+of base requests in the base workload and of adapter requests in the mix, and the adapter
+requests whose first token took longer than 3x the base's p99 (their offset in seconds from the
+run's start, model, first-token seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine  # noqa: E402
+
+TESSERA = Path(sys.executable).parent / "tessera"
+ADAPTERS = ("json-answer", "pirate", "upper")
+PROMPTS = ["Tell me about the history of the printing press.", "Explain how a rainbow forms.",
+           "What are the benefits of regular exercise?", "Describe the water cycle in simple terms.",
+           "How do airplanes stay in the air?", "Give me a recipe for a simple tomato soup."]
+
+
+class DemoProcess:
+    """`tessera demo` in a fresh folder on a free port; `url`, `key` and `base` read off what it prints."""
+
+    def __init__(self, port: int):
+        self.dir = Path(tempfile.mkdtemp(prefix="tessera-demo-mix-"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {"TESSERA_PORT": str(port)}
+        self.stderr = open(self.dir / "demo.stderr", "w+")
+        self.proc = subprocess.Popen([str(TESSERA), "demo"], cwd=self.dir, env=env, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("Press Ctrl+C"):
+                self.ready.set()
+        self.ready.set()
+
+    def wait(self, timeout: float = 600) -> None:
+        if not self.ready.wait(timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise SystemExit("tessera demo did not start:\n" + "\n".join(self.lines)
+                             + (self.dir / "demo.stderr").read_text())
+        out = "\n".join(self.lines)
+        self.url = re.search(r"Tessera is running at (\S+)", out).group(1)
+        self.key = re.search(r"Authorization: Bearer (\S+)\"", out).group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def one(client, model: str, prompt: str, max_tokens: int, t_start: float) -> dict:
+    """Stream one chat completion; its first-token and per-token seconds."""
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
+        stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += 1
+    return {"model": model, "at_s": round(t0 - t_start, 2), "ttft_s": (first or time.perf_counter()) - t0,
+            "tpot_s": (last - first) / (n - 1) if n > 1 else None}
+
+
+async def workload(client, models: list[str], streams: int, n: int, max_tokens: int, t_start: float) -> list[dict]:
+    """`n` requests cycling through `models`, `streams` in flight at a time."""
+    queue = list(range(n))
+    results: list[dict] = []
+
+    async def worker():
+        while queue:
+            i = queue.pop(0)
+            results.append(await one(client, models[i % len(models)], PROMPTS[i % len(PROMPTS)], max_tokens,
+                                     t_start))
+
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    return results
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+async def run(args, demo: DemoProcess, base: str) -> list[dict]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=demo.url + "/v1", api_key=demo.key, max_retries=0, timeout=600)
+    mix = [base, *ADAPTERS]
+    t_start = time.perf_counter()
+    await workload(client, mix, 1, len(mix), 8, t_start)  # every model once: loads, first builds
+    out = []
+    for streams in args.streams:
+        await workload(client, mix, streams, max(args.warmup, streams), args.max_tokens, t_start)
+        runs: dict[str, list[dict]] = {"base": [], "mix": []}
+        for _ in range(args.rounds):
+            for key, models in (("base", [base]), ("mix", mix)):
+                runs[key] += await workload(client, models, streams, args.requests, args.max_tokens, t_start)
+        tpot = {k: [r["tpot_s"] for r in v if r["tpot_s"] is not None] for k, v in runs.items()}
+        base_ttft = [r["ttft_s"] for r in runs["base"]]
+        adapter_ttft = [r for r in runs["mix"] if r["model"] != base]
+        p99 = pct(base_ttft, 0.99)
+        res = {
+            "streams": streams, "requests_per_workload": len(runs["base"]),
+            "tpot_ms_p50_base": round(statistics.median(tpot["base"]) * 1000, 2),
+            "tpot_ms_p50_mix": round(statistics.median(tpot["mix"]) * 1000, 2),
+            "ttft_ms_base": [round(pct(base_ttft, q) * 1000, 1) for q in (0.5, 0.99, 1.0)],
+            "ttft_ms_adapters": [round(pct([r["ttft_s"] for r in adapter_ttft], q) * 1000, 1)
+                                 for q in (0.5, 0.99, 1.0)],
+            "adapter_ttft_over_3x_base_p99": [{"at_s": r["at_s"], "model": r["model"], "ttft_s": round(r["ttft_s"], 3)}
+                                              for r in adapter_ttft if r["ttft_s"] > 3 * p99],
+        }
+        res["mix_over_base_tpot_p50"] = round(res["tpot_ms_p50_mix"] / res["tpot_ms_p50_base"], 3)
+        print(json.dumps(res), flush=True)
+        out.append(res)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--requests", type=int, default=48, help="requests per workload and round")
+    ap.add_argument("--rounds", type=int, default=2, help="base, mix alternations per stream count")
+    ap.add_argument("--warmup", type=int, default=16, help="mixed requests before each stream count's runs")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--port", type=int, default=18431)
+    args = ap.parse_args()
+    demo = DemoProcess(args.port)
+    try:
+        demo.wait()
+        import httpx
+
+        models = httpx.get(demo.url + "/v1/models", headers={"Authorization": f"Bearer {demo.key}"}).json()["data"]
+        names = {m["id"] for m in models}
+        missing = [a for a in ADAPTERS if a not in names]
+        if missing:
+            raise SystemExit(f"the demo serves no {missing} (models: {sorted(names)})")
+        base = models[0]["id"]  # the base model's card comes first (api/openai.py, list_models)
+        results = asyncio.run(run(args, demo, base))
+        print(json.dumps({"base_model": base, "max_tokens": args.max_tokens, "runs": results, "machine": machine()}))
+    finally:
+        demo.stop()
+
+
+if __name__ == "__main__":
+    main()
