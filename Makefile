@@ -74,7 +74,7 @@ run: setup
 	$(VENV)/bin/tessera demo
 
 test: setup guidellm
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # The real-Prometheus integration test alone (it is also part of `make test`).
 test-prometheus: setup

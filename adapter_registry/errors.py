@@ -38,12 +38,29 @@ class AdapterDoesNotFitBase(UploadRejected):
     param = "files"
 
 
+class InvalidName(UploadRejected):
+    """A tenant, adapter or key name that breaks the naming rule (adapter_registry.names); `param`
+    is the field that carried it."""
+
+    def __init__(self, message: str, *, param: str = "name"):
+        super().__init__(message)
+        self.param = param
+
+
 class QuotaExceeded(RegistryError, http_status=413):
     """The upload would exceed the tenant's limits (adapter size, number of adapters)."""
 
 
 class Conflict(RegistryError, http_status=409):
     """The request conflicts with current state (e.g. making a rejected version current)."""
+
+
+class NameTaken(Conflict):
+    """A live tenant or adapter already has this name, ignoring case; `param` is the field."""
+
+    def __init__(self, message: str, *, param: str = "name"):
+        super().__init__(message)
+        self.param = param
 
 
 class RegistryUnavailable(RegistryError, http_status=503):

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    func,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -44,6 +45,10 @@ class Tenant(Base):
         # Names are unique among live tenants; a deleted tenant's name can be reused.
         Index("uq_tenants_name_live", "name", unique=True, sqlite_where=text("deleted_at IS NULL"),
               postgresql_where=text("deleted_at IS NULL")),
+        # ... and ignoring case (adapter_registry.names; migration 0012 adds it where no live
+        # names collide, and reports those that do).
+        Index("uq_tenants_lower_name_live", func.lower(text("name")), unique=True,
+              sqlite_where=text("deleted_at IS NULL"), postgresql_where=text("deleted_at IS NULL")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -74,6 +79,8 @@ class Adapter(Base):
     __tablename__ = "adapters"
     __table_args__ = (
         Index("uq_adapters_tenant_id_name_live", "tenant_id", "name", unique=True,
+              sqlite_where=text("deleted_at IS NULL"), postgresql_where=text("deleted_at IS NULL")),
+        Index("uq_adapters_tenant_id_lower_name_live", "tenant_id", func.lower(text("name")), unique=True,
               sqlite_where=text("deleted_at IS NULL"), postgresql_where=text("deleted_at IS NULL")),
     )
 

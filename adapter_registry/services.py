@@ -42,13 +42,14 @@ from adapter_registry.errors import (
     AdapterDoesNotFitBase,
     BaseModelRefused,
     Conflict,
+    NameTaken,
     NotFound,
     ObjectStoreError,
     QuotaExceeded,
     RegistryUnavailable,
-    UploadRejected,
 )
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
+from adapter_registry.names import check_identifier, identifier_key
 from adapter_registry.objectstore import ObjectStore
 from adapter_registry.settings import RegistrySettings
 from adapter_registry.task_queue import STUCK_SLACK_S, send_validation
@@ -57,16 +58,17 @@ from engine.lora.peft_format import BaseModelShape
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _check_name(name: str, what: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise UploadRejected(
-            f"invalid {what} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return name
+def _name_taken(session: Session, model, name: str, *, what: str, **scope) -> None:
+    """NameTaken if a live row of `model` (within `scope`, e.g. tenant_id=) has `name` ignoring
+    case under another spelling (adapter_registry.names: identifiers are unique ignoring case)."""
+    q = select(model.name).where(func.lower(model.name) == identifier_key(name), model.name != name,
+                                 model.deleted_at.is_(None), *(getattr(model, k) == v for k, v in scope.items()))
+    other = session.scalar(q.limit(1))
+    if other is not None:
+        raise NameTaken(f"{what} {other!r} already exists; names are compared ignoring case, choose another name")
 
 
 def _db_unavailable(e: SQLAlchemyError) -> RegistryUnavailable:
@@ -88,13 +90,19 @@ def _database_call(session: Session) -> Iterator[None]:
 
 def create_tenant(*, session: Session, name: str, max_adapters: int | None = None,
                   max_adapter_bytes: int | None = None) -> Tenant:
-    """Create and commit a tenant. Conflict if a live tenant has the name."""
-    _check_name(name, "tenant")
+    """Create and commit a tenant. InvalidName (422) for a name outside the rule
+    (adapter_registry.names), NameTaken (409) if a live tenant has the name, ignoring case."""
+    check_identifier(name, what="tenant name")
     if session.scalar(select(Tenant.id).where(Tenant.name == name, Tenant.deleted_at.is_(None))) is not None:
-        raise Conflict(f"tenant {name!r} already exists")
+        raise NameTaken(f"tenant {name!r} already exists")
+    _name_taken(session, Tenant, name, what="tenant")
     tenant = Tenant(name=name, max_adapters=max_adapters, max_adapter_bytes=max_adapter_bytes)
     session.add(tenant)
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:  # a concurrent create of the same name (or a case variant) won
+        session.rollback()
+        raise NameTaken(f"tenant {name!r} already exists (created concurrently, maybe as a case variant)") from None
     return tenant
 
 
@@ -143,11 +151,18 @@ def list_versions(*, session: Session, tenant: Tenant, name: str) -> list[Adapte
     ))
 
 
+#: The largest version number a reference can name: the database's integer column's range.
+MAX_VERSION_NUMBER = 2**31 - 1
+
+
 def parse_ref(ref: str) -> tuple[str, str | None]:
-    """Split `name` or `name@version` (version: a number or a 64-hex sha256)."""
+    """Split `name` or `name@version` (version: a number in ASCII digits from 0 to
+    MAX_VERSION_NUMBER, or a 64-hex sha256). Any other version (Unicode digits that int() would
+    read, a number past the range) is NotFound, as an unknown version is."""
     name, sep, version = ref.partition("@")
-    if sep and not (version.isdigit() or _SHA.match(version)):
-        raise NotFound(f"invalid version {version!r} in {ref!r}: use name@<number> or name@<sha256>")
+    number = version.isascii() and version.isdigit() and len(version) <= 10 and int(version) <= MAX_VERSION_NUMBER
+    if sep and not (number or _SHA.fullmatch(version)):
+        raise NotFound(f"invalid version {version[:80]!r} in {ref[:200]!r}: use name@<number> or name@<sha256>")
     return name, (version if sep else None)
 
 
@@ -169,7 +184,7 @@ def resolve_version(*, session: Session, tenant: Tenant, ref: str, require_ready
             raise Conflict(f"adapter {name!r} has no ready version; its newest, {newest.ref}, is {newest.status}{reason}")
         v = session.get(AdapterVersion, adapter.current_version_id)
     else:
-        cond = AdapterVersion.version == int(version) if version.isdigit() else AdapterVersion.sha256 == version
+        cond = AdapterVersion.sha256 == version if len(version) == 64 else AdapterVersion.version == int(version)
         v = session.scalar(select(AdapterVersion).where(
             AdapterVersion.adapter_id == adapter.id, AdapterVersion.deleted_at.is_(None), cond))
     if v is None or v.deleted_at is not None:
@@ -230,7 +245,7 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
     Conflict (tenant suspended), RegistryUnavailable (no engine has described the served model
     yet; database, object store or task queue failed; nothing half-made remains).
     """
-    _check_name(name, "adapter")
+    check_identifier(name, what="adapter name")
     if tenant.status != "active":
         raise Conflict(f"tenant {tenant.name!r} is {tenant.status}; uploads are refused")
     if not settings.served_base_models:
@@ -261,6 +276,7 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
         try:
             adapter = _adapter_or_none(session, tenant, name)
             if adapter is None:
+                _name_taken(session, Adapter, name, what="adapter", tenant_id=tenant.id)
                 count = session.scalar(select(func.count(Adapter.id)).where(
                     Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)))
                 if count >= max_count:

@@ -15,7 +15,15 @@ once, no compute): `gateway_only_added_ms_*` is the gateway's own cost, without 
 competing with it for this machine's 2 cores.
 Prints one JSON object.
 
+`--tracing` measures instead what OpenTelemetry tracing (tessera.observability.tracing) adds to the
+gateway's own time: two gateways in front of the instant engine, one built with tracing off (no
+middleware; every helper a no-op) and one with it on, sampling every request and exporting to the
+SDK's in-memory exporter through the batch processor; c1 rounds alternate between them (peers:
+the same load, machine state and process), and each side's added latency is pooled over its rounds.
+It also times the helpers the request path calls while tracing is off.
+
     .venv/bin/python bench/gateway.py [--requests-c1 200] [--requests-c32 128] [--max-tokens 4] [--engine-threads N]
+    .venv/bin/python bench/gateway.py --tracing [--rounds 6] [--requests-c1 200]
 """
 from __future__ import annotations
 
@@ -164,6 +172,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--engine-threads", type=int, default=None,
                     help="torch threads of the engine (default: torch's); 1 leaves a core to the gateway")
+    ap.add_argument("--tracing", action="store_true", help="tracing on vs off instead (module docstring)")
+    ap.add_argument("--rounds", type=int, default=6, help="--tracing: rounds per side")
     args = ap.parse_args()
 
     import uvicorn
@@ -192,8 +202,8 @@ def main() -> None:
 
     aengine = AsyncLLMEngine(LLMEngine(config=EngineConfig(kv_cache_bytes=128 << 20, num_threads=args.engine_threads)))
 
-    def serve(client):
-        app = create_app(settings, engine_client=client)
+    def serve(client, app_settings=None):
+        app = create_app(app_settings or settings, engine_client=client)
         with __import__("socket").socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -204,6 +214,10 @@ def main() -> None:
         return server, f"http://127.0.0.1:{port}"
 
     timing = TimingEngineClient(InProcessEngineClient(aengine))
+    if args.tracing:
+        print(json.dumps(tracing_overhead(args, settings, key, timing, serve)))
+        aengine.shutdown()
+        return
     server, url = serve(timing)
 
     # The engine alone, for reference: the same request without the gateway.
@@ -264,6 +278,75 @@ def main() -> None:
     server.should_exit = True
     aengine.shutdown()
     print(json.dumps(result))
+
+
+def tracing_overhead(args, settings, key: str, real, serve) -> dict:
+    """The --tracing comparison (module docstring): added latency p50/p99 at c1 with tracing off
+    and on (every request sampled, in-memory exporter), and the off helpers' cost per request."""
+    import timeit
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    from engine.sampling_params import GenerationRequest, SamplingParams
+    from tessera.observability import tracing
+
+    exporter = InMemorySpanExporter()
+    tracing.setup("bench", exporter=exporter, sampler=ALWAYS_ON)
+    engines = {"off": TimingEngineClient(InstantEngineClient(real)), "on": TimingEngineClient(InstantEngineClient(real))}
+    tracing.set_enabled(False)
+    servers = {"off": serve(engines["off"], settings)}
+    tracing.set_enabled(True)
+    servers["on"] = serve(engines["on"], settings.model_copy(update={"tracing": True}))
+
+    def run(side: str, n: int) -> list:
+        return json.loads(subprocess.run(
+            [sys.executable, "-c", LOAD, servers[side][1], key, "1", str(n), str(args.max_tokens), "raw"],
+            check=True, capture_output=True, text=True).stdout)
+
+    added: dict[str, list[float]] = {"off": [], "on": []}
+    per_round: dict[str, list[float]] = {"off": [], "on": []}
+    spans = 0
+    for r in range(args.rounds + 1):  # round 0 warms both up and is not counted
+        for side in (("off", "on") if r % 2 else ("on", "off")):
+            tracing.set_enabled(side == "on")
+            samples = run(side, 40 if r == 0 else args.requests_c1)
+            if r == 0:
+                continue
+            got = [e2e - engines[side].engine_ms[rid] for rid, e2e in samples]
+            added[side] += got
+            per_round[side].append(round(pct(got, 50), 3))
+        tracing.flush()
+        spans += len(exporter.get_finished_spans())
+        exporter.clear()
+    for server, _ in servers.values():
+        server.should_exit = True
+    # Off, what the request path calls (per request: 5 spans, 4 annotations, the engine call's
+    # wrapper, one inject), timed in this process.
+    tracing.set_enabled(False)
+    req = GenerationRequest("r", prompt_token_ids=[1], params=SamplingParams(max_tokens=1))
+
+    def off_path():
+        for _ in range(5):
+            with tracing.span("x") as s:
+                s.set_attribute("tessera.x", 1)
+        for _ in range(4):
+            tracing.annotate(request_id="r", tenant="t")
+        tracing.engine_call(None, req)
+        tracing.inject({})
+
+    reps = 20000
+    off_us = min(timeit.repeat(off_path, number=reps, repeat=5)) / reps * 1e6
+    result = {f"tracing_{side}_added_ms_{q}_c1": round(pct(added[side], p), 3)
+              for side in ("off", "on") for q, p in (("p50", 50), ("p99", 99))}
+    result["tracing_added_p50_ms"] = round(result["tracing_on_added_ms_p50_c1"] - result["tracing_off_added_ms_p50_c1"], 3)
+    result |= {f"tracing_{side}_round_p50s_ms": per_round[side] for side in ("off", "on")}
+    result["tracing_requests_per_side"] = len(added["on"])
+    result["tracing_spans_exported"] = spans
+    result["tracing_off_helpers_us_per_request"] = round(off_us, 3)
+    result["setup"] = "embedded gateway (SQLite usage + key lookup, in-memory quotas) over the instant engine, raw HTTP client, SSE"
+    result["machine"] = f"{os.cpu_count()} CPUs {pyplatform.processor() or pyplatform.machine()}, no GPU"
+    return result
 
 
 if __name__ == "__main__":

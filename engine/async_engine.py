@@ -11,14 +11,25 @@ becomes "restarting", `LLMEngine.reset()` drops every request (weights and KV te
 and the loop starts again, serving new requests without a process restart. A reset that raises
 is retried with exponential backoff; after `FAILED_AFTER_ATTEMPTS` failed resets in a row the
 state reads "failed" (retries go on at the longest backoff).
+
+Aborts: a request whose iteration is left early (break, cancellation, aclose) is aborted at the
+next command drain, i.e. before the next step, whatever it is doing (waiting for a seat, mid
+prefill, decoding); its KV blocks and seat are free from then on. `abort(request_id)` returns the
+abort's report: a future of the request's final output as the engine made it (how many prompt
+tokens it computed: billing counts them), or None when the engine no longer held it. A request
+that finished in the step during which its stream was closed reports that final output instead
+(it was computed in full). Reports of the last `ABORT_REPORTS_KEPT` aborts stay available, so a
+caller that closes a stream can ask for its report afterwards.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from typing import AsyncIterator
 
 from engine import metrics as engine_metrics
@@ -32,6 +43,8 @@ log = logging.getLogger(__name__)
 READY, RESTARTING, FAILED, STOPPED = "ready", "restarting", "failed", "stopped"
 RESET_BACKOFF_S = (0.1, 30.0)  # first and longest wait between failed resets
 FAILED_AFTER_ATTEMPTS = 5
+#: Abort reports kept for callers that ask after the stream closed (the gateway asks at once).
+ABORT_REPORTS_KEPT = 1024
 
 
 class EngineDeadError(RuntimeError):
@@ -44,6 +57,10 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (its event loop, its delta queue, the future that accepts it)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, asyncio.Future]] = {}
+        # request id -> the report of its abort (`abort`), the latest ABORT_REPORTS_KEPT (callers
+        # on several event loops' threads share it: under the lock)
+        self._aborts: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
+        self._aborts_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._state = READY
@@ -83,7 +100,8 @@ class AsyncLLMEngine:
         Raises InvalidRequestError before yielding anything if the request is refused, and
         EngineDeadError when the engine is not ready or its step loop dies while the request is
         in flight. Leaving the iteration early (break, task cancellation, client disconnect)
-        aborts the request in the engine, which frees its KV blocks.
+        aborts the request in the engine before its next step, which frees its KV blocks and
+        seat; `abort(request_id)` then gives the abort's report.
         """
         state = self.state
         if state != READY:
@@ -95,12 +113,18 @@ class AsyncLLMEngine:
             request = dataclasses.replace(request, grammar=grammar)
         q: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
+        with self._aborts_lock:
+            self._aborts.pop(request.request_id, None)  # a report of an earlier request with this id
         self._streams[request.request_id] = (loop, q, accepted)
         self._commands.put(("add", request, loop, accepted))
         self._wake.set()
         finished = False
         try:
-            await accepted  # raises InvalidRequestError (or EngineDeadError) from the engine thread
+            try:
+                await accepted  # raises InvalidRequestError (or EngineDeadError) from the engine thread
+            except (InvalidRequestError, EngineDeadError):
+                finished = True  # never queued (or dropped by a reset): nothing to abort
+                raise
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -110,14 +134,50 @@ class AsyncLLMEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self.abort(request.request_id)
+            if finished or request.request_id in self._aborts:  # ended, or `abort` was called already
+                self._streams.pop(request.request_id, None)
+            else:
+                # The stream stays registered until the abort is done: a final output the engine
+                # made meanwhile lands in `q`, where the report finds it.
+                self._abort(request.request_id, (loop, q))
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished)."""
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        """Abort a request before the engine's next step (its KV blocks and seat are freed then).
+        Returns the abort's report (module docstring): a future of the request's final output
+        (finish_reason "abort", `computed_prompt_tokens`), or of None when the engine does not
+        hold the request (unknown, or finished before with its final output already consumed).
+        Aborting the same request again returns the same report. Call it on an event loop's
+        thread; await the report with asyncio.wrap_future."""
+        return self._abort(request_id, None)
+
+    def _abort(self, request_id: str, closed: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None):
+        """`abort`; `closed`: the loop and delta queue of the request's stream, which its iteration
+        has left (the report then looks in the queue for a final output made meanwhile)."""
+        with self._aborts_lock:
+            report = self._aborts.get(request_id)
+            if report is not None:
+                return report
+            report = concurrent.futures.Future()
+            self._aborts[request_id] = report
+            while len(self._aborts) > ABORT_REPORTS_KEPT:
+                self._aborts.popitem(last=False)
+        self._commands.put(("abort", request_id, report, closed))
         self._wake.set()
+        return report
+
+    def _settle_abort(self, request_id: str, report: concurrent.futures.Future, out: RequestOutput | None,
+                      q: asyncio.Queue) -> None:
+        """On the closed stream's loop, after every delta the engine made for it was queued: the
+        report is the abort's final output, or the final output the request finished with before
+        the abort came (unread in `q`), or None."""
+        entry = self._streams.get(request_id)
+        if entry is not None and entry[1] is q:
+            del self._streams[request_id]
+        while out is None and not q.empty():
+            item = q.get_nowait()
+            if isinstance(item, RequestOutput) and item.finished:
+                out = item
+        _resolve(report, out)
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -131,7 +191,7 @@ class AsyncLLMEngine:
         entry = self._streams.get(request_id)
         if entry is not None:
             loop, q, _ = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            _on_loop(loop, q.put_nowait, item)
 
     def _queued_commands(self):
         """Yield the commands queued for the engine thread, one at a time, until none is left."""
@@ -156,9 +216,17 @@ class AsyncLLMEngine:
                     continue
                 loop.call_soon_threadsafe(_set_result, fut, None)
             elif cmd[0] == "abort":
-                out = self.engine.abort(cmd[1])
-                if out is not None:
-                    self._deliver(cmd[1], out)
+                _, request_id, report, closed = cmd
+                out = self.engine.abort(request_id)
+                if closed is None:
+                    if out is not None:
+                        self._deliver(request_id, out)  # a stream still read ends with it
+                    _resolve(report, out)
+                else:
+                    loop, q = closed
+                    if not _on_loop(loop, self._settle_abort, request_id, report, out, q):
+                        self._streams.pop(request_id, None)  # its loop has ended: nobody reads `q`
+                        _resolve(report, out)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -193,6 +261,11 @@ class AsyncLLMEngine:
             if cmd[0] == "add":
                 _, _, loop, fut = cmd
                 loop.call_soon_threadsafe(_set_exception, fut, err)
+            elif cmd[0] == "abort":
+                _, request_id, report, closed = cmd
+                if closed is not None:
+                    self._streams.pop(request_id, None)
+                _resolve(report, None)  # the reset drops the request; what it computed is unknown
         for rid in list(self._streams):
             entry = self._streams.get(rid)
             if entry is not None:
@@ -215,6 +288,20 @@ class AsyncLLMEngine:
             self._stopped.wait(delay)
             delay = min(delay * 2, RESET_BACKOFF_S[1])
         return False
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Call fn(*args) on `loop` soon; False if the loop has closed (its caller is gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _resolve(report: concurrent.futures.Future, out: RequestOutput | None) -> None:
+    if not report.done():
+        report.set_result(out)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

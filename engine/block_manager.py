@@ -112,9 +112,16 @@ class BlockManager:
         total = seq.num_computed_tokens + len(hit) * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - held)
 
+    def num_unheld(self, blocks: list[int]) -> int:
+        """How many of `blocks` no sequence holds (a hit on them takes them off the free lists)."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def num_exclusive_blocks(self, seq: Sequence) -> int:
+        """Blocks only `seq` holds: what freeing it adds to the free blocks."""
+        return sum(1 for b in seq.block_table if self._refs[b] == 1)
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: list[int] = ()) -> bool:
-        reused = sum(1 for b in hit if self._refs[b] == 0)  # taken off the free lists by the hit
-        return self.blocks_needed(seq, num_new_tokens, hit) <= self.num_free_blocks - reused
+        return self.blocks_needed(seq, num_new_tokens, hit) <= self.num_free_blocks - self.num_unheld(hit)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hit: list[int] = ()) -> None:
         """Take the cached blocks `hit` (from `cached_prefix`; they count as computed) and grow

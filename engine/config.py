@@ -163,19 +163,22 @@ class EngineConfig:
     #: ops, attention and small batched matmuls are slower than fp32 on CPU).
     dtype: torch.dtype = torch.float32
     #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only up to a
-    #: measured batch size, fp32 dense for steps that prefill, bf16 dense for wider decode-only
-    #: batches where it measured faster at start; see engine.backends.cpu), "fp32" (exact),
+    #: batch size set by the CPU's kind, fp32 dense for steps that prefill, bf16 dense for wider
+    #: decode-only batches on CPUs with bf16 GEMMs; see engine.backends.cpu.formats), "fp32" (exact),
     #: "bf16", "int8" (same as "auto" on CPU). The triton backend: "auto"/"w4a16" keep layer weights
     #: 4-bit on the device (the checkpoint's Q4_0/Q4_1 blocks, else quantized at load), "fp32"/"bf16"
     #: dense in `dtype`; "int8" is CPU-only and "w4a16" triton-only.
     weight_format: str = "auto"
     #: Whether steps that prefill use the int8 format's exact fp32 dense copy (True) or its decode
-    #: path (False: the AMX kernel, else the bf16 copy); None: the decode path where the bf16 copy's
-    #: GEMMs measure >= FAST_PREFILL_MIN_SPEEDUP times fp32's at prefill width at start
-    #: (engine.backends.cpu.calibration.measure_prefill_speedup), else fp32.
+    #: path (False: the AMX kernel, else the bf16 copy); None: the decode path on CPUs with AMX
+    #: (bf16 GEMMs far faster than fp32's there; engine.backends.cpu.formats), else fp32.
     exact_prefill: bool | None = None
     #: Seconds a waiting request needs to be promoted one priority class (prevents starvation).
     aging_seconds: float = 10.0
+    #: A request whose prompt + max_tokens needs more than this share of the KV blocks is big:
+    #: it waits behind other tenants' requests of its class and is preempted for them, never the
+    #: reverse (engine.scheduler), so one context-length prompt cannot evict everyone else.
+    big_request_kv_fraction: float = 0.5
     #: Distinct LoRA adapters in one step (device slots).
     max_loras: int = 8
     #: Largest LoRA rank the slots hold.
@@ -226,6 +229,8 @@ class EngineConfig:
             raise ValueError("device must be cpu, cuda or cuda:N")
         if self.device != "cpu" and self.backend == "cpu":
             raise ValueError("the cpu backend runs on device cpu; use backend triton for cuda")
+        if not 0 < self.big_request_kv_fraction <= 1:
+            raise ValueError("big_request_kv_fraction must be in (0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.weight_format not in WEIGHT_FORMATS:

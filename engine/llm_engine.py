@@ -41,7 +41,7 @@ from engine.model_runner import ModelRunner
 from engine.request_checks import check_logit_bias, check_prompt
 from engine.sampler import SamplingError, sample, sample_tokens
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
-from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, check_tenant_weight
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output import GrammarRejected, StructuredOutput
 from engine.tokenizer import TextTokenizer
@@ -108,7 +108,8 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, num_blocks * ec.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=ec.max_num_batched_tokens,
                                    max_num_seqs=ec.max_num_seqs, aging_seconds=ec.aging_seconds,
-                                   max_loras=ec.max_loras, adapter_ready=self._adapter_ready)
+                                   max_loras=ec.max_loras, adapter_ready=self._adapter_ready,
+                                   big_request_fraction=ec.big_request_kv_fraction)
         self.runner = ModelRunner(self.model, self.kv, ec.block_size, self.backend)
         if self.backend.uses_cuda_graphs():
             from engine.backends.triton.cuda_graphs import DecodeGraphs
@@ -171,9 +172,10 @@ class LLMEngine:
             raise InvalidRequestError("this engine serves no adapters", "model")
         seq = Sequence(request.request_id, ids, params, IncrementalDetokenizer(self.tokenizer),
                        tenant_id=request.tenant_id, priority=priority, adapter=request.adapter,
-                       cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids)
+                       cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids,
+                       tenant_weight=check_tenant_weight(request.tenant_weight))
         if request.adapter is not None:
-            self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
+            seq.adapter_cold = self.lora_manager.request_adapter(seq.adapter)  # prefetch while it waits
         self.requests[seq.request_id] = seq
         if grammar is not None:
             self.structured.start(seq.request_id, grammar)
@@ -181,7 +183,10 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks. Returns its final output (None if unknown)."""
+        """Stop a request now: its KV blocks and its seat (running or waiting) are freed before
+        the next step. Returns its final output (finish_reason "abort"; `computed_prompt_tokens`
+        says how far its prefill got, 0 if it was never scheduled), None if it is unknown or
+        already finished."""
         seq = self.requests.get(request_id)
         if seq is None or seq.is_finished:
             return None
@@ -231,6 +236,11 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.commit(s.seq)  # its full blocks become prefix-cache hits
+        if sched.prefills:  # each request's prefill chunks, for its trace (Sequence.timings)
+            end = time.monotonic()
+            start = end - (time.perf_counter() - t0)
+            for s in sched.prefills:
+                s.seq.prefill_chunks.append((start, end, s.num_tokens))
         if seqs and self.device.type != "cpu":
             # Logprobs from the raw logits, before the sampling path scales or masks them.
             tokens = self._sample_on_device(logits, seqs, outputs, engine_logprobs.compute(logits, seqs))
@@ -330,7 +340,7 @@ class LLMEngine:
             return logits
         masked, failures = self.structured.constrain(logits, [q.request_id for q in seqs])
         for i, e in failures.items():
-            outputs.append(self._fail(seqs[i], str(e), "grammar"))
+            outputs.append(self._refuse_grammar(seqs[i], e))
         return masked
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput],
@@ -426,6 +436,16 @@ class LLMEngine:
         out.adapter_fault = version
         return out
 
+    def _refuse_grammar(self, seq: Sequence, error: GrammarRejected) -> RequestOutput:
+        """Finish `seq`, whose response_format (or tools') grammar cannot go on, with finish_reason
+        "error" and `invalid_param` naming the field: the client's input, so no fault is counted
+        and its KV blocks are freed as they are (they hold valid values)."""
+        engine_metrics.GRAMMAR_REFUSALS.inc()
+        log.info("request %s: %s", seq.request_id, error)
+        out = self._finish(seq, "error", error=str(error))
+        out.invalid_param = error.param
+        return out
+
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Fail the requests naming a version that failed to load (waiting ones) or was
         quarantined (waiting or running)."""
@@ -464,7 +484,7 @@ class LLMEngine:
         try:
             complete = self.structured.accept(seq.request_id, tok)
         except GrammarRejected as e:
-            return self._fail(seq, str(e), "grammar")
+            return self._refuse_grammar(seq, e)
         seq.append_token(tok)
         p = seq.params
         reason = None
@@ -513,11 +533,21 @@ class LLMEngine:
         seq.emitted_token_len = len(seq.output_token_ids)
         out = RequestOutput(seq.request_id, text, toks, prompt_tokens=seq.num_prompt_tokens,
                             cached_tokens=seq.num_cached_tokens or 0,
-                            completion_tokens=len(seq.output_token_ids))
+                            completion_tokens=len(seq.output_token_ids),
+                            computed_prompt_tokens=self._computed_prompt_tokens(seq))
         if seq.params.logprobs is not None:
             # Every appended token's entry was kept when it was sampled: they match `toks`.
             out.logprobs = self._logprobs.pop(seq.request_id, [])
         return out
+
+    @staticmethod
+    def _computed_prompt_tokens(seq: Sequence) -> int:
+        """Prompt tokens whose KV `seq` has now: all of them once it has produced a token, else
+        how far its (chunked) prefill got, prefix-cache hits included. A sequence preempted
+        before its first token holds none until it is scheduled again (from its cache hits)."""
+        if seq.output_token_ids:
+            return seq.num_prompt_tokens
+        return min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         was_finished = seq.is_finished  # a failure while finishing finishes it again, as an error
@@ -526,15 +556,26 @@ class LLMEngine:
         seq.finish_reason = reason
         if self.lora_manager is not None and seq.adapter is not None and not was_finished:
             self.lora_manager.release(seq.adapter)
-        if not was_finished and seq.first_scheduled_time is not None:
-            self.seat_times.record(time.monotonic() - seq.first_scheduled_time)
+        if not was_finished:
+            seq.finished_time = time.monotonic()
+            if seq.first_scheduled_time is not None:
+                self.seat_times.record(seq.finished_time - seq.first_scheduled_time)
         out = self._delta(seq, final=True)
+        out.timings = seq.timings(self._adapter_load_of(seq))
         out.finished = True
         out.finish_reason = reason
         out.error = error
         self.requests.pop(seq.request_id, None)
         self.structured.release(seq.request_id)
         return out
+
+    def _adapter_load_of(self, seq: Sequence) -> tuple[float, float] | None:
+        """The adapter load `seq` waited for (monotonic start, end), if it arrived before its
+        adapter was in the CPU tier and that load has finished since."""
+        if not seq.adapter_cold or self.lora_manager is None:
+            return None
+        span = self.lora_manager.load_spans.get(seq.adapter)
+        return span if span is not None and span[1] >= seq.arrival_time else None
 
     def _adapter_ready(self, adapter: str) -> bool:
         return self.lora_manager is not None and self.lora_manager.is_ready(adapter)
@@ -554,7 +595,7 @@ class LLMEngine:
                 a.token_ids += out.token_ids
                 if out.finished:
                     a.finished, a.finish_reason, a.error = True, out.finish_reason, out.error
-                    a.adapter_fault = out.adapter_fault
+                    a.adapter_fault, a.invalid_param = out.adapter_fault, out.invalid_param
                     a.prompt_tokens, a.completion_tokens = out.prompt_tokens, out.completion_tokens
                     a.cached_tokens = out.cached_tokens
                 if out.logprobs is not None:

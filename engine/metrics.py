@@ -13,6 +13,9 @@ the live engines of this process (LLMEngine registers itself with `track`).
   tessera_engine_request_faults_total{reason}      counter, requests failed by a fault in a step:
                                                    non_finite (logits) | exception (traced to it)
   tessera_engine_restarts_total                    counter, step loop restarts after it died
+  tessera_engine_grammar_refusals_total            counter, requests ended because their grammar
+                                                   (response_format, tools) could not go on: the
+                                                   client's input, not a fault
   tessera_engine_running_sequences{priority}       gauge (scrape time)
   tessera_engine_waiting_sequences{priority}       gauge (scrape time)
   tessera_engine_kv_cache_usage_ratio              gauge, used / all KV blocks
@@ -27,9 +30,36 @@ the live engines of this process (LLMEngine registers itself with `track`).
   tessera_engine_adapter_evictions_total{tier}     counter, cpu
   tessera_engine_adapter_load_seconds{tier="cpu"}  histogram, fetch + parse of one version
 With several engines in one process (tests) the scrape-time values are summed over them.
+
+The model-server protocol of the Kubernetes Gateway API Inference Extension (its endpoint picker,
+EPP, and the routers built on it such as llm-d) is served under the vLLM names the EPP scrapes by
+default (`--total-queued-requests-metric` etc. left unset), read at scrape time like the gauges
+above (`model_server_protocol`):
+  vllm:num_requests_waiting                        gauge, sequences waiting for a seat (TotalQueuedRequests)
+  vllm:num_requests_running                        gauge, sequences holding a seat (TotalRunningRequests)
+  vllm:kv_cache_usage_perc                         gauge, KV blocks in use / all, a fraction 0..1 as
+                                                   vLLM's and the EPP's `kv-cache-usage-percentage-
+                                                   metric` are (blocks free but holding a cached
+                                                   prefix count as free, as in vLLM)
+  vllm:lora_requests_info{max_lora,                gauge, the scrape's Unix time in seconds (the EPP
+    running_lora_adapters,waiting_lora_adapters}   keeps the series with the largest value); one
+                                                   series. max_lora: device adapter slots (how many
+                                                   distinct adapters run at once); running / waiting:
+                                                   the adapters of the running / waiting sequences,
+                                                   sorted, joined by "," without spaces (the EPP
+                                                   splits on "," and does not trim). Only with a
+                                                   LoRA manager.
+  vllm:cache_config_info{block_size,num_gpu_blocks}  gauge 1 (optional in the protocol: the EPP's
+                                                   prefix-cache scorer reads the two labels)
+Adapters are named by their version id (the sha256 the gateways resolve a tenant's `model` to and
+the engine serves), never by the tenant's adapter name: names are scoped to a tenant (two tenants'
+"support" are different adapters), and this endpoint is open and carries no tenant data. So an EPP
+routes with LoRA affinity a request whose `model` is the version id; see docs/ARCHITECTURE.md
+"Observability" for what that means for a deployment.
 """
 from __future__ import annotations
 
+import time
 import weakref
 
 from prometheus_client import REGISTRY, Counter, Histogram
@@ -50,6 +80,9 @@ STEP_ADAPTERS = Histogram("tessera_engine_step_adapters", "Distinct LoRA adapter
 PREEMPTIONS = Counter("tessera_engine_preemptions_total", "Sequences preempted for KV blocks (recomputed later).")
 REQUEST_FAULTS = Counter("tessera_engine_request_faults_total",
                          "Requests failed by a fault traced to them in a step (the engine kept serving).", ["reason"])
+GRAMMAR_REFUSALS = Counter("tessera_engine_grammar_refusals_total",
+                           "Requests ended because their response_format or tools grammar could not go on "
+                           "(the client's input, not an engine fault).")
 RESTARTS = Counter("tessera_engine_restarts_total", "Times the engine's step loop died and was reset and restarted.")
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()
@@ -99,13 +132,19 @@ class EngineCollector:
         cpu_resident = slot_resident = 0
         stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
         load_counts, load_sum_s = [0] * (len(ADAPTER_LOAD_BUCKETS_S) + 1), 0.0
+        running_adapters, waiting_adapters, max_lora, block_size = set(), set(), None, 0
         for e in engines:
             # list() copies are atomic under the GIL: the step thread may change the queues meanwhile.
             for seq in list(e.scheduler.running):
                 run_n[seq.priority.name] += 1
+                if seq.adapter is not None:
+                    running_adapters.add(seq.adapter)
             for seq in list(e.scheduler.waiting):
                 wait_n[seq.priority.name] += 1
+                if seq.adapter is not None:
+                    waiting_adapters.add(seq.adapter)
             bm = e.block_manager
+            block_size = bm.block_size
             total += bm.num_blocks
             used += bm.num_blocks - bm.num_free_blocks
             cached += bm.num_cached_free_blocks
@@ -113,6 +152,7 @@ class EngineCollector:
                 prefix[k] += bm.stats[k]
             lm = e.lora_manager
             if lm is not None:
+                max_lora = (max_lora or 0) + lm.slots.num_slots
                 cpu_resident += len(lm._cpu)
                 slot_resident += sum(1 for o in list(lm._slot_owner) if o is not None)
                 for k in stats:
@@ -161,6 +201,33 @@ class EngineCollector:
                                      "Time to fetch and parse one adapter version into the CPU tier.", labels=["tier"])
         hist.add_metric(["cpu"], _cumulative_buckets(load_counts), load_sum_s)
         yield hist
+        yield from model_server_protocol(
+            waiting=sum(wait_n.values()), running=sum(run_n.values()), used_blocks=used, total_blocks=total,
+            block_size=block_size, max_lora=max_lora, running_adapters=running_adapters,
+            waiting_adapters=waiting_adapters)
+
+
+def model_server_protocol(*, waiting: int, running: int, used_blocks: int, total_blocks: int, block_size: int,
+                          max_lora: int | None, running_adapters: set, waiting_adapters: set):
+    """The inference extension's model-server metric families under vLLM's names (module
+    docstring); `max_lora` None: no LoRA manager, so no LoRA info series."""
+    yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for a seat (sequences in the "
+                            "scheduler's waiting queue, preempted ones included).", value=waiting)
+    yield GaugeMetricFamily("vllm:num_requests_running", "Requests holding a seat (sequences being prefilled "
+                            "or decoded).", value=running)
+    yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                            value=used_blocks / total_blocks if total_blocks else 0.0)
+    if max_lora is not None:
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters (version ids); "
+                                 "the value is when this was read (Unix seconds).",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(max_lora), ",".join(sorted(running_adapters)), ",".join(sorted(waiting_adapters))],
+                        time.time())
+        yield info
+    cache = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (labels).",
+                              labels=["block_size", "num_gpu_blocks"])
+    cache.add_metric([str(block_size), str(total_blocks)], 1.0)
+    yield cache
 
 
 REGISTRY.register(EngineCollector())

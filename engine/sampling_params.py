@@ -180,12 +180,12 @@ class SamplingParams(BaseModel):
 
 
 def _token_id(key) -> int | None:
-    """A logit_bias key as a token id: an int, or a string of decimal digits (JSON's object keys)."""
+    """A logit_bias key as a token id: an int, or a string of ASCII decimal digits (JSON's object keys)."""
     if isinstance(key, bool):
         return None
     if isinstance(key, int):
         return key
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    if isinstance(key, str) and key.isascii() and key.strip().lstrip("-").isdigit():
         return int(key)
     return None
 
@@ -200,6 +200,9 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant_id: str = "default"
     priority: Priority = Priority.standard
+    #: The tenant's weight in the scheduler's fair shares of KV blocks and prefill tokens inside
+    #: a priority class (engine.scheduler; the gateway passes its plan's scheduling_weight).
+    tenant_weight: float = 1.0
     #: Immutable adapter version id (the engine fetches it through its AdapterSource); None = base.
     adapter: str | None = None
     #: Prefix-cache scope: requests share cached KV blocks only with requests of the same salt
@@ -226,10 +229,23 @@ class RequestOutput:
     #: With finish_reason "error": the adapter version the failure was traced to (it is
     #: quarantined: later requests naming it fail at once); None when no adapter was at fault.
     adapter_fault: str | None = None
+    #: With finish_reason "error": the request field whose value the engine could not serve
+    #: ("response_format", or "tools" for a forced tool call's grammar, which failed mid-generation:
+    #: structured_output.GrammarRejected). The client's error, not an engine fault; None otherwise.
+    invalid_param: str | None = None
     #: Prompt tokens whose KV came from the prefix cache when the request was first scheduled
     #: (0 until then, and with caching off): OpenAI's usage.prompt_tokens_details.cached_tokens.
     cached_tokens: int = 0
+    #: Prompt tokens whose KV this request has (computed, or found in the prefix cache) when the
+    #: delta is made: every prompt token once it has produced a token; on the final output of an
+    #: abort, how far its prefill got (0 if it was never scheduled). What billing counts as the
+    #: prompt of an aborted request.
+    computed_prompt_tokens: int = 0
     #: With SamplingParams.logprobs: one entry per id of `token_ids`, in order, as JSON-ready
     #: dicts {"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}, ...]} (top ones
     #: likeliest first). None when the request did not ask.
     logprobs: list[dict] | None = None
+    #: On the final output: the request's timeline in the engine (Sequence.timings: arrival, first
+    #: seat, prefill chunks, first token, end, adapter load), from which traces are made after the
+    #: fact; None on other deltas.
+    timings: dict | None = None

@@ -81,13 +81,14 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, *, tenant_id: str = "default",
                  priority: Priority = Priority.standard, adapter: str | None = None,
-                 cache_salt: str | None = None, eos_token_ids=()):
+                 cache_salt: str | None = None, eos_token_ids=(), tenant_weight: float = 1.0):
         """`cache_salt`: the prefix-cache scope (engine.block_manager). `eos_token_ids`: the
         model's end-of-sequence ids, masked with stop_token_ids until min_tokens (unless
-        ignore_eos)."""
+        ignore_eos). `tenant_weight`: the tenant's weight in the scheduler's fair shares (> 0)."""
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.tenant_id = tenant_id
+        self.tenant_weight = tenant_weight
         self.priority = priority
         self.adapter = adapter
         self.params = params
@@ -108,6 +109,13 @@ class Sequence:
         self.arrival_time = time.monotonic()
         #: When the scheduler first gave it a seat (time.monotonic()); None while it never had one.
         self.first_scheduled_time: float | None = None
+        #: The rest of its timeline (time.monotonic()), kept for traces (`timings`): its prefill
+        #: chunks (step start, step end, tokens), its first token, its end, and whether its adapter
+        #: had to be loaded when it arrived (LLMEngine sets these).
+        self.prefill_chunks: list[tuple[float, float, int]] = []
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.adapter_cold = False
         self.detokenizer = detokenizer
         self.output_text = ""
         self.emitted_text_len = 0
@@ -152,10 +160,28 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        if not self.output_token_ids:
+            self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if self.token_counts is not None:
             self.token_counts.add(token_id)
+
+    def timings(self, adapter_load: tuple[float, float] | None = None) -> dict:
+        """Its timeline as Unix-epoch nanoseconds, for spans made after the fact
+        (tessera.observability.tracing.engine_spans): "arrival", "first_scheduled", "first_token",
+        "finished" (None where it never got there), "prefill_chunks" [[start, end, tokens], ...],
+        "adapter_load" [start, end] (the load it waited for, or None), "preemptions"."""
+        offset = time.time_ns() - time.monotonic_ns()
+
+        def ns(t: float | None) -> int | None:
+            return None if t is None else int(t * 1e9) + offset
+
+        return {"arrival": ns(self.arrival_time), "first_scheduled": ns(self.first_scheduled_time),
+                "first_token": ns(self.first_token_time), "finished": ns(self.finished_time),
+                "prefill_chunks": [[ns(a), ns(b), n] for a, b, n in self.prefill_chunks],
+                "adapter_load": None if adapter_load is None else [ns(adapter_load[0]), ns(adapter_load[1])],
+                "preemptions": self.num_preemptions}
 
     def reset_for_recompute(self) -> None:
         """After preemption: the KV is gone; prompt + output so far will be prefilled again."""

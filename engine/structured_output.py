@@ -11,10 +11,20 @@ Contracts:
   so it runs off the step thread: AsyncLLMEngine.generate calls it on a worker thread and passes
   the result in GenerationRequest.grammar. Compiled grammars are kept in an LRU cache keyed by the
   canonical JSON of the schema (at most `cache_size` of them: bounded memory).
-- What the library cannot compile is InvalidRequestError naming `response_format`, with the
-  library's reason. The schema's size and depth are bounded before it gets here (SamplingParams);
-  each mask computation is bounded by the library's per-step fuel (LLParserLimits), so one
-  tenant's grammar cannot stall the step for the others.
+- What the library cannot compile, or cannot serve, is InvalidRequestError naming
+  `response_format` (`tools` for a tool-call grammar), with the library's reason. "Cannot serve"
+  is found by a probe in `compile`: PROBE_TOKENS steps along one path (forced tokens, then the
+  lowest allowed token each time), where a recursive `$ref` with no finite value, a row past the
+  library's item limit (an object of hundreds of optional properties) or a regex past its lexer
+  limits fails. The gateway compiles before admission with the same code, so such a request is
+  refused before any quota is held (tessera.api.completions_request.check_grammar).
+- Every limit is the library's own, per request (LLParserLimits, GRAMMAR_LIMITS): compile fuel and
+  grammar size bound `compile`; per-step lexer fuel and Earley items bound each mask, so one
+  tenant's grammar cannot stall the step for the others. The schema's size and depth are bounded
+  before it gets here (SamplingParams).
+- A grammar that fails later, on a path the probe did not take, fails only its request, as the
+  client's error: GrammarRejected carries the parameter to name (the engine finishes the request
+  with `RequestOutput.invalid_param`; never an engine fault).
 - Per request, `start` makes a matcher (a copy of the compiled grammar's pristine one), `constrain`
   masks the batch's constrained rows (a copy of the logits: the raw rows stay raw for whoever
   reads them), `accept` advances a matcher by the sampled token and says whether the grammar is
@@ -39,6 +49,15 @@ DEFAULT_CACHE_SIZE = 256
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 #: The longest library message passed on to a client (its parser state is not the client's concern).
 _MAX_REASON_CHARS = 300
+#: The library's per-request limits, stated here (they are its defaults) so the gateway and every
+#: engine apply the same ones: grammar symbols and initial lexer fuel bound compiling; per mask,
+#: lexer fuel (~14k/ms) and Earley items (~20k/ms) bound a step's work; a row's items and the
+#: lexer's states bound memory. Errors never carry the grammar's text (verbose_errors off).
+GRAMMAR_LIMITS = {"max_items_in_row": 2000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
+                  "step_max_items": 50_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000}
+#: Steps of `compile`'s probe: most grammars that cannot be served fail within their first few
+#: tokens; a step's mask costs about a millisecond, once per distinct schema (then cached).
+PROBE_TOKENS = 8
 
 
 #: Row b: the additive bias of the 8 tokens whose bits byte value b holds (0: allowed, -inf: not).
@@ -46,7 +65,12 @@ _BYTE_BIAS = torch.tensor([[0.0 if (b >> i) & 1 else float("-inf") for i in rang
 
 
 class GrammarRejected(RuntimeError):
-    """A request's matcher refused a token or failed to compute its mask (the request fails)."""
+    """A request's matcher refused a token or failed to compute its mask (the request fails, as
+    the client's error: `param` is the request field whose grammar it is)."""
+
+    def __init__(self, message: str, param: str = "response_format"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -56,6 +80,9 @@ class Grammar:
 
     key: str
     template: object
+    #: The request field the grammar came from: "response_format", or "tools" (a Lark grammar
+    #: built from the tools' schemas).
+    param: str = "response_format"
 
 
 def _library():
@@ -91,6 +118,7 @@ class StructuredOutput:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._matchers: dict[str, object] = {}
+        self._params: dict[str, str] = {}  # request id -> its grammar's Grammar.param
         # [max rows, words] int32, grown on demand; reused every step (step thread only).
         self._bitmask: torch.Tensor | None = None
         # CPU fp32 logits: the bias rows and the masked logits, reused every step (step thread
@@ -123,18 +151,45 @@ class StructuredOutput:
                 text = ll.LLMatcher.grammar_from_lark(response_format["lark"])
             else:
                 text = ll.LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
-            template = ll.LLMatcher(tokenizer, text, log_level=0, limits=ll.LLParserLimits(verbose_errors=False))
+            template = ll.LLMatcher(tokenizer, text, log_level=0,
+                                    limits=ll.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False))
         except Exception as e:  # noqa: BLE001 - whatever the library says about a schema is the client's 400
             raise _uncompilable(schema, str(e)) from None
         if template.is_error():
             raise _uncompilable(schema, template.get_error())
-        grammar = Grammar(key, template)
+        reason = self._probe(template)
+        if reason is not None:
+            raise _uncompilable(schema, reason, served=True)
+        grammar = Grammar(key, template, "tools" if schema is None else "response_format")
         with self._lock:
             self._cache[key] = grammar
             self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _probe(self, template) -> str | None:
+        """Why the grammar cannot be served, found within its first PROBE_TOKENS steps along one
+        path (each step: the forced tokens, if any, then the lowest allowed token id, EOS aside),
+        or None. Runs on a copy."""
+        m = template.deep_copy()
+        eos = set(self._eos)
+        for _ in range(PROBE_TOKENS):
+            # Tokens every output must continue with (a tool call's fixed opening) take one step.
+            forced = m.compute_ff_tokens()
+            if (forced and not m.consume_tokens(forced)) or m.is_error():
+                return m.get_error()
+            mask = m.compute_bitmask()
+            if m.is_error():
+                return m.get_error()
+            if m.is_stopped() or m.is_accepting():
+                return None
+            token = _lowest_token(mask, self.vocab_size, eos)
+            if token is None:
+                return "the grammar allows no token"
+            if not m.consume_token(token):
+                return m.get_error()
+        return None
 
     def cached(self) -> int:
         """How many compiled grammars the cache holds."""
@@ -153,14 +208,17 @@ class StructuredOutput:
     def start(self, request_id: str, grammar: Grammar) -> None:
         """Constrain `request_id`'s completion to `grammar` from its first token."""
         self._matchers[request_id] = grammar.template.deep_copy()
+        self._params[request_id] = grammar.param
 
     def release(self, request_id: str) -> None:
         """Forget `request_id`'s matcher (it finished or was dropped); a no-op if it has none."""
         self._matchers.pop(request_id, None)
+        self._params.pop(request_id, None)
 
     def clear(self) -> None:
         """Forget every request's matcher (the engine was reset); the compile cache stays."""
         self._matchers.clear()
+        self._params.clear()
 
     @property
     def active(self) -> bool:
@@ -188,10 +246,11 @@ class StructuredOutput:
         for j, (i, m) in enumerate(rows):
             row = self._bitmask[j]
             m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            param = self._params.get(request_ids[i], "response_format")
             if m.is_error():
-                failures[i] = GrammarRejected(f"the response_format grammar failed: {_short(m.get_error())}")
+                failures[i] = GrammarRejected(f"{_subject(param)} failed: {_reason(m.get_error())}", param)
             elif not bool(bitmask[j].any()):
-                failures[i] = GrammarRejected("the response_format grammar allows no further token")
+                failures[i] = GrammarRejected(f"{_subject(param)} allows no further token", param)
             else:
                 ok.append(j)
         if not ok:
@@ -234,16 +293,47 @@ class StructuredOutput:
         if m is None:
             return False
         if not m.consume_token(token):
-            raise GrammarRejected(f"the response_format grammar rejected token {token}: {_short(m.get_error())}")
+            param = self._params.get(request_id, "response_format")
+            raise GrammarRejected(f"{_subject(param)} rejected token {token}: {_reason(m.get_error())}", param)
         return m.is_stopped()
 
 
-def _uncompilable(schema: dict | None, reason: str) -> InvalidRequestError:
-    """The 400 for a grammar the library refused: a response_format's schema, or (schema None)
-    the tool-call grammar built from the request's tools."""
+def _uncompilable(schema: dict | None, reason: str, *, served: bool = False) -> InvalidRequestError:
+    """The 400 for a grammar the library refused (`served`: compiled, but failed the probe): a
+    response_format's schema, or (schema None) the tool-call grammar built from the request's tools."""
+    verb = "served" if served else "compiled"
     if schema is None:
-        return InvalidRequestError(f"tools: the tools' parameters cannot be compiled: {_short(reason)}", "tools")
-    return InvalidRequestError(f"response_format: the schema cannot be compiled: {_short(reason)}", "response_format")
+        return InvalidRequestError(f"tools: the tools' parameters cannot be {verb}: {_reason(reason)}", "tools")
+    return InvalidRequestError(f"response_format: the schema cannot be {verb}: {_reason(reason)}", "response_format")
+
+
+def _subject(param: str) -> str:
+    return "the tools' call grammar" if param == "tools" else "the response_format grammar"
+
+
+def _lowest_token(mask: bytes, vocab_size: int, eos: set[int]) -> int | None:
+    """The lowest token id below `vocab_size` whose bit is set in `mask` (llguidance's layout:
+    bit b of byte k allows token 8k + b), EOS aside; None if there is none."""
+    start = 0
+    while True:
+        nonzero = len(mask) - len(mask[start:].lstrip(b"\0"))
+        if nonzero >= len(mask):
+            return None
+        byte = mask[nonzero]
+        for bit in range(8):
+            token = 8 * nonzero + bit
+            if byte >> bit & 1 and token < vocab_size and token not in eos:
+                return token
+        start = nonzero + 1
+
+
+def _reason(reason: str) -> str:
+    """The library's message for a client: the first line, bounded, and its stop reasons for a
+    grammar that can produce nothing said in words."""
+    line = _short(reason)
+    if line.startswith("NoExtension"):
+        return "the grammar allows no output (a schema with no finite value, such as a $ref to itself)"
+    return line
 
 
 def _short(reason: str) -> str:

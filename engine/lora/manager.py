@@ -63,26 +63,31 @@ class LoRAManager:
         self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
         #: Successful loads into the CPU tier (fetch + parse), recorded under the lock.
         self.load_times = Durations(ADAPTER_LOAD_BUCKETS_S)
+        #: version -> (start, end) in time.monotonic() of the load that put it in the CPU tier,
+        #: while it is there: the adapter-load span of the requests that waited for it.
+        self.load_spans: dict[str, tuple[float, float]] = {}
 
     # -- request lifecycle --------------------------------------------------------------------
 
-    def request_adapter(self, version: str) -> None:
-        """Pin `version` for a new request and start loading it if it is not in the CPU tier."""
+    def request_adapter(self, version: str) -> bool:
+        """Pin `version` for a new request and start loading it if it is not in the CPU tier.
+        True when the request has to wait for a load (this one, or one already under way)."""
         with self._lock:
             self._refs[version] = self._refs.get(version, 0) + 1
             if version in self._quarantined:
-                return
+                return False
             if version in self._cpu:
                 self._cpu.move_to_end(version)
                 self.stats["cpu_hits"] += 1
-                return
+                return False
             err = self._errors.get(version)
             if err is not None and time.monotonic() - err[1] < _ERROR_TTL_S:
-                return
+                return False
             self._errors.pop(version, None)
             if version not in self._loading:
                 self.stats["cpu_misses"] += 1
                 self._loading[version] = self._pool.submit(self._load, version)
+            return True
 
     def release(self, version: str) -> None:
         with self._lock:
@@ -91,6 +96,7 @@ class LoRAManager:
                 self._refs.pop(version, None)
                 if version in self._quarantined:
                     self._cpu.pop(version, None)  # never used again
+                    self.load_spans.pop(version, None)
             else:
                 self._refs[version] = n
             self._evict_cpu_locked()
@@ -161,7 +167,7 @@ class LoRAManager:
     # -- loading (background threads) ---------------------------------------------------------
 
     def _load(self, version: str) -> None:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()
         try:
             path = self.source.fetch(version)
             weights = load_lora_weights(path, version, self.cfg, max_rank=self.max_rank, dtype=self.dtype)
@@ -174,6 +180,7 @@ class LoRAManager:
             log.warning(msg, exc_info=not known)
             return
         with self._lock:
+            self.load_spans[version] = (started, time.monotonic())  # before it can be scheduled
             self._cpu[version] = weights
             self._loading.pop(version, None)
             self.load_times.record(time.perf_counter() - t0)
@@ -187,6 +194,7 @@ class LoRAManager:
             if self._refs.get(version) or version in self._slot_of:
                 continue  # pinned by a request, or resident in a slot
             total -= self._cpu.pop(version).nbytes
+            self.load_spans.pop(version, None)
             self.stats["evictions"] += 1
 
     # -- per step -----------------------------------------------------------------------------

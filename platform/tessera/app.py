@@ -12,19 +12,21 @@ from contextlib import asynccontextmanager
 from functools import partial
 
 import anyio
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from sqlalchemy import event
 
 from adapter_registry.context import build_context
 from adapter_registry.services import recover_stuck_versions_at_start
 from tessera import admin_pages, auth
-from tessera.api import admin, admin_adapters, admin_billing, admin_slo, admin_tenants, openai, probes, responses, usage
+from tessera.api import (admin, admin_adapters, admin_billing, admin_slo, admin_tenants, body_text, openai, probes,
+                         responses, usage)
 from tessera.billing.embedded import billing_loop
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
 from tessera.errors import ApiError, install_handlers
 from tessera.gateway import Gateway
 from tessera.metering import Meter
+from tessera.observability import tracing
 from tessera.observability.metrics import GatewayMetrics, RefusalCountingQuota
 from tessera.quota import QuotaBackend, make_quota_backend
 from tessera.settings import PlatformSettings, get_settings
@@ -173,7 +175,8 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     settings = settings or get_settings()
     otel = settings.otel_tracing
     app = FastAPI(title="Tessera", version="0.1.0", lifespan=_lifespan(settings, engine_client, quota),
-                  telemetry={"tracing": otel, "metrics": otel, "logs": otel, "operation_spans": otel})
+                  telemetry={"tracing": otel, "metrics": otel, "logs": otel, "operation_spans": otel},
+                  dependencies=[Depends(body_text.valid_unicode_body)])  # one check of every JSON body's text
     app.state.settings = settings
     install_handlers(app)
     for api in (openai, admin, admin_tenants, admin_adapters, admin_slo, admin_billing, usage):
@@ -183,4 +186,7 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     app.include_router(probes.router)  # /health, /ready, /metrics
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        large=((admin_adapters.UPLOAD_PATH, settings.max_upload_bytes),), admin_gate=auth.admin_gate)
+    if settings.tracing:  # outermost: the server span covers every refusal too
+        tracing.setup("tessera-gateway")
+        app.add_middleware(tracing.ServerSpans)
     return app

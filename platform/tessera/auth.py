@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tessera import admin_session
 from tessera.errors import ApiError
 from tessera.gateway import Gateway, get_gateway
+from tessera.observability import tracing
 from tessera.services import Caller, TenantSuspended, authenticate, hash_key
 from tessera.settings import PlatformSettings
 
@@ -33,6 +34,13 @@ def _bearer(request: Request) -> str | None:
 
 async def get_caller(request: Request, gateway: GatewayDep) -> Caller:
     """The tenant behind the request's API key; 401 if missing, unknown or revoked."""
+    with tracing.span("auth") as span:
+        caller = await _caller(request, gateway)
+        span.set_attribute("tessera.tenant", caller.tenant_name)
+        return caller
+
+
+async def _caller(request: Request, gateway: GatewayDep) -> Caller:
     key = _bearer(request)
     if key is None:
         raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <your key>'", code="missing_api_key")

@@ -13,7 +13,7 @@ in-process engine of `tessera serve` / `tessera demo` build the same engine from
 
 `engine_config_from_settings` is the same from a PlatformSettings, for the engines the platform
 runs (in process, or an engine worker): the sizes an operator sets (slots, seats, CPU tier, KV
-cache), and slots as wide as the highest rank the registry accepts, so every adapter an upload
+cache, the scheduler's big-request fraction), and slots as wide as the highest rank the registry accepts, so every adapter an upload
 lets through fits the engine.
 """
 from __future__ import annotations
@@ -52,4 +52,5 @@ def engine_config_from_settings(settings, *, device: str | None = None, backend:
     return engine_config(device=device or settings.engine_device, backend=backend or settings.engine_backend,
                          kv_cache_mib=settings.engine_kv_cache_mib, threads=settings.engine_threads,
                          enable_prefix_caching=settings.engine_prefix_caching, max_lora_rank=settings.max_rank,
+                         big_request_kv_fraction=settings.engine_big_request_kv_fraction,
                          **{k: v for k, v in sizes.items() if v is not None})

@@ -34,6 +34,23 @@ class Gateway:
     seeded_budgets: set = field(default_factory=set)
     #: (the engine's description it was made for, {base model name: whether it is served}).
     _served_bases: tuple[Any, dict[str, bool]] | None = field(default=None, repr=False)
+    #: The grammar compiler `grammars()` returns, once built.
+    _grammars: Any = field(default=None, repr=False)
+
+    def grammars(self):
+        """The compiler (engine.structured_output.StructuredOutput) that checks a request's
+        response_format before admission: the in-process engine's own (`structured` on its
+        client; its cache then serves the engine's compile), else this gateway's over the served
+        model's tokenizer (HTTP mode), built on first use."""
+        if self._grammars is None:
+            own = getattr(self.engine, "structured", None)
+            if own is None:
+                from engine.structured_output import StructuredOutput
+
+                tok = self.engine.tokenizer
+                own = StructuredOutput(tok, tok.vocab_size, set(tok.eos_token_ids))
+            self._grammars = own
+        return self._grammars
 
     def registry_settings(self) -> PlatformSettings:
         """The settings registry calls take: `settings` (as they are now) serving what the engine

@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Usage:
-    """What one request used. status: completed, aborted (client went away) or error."""
+    """What one request used. status: completed, aborted (client went away: prompt_tokens are
+    those the engine prefilled before the abort, completion_tokens those sent; the rule is in
+    docs/ARCHITECTURE.md, "A client that goes away") or error."""
 
     request_id: str
     tenant_id: int

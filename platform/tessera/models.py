@@ -33,6 +33,9 @@ class Plan(Base):
     default_priority: Mapped[str] = mapped_column(String(16), default=Priority.standard.name)
     #: Tokens a month the plan includes at no charge (billing credits them on the invoice).
     monthly_included_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: Its tenants' weight in the engine's fair shares of KV blocks and prefill tokens inside a
+    #: priority class (engine.scheduler), in (0, engine.scheduler.MAX_TENANT_WEIGHT].
+    scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

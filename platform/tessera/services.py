@@ -19,6 +19,8 @@ from adapter_registry import services as registry
 from adapter_registry.db import utcnow
 from adapter_registry.errors import Conflict, NotFound
 from adapter_registry.models import TENANT_STATUSES, Tenant
+from adapter_registry.names import check_label
+from engine.scheduler import MAX_TENANT_WEIGHT
 from tessera.models import PRIORITIES, ApiKey, Plan, TenantPolicy
 from tessera.quota import Limits
 
@@ -34,6 +36,8 @@ class Policy:
     allowed_priorities: tuple[str, ...]
     default_priority: str
     plan: str
+    #: The plan's weight in the engine's fair shares (GenerationRequest.tenant_weight).
+    scheduling_weight: float = 1.0
 
 
 def hash_key(key: str) -> str:
@@ -62,9 +66,10 @@ def _check_priorities(allowed: list[str] | None, default: str | None) -> None:
 
 def upsert_plan(*, session: Session, name: str, allowed_priorities: list[str] | None = None,
                 default_priority: str | None = None, monthly_included_tokens: int | None = ...,
-                **limits: int | None) -> Plan:
+                scheduling_weight: float | None = None, **limits: int | None) -> Plan:
     """Create the plan `name` or update it with the given values; commits. ValueError on bad classes.
-    monthly_included_tokens (billing's free allowance): None clears it; left out, it is unchanged."""
+    monthly_included_tokens (billing's free allowance): None clears it; left out, it is unchanged.
+    scheduling_weight (engine.scheduler's fair-share weight, default 1): None leaves it."""
     unknown = set(limits) - set(LIMIT_FIELDS)
     if unknown:
         raise ValueError(f"unknown plan fields {sorted(unknown)}")
@@ -82,6 +87,10 @@ def upsert_plan(*, session: Session, name: str, allowed_priorities: list[str] | 
         if monthly_included_tokens is not None and monthly_included_tokens < 0:
             raise ValueError("monthly_included_tokens must be >= 0")
         plan.monthly_included_tokens = monthly_included_tokens
+    if scheduling_weight is not None:
+        if not 0 < scheduling_weight <= MAX_TENANT_WEIGHT:
+            raise ValueError(f"scheduling_weight must be in (0, {MAX_TENANT_WEIGHT:g}]")
+        plan.scheduling_weight = float(scheduling_weight)
     _check_priorities(plan.allowed_priorities, plan.default_priority)
     session.commit()
     return plan
@@ -132,6 +141,7 @@ def _merge(pol: TenantPolicy, plan: Plan) -> Policy:
         allowed_priorities=tuple(pick("allowed_priorities")),
         default_priority=pick("default_priority"),
         plan=plan.name,
+        scheduling_weight=plan.scheduling_weight,
     )
 
 
@@ -145,7 +155,10 @@ def policy_for(*, session: Session, tenant_id: int) -> Policy:
 
 
 def issue_key(*, session: Session, tenant: Tenant, name: str | None = None) -> tuple[ApiKey, str]:
-    """Create a key for the tenant; returns the row and the key (the only time it is visible)."""
+    """Create a key for the tenant; returns the row and the key (the only time it is visible).
+    A name is a label (adapter_registry.names.check_label: InvalidName, 422, otherwise)."""
+    if name is not None:
+        check_label(name, what="API key name")
     if tenant.status != "active":
         raise Conflict(f"tenant {tenant.name!r} is {tenant.status}")
     prefix = secrets.token_urlsafe(9)  # 12 characters

@@ -65,6 +65,10 @@ class PlatformSettings(RegistrySettings):
                                         "(per tenant and adapter version). A hit computes the same tokens in "
                                         "fewer steps, equal in exact arithmetic but not bit for bit; off for "
                                         "bitwise-reproducible greedy output.")
+    engine_big_request_kv_fraction: float = Field(
+        0.5, gt=0, le=1, description="A request whose prompt + max_tokens needs more than this share of an engine's "
+        "KV cache waits behind other tenants' requests of its priority class and is preempted for them, never "
+        "the reverse (engine.scheduler's fairness rule).")
     engine_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where an engine runs: cpu, cuda or cuda:N.")
     engine_backend: Literal["cpu", "triton"] | None = Field(None, description="The engine's kernels (default: cpu on the CPU, triton on CUDA).")
 
@@ -80,12 +84,24 @@ class PlatformSettings(RegistrySettings):
     usage_outbox_dir: Path = Field(Path("./var/usage-outbox"), description="Directory of the gateway processes' usage outbox files (one per process; local disk, kept across restarts).")
     usage_outbox_retry_max_s: float = Field(30.0, gt=0, description="Longest wait between two attempts to move outbox events into the database while it fails.")
 
+    # HTTP connections (tessera/http_server.py): what one client may hold of every server command's
+    # listener (serve, demo, engine-worker). Limits are per process.
+    http_header_timeout_s: float = Field(10.0, gt=0, description="A request's line and headers must have arrived this many seconds after the connection opened or the request's first byte (else 408 and the connection is closed).")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="Grace for a request body: after this many seconds from its headers the body must have arrived at http_body_min_bytes_per_s on average, else the connection is closed.")
+    http_body_min_bytes_per_s: int = Field(65536, ge=1, description="Slowest average rate a request body may arrive at once its grace (http_body_timeout_s) is over.")
+    http_keep_alive_s: float = Field(5.0, gt=0, description="An idle keep-alive connection is closed after this many seconds.")
+    http_max_header_bytes: int = Field(65536, ge=4096, le=1 << 20, description="Largest request line plus headers (431 beyond).")
+    http_max_connections: int = Field(2048, ge=1, description="Open connections one server process holds; beyond it a new connection is answered 503 and closed.")
+    http_max_connections_per_address: int = Field(256, ge=0, description="Open connections from one client address per gateway process (503 beyond); 0: no bound (behind a proxy that is the only client address, bound at the proxy instead). Engine workers, whose clients are the gateways, apply http_max_connections only.")
+
     # Observability (tessera.observability): /metrics, label bounds, where SLO status comes from.
-    metrics_token: SecretStr | None = Field(None, description="Bearer token /metrics requires; unset leaves it open (scrape from a private network).")
+    metrics_token: SecretStr | None = Field(None, description="Bearer token /metrics requires wherever it is served. Unset: open on the metrics port, and on the tenant port only for an embedded gateway (SQLite, engine in process) listening on loopback (tessera.observability.exposure).")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="Serve /metrics on this port of TESSERA_HOST (one listener per `tessera serve`, every worker's values) and not on the tenant port; for Prometheus on a network tenants do not reach.")
     metrics_max_tenant_labels: int = Field(2000, ge=1, description="Distinct tenant label values per process; later tenants are counted as '_other'.")
     metrics_adapter_labels: bool = Field(False, description="Also export per-adapter request counts and latency (tenant, adapter name).")
     metrics_max_adapter_labels: int = Field(50, ge=1, description="Distinct (tenant, adapter) label pairs per process; the rest are '_other'.")
     prometheus_url: str | None = Field(None, description="Prometheus HTTP API the SLO status reads burn rates and alerts from; unset computes them from usage events.")
+    tracing: bool = Field(False, description="OpenTelemetry traces of every completion request (gateway -> engine worker: auth, quota, model resolution, routing, queue, prefill, decode), `traceparent` continued from callers and returned; exported by OTLP/HTTP as the standard OTEL_* variables say (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER[_ARG], OTEL_SERVICE_NAME). Off: no span, no header (tessera.observability.tracing).")
     otel_tracing: bool = Field(False, description="FastAPI's OpenTelemetry spans and HTTP metrics, exported through the providers configured by OTEL_* settings; off by default (its per-request checks cost ~5% of the gateway's own time, and Prometheus already has the request metrics).")
 
     # Billing (tessera.billing): prices in integer micro-units of this currency.

@@ -120,6 +120,55 @@ def test_schema_the_library_cannot_compile_is_refused(engine, tokenizer, schema,
     assert "bad" not in engine.requests and not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("response_format, param, reason", [
+    (schema_format({"$ref": "#"}), "response_format", "allows no output"),
+    (schema_format({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}), "response_format",
+     "Too many items"),
+    (schema_format({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}),
+     "response_format", "row has"),
+    (schema_format({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(.{1,100}){1,100}$"}},
+                    "required": ["a"]}), "response_format", "too many expressions"),
+    # A tool-call grammar: its fixed opening is forced, then the embedded schema fails.
+    ({"type": "lark", "lark": 'start: "<call>" body\nbody: %json {"$ref": "#"}'}, "tools", "allows no output"),
+])
+def test_grammars_that_compile_but_cannot_be_served_are_refused(tokenizer, response_format, param, reason):
+    so = StructuredOutput(tokenizer, tokenizer.vocab_size, {tokenizer.eos_token_id})
+    with pytest.raises(InvalidRequestError) as e:
+        so.compile(SamplingParams.from_dict({"response_format": response_format}).response_format)
+    assert e.value.param == param and "cannot be served" in e.value.message and reason in e.value.message
+    assert so.cached() == 0
+
+
+def test_a_grammar_failing_mid_generation_ends_only_its_request_as_the_clients_error(engine, tokenizer):
+    """The schema's first tokens are served (a free 16-character string the compile probe does
+    not walk to its end), then the second property's pattern exhausts the library's lexer: that
+    request ends with finish "error" naming response_format, no fault is counted, and the
+    unconstrained request beside it comes out as it would alone."""
+    from prometheus_client import REGISTRY
+
+    late = {"type": "object", "properties": {"s": {"type": "string", "minLength": 16, "maxLength": 16},
+                                             "r": {"type": "string", "pattern": "^(.{1,100}){1,100}$"}},
+            "required": ["s", "r"], "additionalProperties": False}
+    free = req("free", tokenizer, "Count to ten.", max_tokens=32, temperature=0)
+    alone = engine.generate([free])["free"]
+
+    def faults():
+        return sum(s.value for m in REGISTRY.collect() if m.name == "tessera_engine_request_faults"
+                   for s in m.samples if s.name.endswith("_total"))
+
+    before = faults()
+    refused = REGISTRY.get_sample_value("tessera_engine_grammar_refusals_total") or 0.0
+    outs = engine.generate([free, req("late", tokenizer, "Hi", max_tokens=48, temperature=0,
+                                      response_format=schema_format(late))])
+    out = outs["late"]
+    assert (out.finish_reason, out.invalid_param) == ("error", "response_format"), out
+    assert "too many expressions" in out.error and out.text.startswith('{"s": "') and '"r": "' in out.text
+    assert outs["free"].token_ids == alone.token_ids
+    assert faults() == before
+    assert REGISTRY.get_sample_value("tessera_engine_grammar_refusals_total") == refused + 1
+    assert not engine.structured.active and not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("value, part", [
     ({"type": "xml"}, "type must be one of"),
     ({"type": "json_schema"}, "json_schema must be an object"),

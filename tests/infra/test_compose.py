@@ -1,7 +1,11 @@
 """infra/compose: the compose file as Docker Compose v2 itself reads it (`docker compose config`:
 schema validation, anchors, interpolation from the .env file, profiles), then what a user of it
 relies on: every part of the scale-out shape is there, every setting is a real one and
-validates, probes hit the real endpoints, each engine gets one GPU of its own."""
+validates, probes hit the real endpoints, each engine gets one GPU of its own; and the monitoring
+as the real tools read it: Prometheus's config with the rules as mounted (promtool), scraping every
+gateway and engine worker and alerting to the project's Alertmanager, whose config amtool accepts;
+Grafana's provisioned data source and dashboard, every panel on that data source and every query
+PromQL that Prometheus parses (promtool) over series Tessera exports or its rules record."""
 from __future__ import annotations
 
 import functools
@@ -9,9 +13,11 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 
 from tests.infra.tools import REPO, known_env_vars, require_compose
 from tests.requirements import require_tool
@@ -147,6 +153,166 @@ def test_probes_hit_the_real_endpoints_on_the_served_ports(project):
         assert url.port == int(option(service["command"], "--port")), name
         # The worker binds every interface, or the gateways could not reach it.
         assert option(service["command"], "--host") == "0.0.0.0"
+
+
+def test_prometheus_scrapes_the_gateways_on_their_unpublished_metrics_port(project):
+    """/metrics names every tenant: the gateways serve it on TESSERA_METRICS_PORT, which the host
+    does not publish, and Prometheus (on the compose network) scrapes every replica there."""
+    gateway = project["services"]["gateway"]
+    metrics_port = int(gateway["environment"]["TESSERA_METRICS_PORT"])
+    assert metrics_port not in {p["target"] for p in gateway["ports"]}
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "tessera-gateway"]
+    (sd,) = job["dns_sd_configs"]
+    assert job["metrics_path"] == "/metrics" and sd["names"] == ["gateway"] and sd["port"] == metrics_port
+
+
+def bind_mounts(project: dict, service: str) -> dict[str, str]:
+    """A service's bind mounts: the path in the container -> the path here."""
+    return {v["target"]: v["source"] for v in project["services"][service]["volumes"] if v["type"] == "bind"}
+
+
+def names_of(project: dict, service: str) -> set[str]:
+    """The names a service answers to on the compose network: its own and its aliases."""
+    aliases = ((project["services"][service].get("networks") or {}).get("default") or {}).get("aliases") or []
+    return {service, *aliases}
+
+
+def test_prometheus_scrapes_every_engine_worker_on_its_served_port(project):
+    """Every engine worker (both profiles) is a target of the engine job, by a name compose
+    resolves and the port its command serves (/metrics there is open: no tenant data in it,
+    and it carries the inference extension's model-server series)."""
+    from tessera.engine_client.worker import _OPEN_PATHS
+
+    config = yaml.safe_load(Path(bind_mounts(project, "prometheus")["/etc/prometheus/prometheus.yml"]).read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "tessera-engine"]
+    assert job["metrics_path"] == "/metrics" and job["metrics_path"] in _OPEN_PATHS
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    scraped = []
+    for name, service in engines(project).items():
+        port = int(option(service["command"], "--port"))
+        hits = [t for t in targets
+                if t.rsplit(":", 1)[0] in names_of(project, name) and int(t.rsplit(":", 1)[1]) == port]
+        assert len(hits) == 1, f"{name} is scraped by {len(hits)} targets"
+        scraped += hits
+    assert sorted(scraped) == sorted(targets)
+
+
+def test_prometheus_alerts_to_the_projects_alertmanager_whose_config_amtool_accepts(project, tmp_path):
+    require_tool("amtool")
+    config = yaml.safe_load(Path(bind_mounts(project, "prometheus")["/etc/prometheus/prometheus.yml"]).read_text())
+    (am,) = config["alerting"]["alertmanagers"]
+    (target,) = [t for sc in am["static_configs"] for t in sc["targets"]]
+    host, port = target.rsplit(":", 1)
+    alertmanager = project["services"]["alertmanager"]
+    # Alertmanager listens on its default port (9093) unless its command names another.
+    listen = next((a.split("=", 1)[1] for a in alertmanager["command"] if a.startswith("--web.listen-address=")),
+                  ":9093")
+    assert host in names_of(project, "alertmanager") and port == listen.rsplit(":", 1)[1]
+    assert {p["target"] for p in alertmanager["ports"]} == {int(port)}
+    config_file = bind_mounts(project, "alertmanager")["/etc/alertmanager/alertmanager.yml"]
+    assert "--config.file=/etc/alertmanager/alertmanager.yml" in alertmanager["command"]
+    done = subprocess.run(["amtool", "check-config", config_file], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+
+
+def grafana_provisioning(project: dict) -> tuple[list[dict], list[dict], Path]:
+    """Grafana's provisioned data sources and dashboard providers (read from the folder compose
+    mounts at /etc/grafana/provisioning), and where the providers' path is on this machine."""
+    mounts = bind_mounts(project, "grafana")
+    root = Path(mounts["/etc/grafana/provisioning"])
+    datasources = [d for f in sorted((root / "datasources").glob("*.y*ml"))
+                   for d in yaml.safe_load(f.read_text())["datasources"]]
+    providers = [p for f in sorted((root / "dashboards").glob("*.y*ml"))
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    (provider,) = providers
+    assert provider["type"] == "file"
+    return datasources, providers, Path(mounts[provider["options"]["path"]])
+
+
+def test_grafana_provisions_prometheus_and_the_tenant_dashboard(project):
+    datasources, _, dashboards = grafana_provisioning(project)
+    (prometheus,) = [d for d in datasources if d["type"] == "prometheus"]
+    url = urlparse(prometheus["url"])
+    assert url.hostname in names_of(project, "prometheus") and prometheus["access"] == "proxy"
+    assert url.port in {p["target"] for p in project["services"]["prometheus"]["ports"]}
+    assert prometheus["isDefault"] is True
+    assert (dashboards / "tessera-tenant-slo.json").is_file()
+
+
+def panels(dashboard: dict):
+    """Every panel, those inside collapsed rows too."""
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def test_every_dashboard_panel_reads_the_provisioned_prometheus_with_queries_promtool_parses(project, tmp_path):
+    """Each dashboard file is JSON Grafana can load (uid, title, panels with ids and positions);
+    every panel and query uses the `datasource` variable, which lists Prometheus data sources
+    and so resolves to the provisioned one (the only one, and the default); every query is PromQL
+    that promtool parses, once Grafana's variables are put in; and every series a query reads is
+    one the gateways export or the SLO rules record."""
+    require_tool("promtool")
+    from prometheus_client import REGISTRY
+
+    import tessera.observability.metrics  # noqa: F401  (registers the gateway's series)
+    from tessera.observability import slo_definitions
+
+    datasources, _, folder = grafana_provisioning(project)
+    (provisioned,) = [d for d in datasources if d["type"] == "prometheus"]
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {f.name + suffix for f in REGISTRY.collect() for suffix in suffixes.get(f.type, ("",))}
+    recorded = (slo_definitions.ERROR_RATIO, slo_definitions.BUDGET, slo_definitions.BURN_RATE,
+                slo_definitions.BUDGET_REMAINING)
+    files = sorted(folder.glob("*.json"))
+    assert files
+    rules, uses = [], []
+    for path in files:
+        dashboard = json.loads(path.read_text())
+        assert dashboard["uid"] and dashboard["title"] and dashboard["panels"], path.name
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        ds = variables["datasource"]
+        assert ds["type"] == "datasource" and ds["query"] == provisioned["type"]
+        ids = [p["id"] for p in panels(dashboard)]
+        assert len(ids) == len(set(ids)), f"{path.name}: panel ids repeat"
+        for panel in panels(dashboard):
+            if panel["type"] == "row":
+                continue
+            assert set(panel["gridPos"]) == {"x", "y", "w", "h"}, panel["title"]
+            for holder in (panel, *panel["targets"]):
+                assert holder["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+            uses += [(path.name, panel["title"], t["expr"]) for t in panel["targets"]]
+        for v in variables.values():
+            if v["type"] == "query":
+                assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+                match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", v["query"]["query"])
+                assert match, v["query"]
+                uses.append((path.name, f"variable {v['name']}", match.group(1)))
+    for i, (name, title, expr) in enumerate(uses):
+        # Grafana's variables as values: $tenant, ${tenant}, and its interval variables.
+        promql = re.sub(r"\$__\w+", "5m", expr)
+        promql = re.sub(r"\$\{?(\w+)\}?", "example", promql)
+        rules.append({"record": f"dashboard:query:{i}", "expr": promql})
+        for series in re.findall(r"\b(tessera[_:][A-Za-z0-9_:]*)", promql):
+            assert series in exported or series.startswith(recorded), f"{name} / {title}: {series} is not exported"
+    (tmp_path / "queries.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = subprocess.run(["promtool", "check", "rules", str(tmp_path / "queries.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in done.stdout
+
+
+def test_the_query_check_is_not_vacuous(tmp_path):
+    """promtool refuses a query that is not PromQL, as the dashboard check relies on."""
+    require_tool("promtool")
+    bad = {"groups": [{"name": "dashboard", "rules": [{"record": "dashboard:query:0",
+                                                       "expr": 'sum(rate(tessera_requests_total{tenant="x"}[5m])'}]}]}
+    (tmp_path / "queries.yml").write_text(yaml.safe_dump(bad))
+    done = subprocess.run(["promtool", "check", "rules", str(tmp_path / "queries.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
 
 
 def test_each_gpu_engine_reserves_one_gpu_of_its_own():

@@ -31,8 +31,12 @@ EXTERNAL = {
 EXISTING_SECRET = {"secrets": {"existingSecret": "tessera-prod-settings"}}
 CPU_ONLY = {"engine": {"gpu": False, "replicas": 3, "tolerations": []}}
 WITH_SERVICE_MONITOR = {"metrics": {"serviceMonitor": {"enabled": True}}}
+WITH_INFERENCE_POOL = {"inferencePool": {"enabled": True, "endpointPicker": {"serviceName": "tessera-epp"}}}
 VARIANTS = {"defaults": {}, "external": EXTERNAL, "existing-secret": EXISTING_SECRET, "cpu-only": CPU_ONLY,
-            "service-monitor": WITH_SERVICE_MONITOR}
+            "service-monitor": WITH_SERVICE_MONITOR, "inference-pool": WITH_INFERENCE_POOL}
+# The InferencePool CRD of the Gateway API Inference Extension's latest release (its header names
+# the source): kubernetes-validate knows only the built-in kinds.
+INFERENCE_POOL_CRD = REPO / "tests" / "infra" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 
 
 def render(values: dict) -> list[dict]:
@@ -99,6 +103,8 @@ def test_every_manifest_passes_the_kubernetes_schemas(variant):
 
 
 def test_the_service_monitor_is_behind_its_flag_and_selects_both_metrics_services():
+    """The gateways are scraped on their metrics port through a headless Service of its own (the
+    tenant-facing Service does not expose it), the engines on their port."""
     assert not [d for d in rendered("defaults") if d["kind"] == "ServiceMonitor"]
     docs = rendered("service-monitor")
     (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
@@ -111,7 +117,11 @@ def test_the_service_monitor_is_behind_its_flag_and_selects_both_metrics_service
         if all(labels.get(e["key"]) in e["values"] for e in monitor["spec"]["selector"]["matchExpressions"]):
             assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
             selected.append(service["metadata"]["name"])
-    assert sorted(selected) == ["tessera-engine", "tessera-gateway"]
+    assert sorted(selected) == ["tessera-engine", "tessera-gateway-metrics"]
+    metrics = one(docs, "Service", "tessera-gateway-metrics")["spec"]
+    assert metrics["clusterIP"] == "None" and metrics["ports"][0]["targetPort"] == "metrics"
+    gateway = one(docs, "Service", "tessera-gateway")["spec"]
+    assert [p["targetPort"] for p in gateway["ports"]] == ["http"]  # tenants never reach the metrics port
 
 
 @pytest.mark.parametrize("variant", ["defaults", "cpu-only"])
@@ -267,12 +277,117 @@ def test_probes_hit_the_real_endpoints_on_the_served_ports():
 
 
 def test_scrape_annotations_point_at_the_metrics_port():
+    """The gateway's annotation names its metrics port, the one TESSERA_METRICS_PORT serves (its
+    tenant port does not serve /metrics in this, the scale-out, form); the engine's its port."""
     docs = rendered("defaults")
+    config = one(docs, "ConfigMap", "tessera-settings")["data"]
     for name, kind in (("tessera-gateway", "Deployment"), ("tessera-engine", "StatefulSet")):
         template = one(docs, kind, name)["spec"]["template"]
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
-        assert int(annotations["prometheus.io/port"]) == template["spec"]["containers"][0]["ports"][0]["containerPort"]
+        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        expected = int(config["TESSERA_METRICS_PORT"]) if name == "tessera-gateway" else ports["http"]
+        assert int(annotations["prometheus.io/port"]) == ports.get("metrics", ports["http"]) == expected
+
+
+def crd_schema(crd_path, api_version: str) -> dict:
+    """The OpenAPI schema of the CRD's served version that `api_version` names, made strict as
+    kubernetes-validate is for built-in kinds: an object's fields outside its schema are errors
+    (the API server would prune them silently)."""
+    crd = yaml.safe_load(crd_path.read_text())
+    group, version = api_version.split("/")
+    assert crd["spec"]["group"] == group
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
+
+    def strict(node):
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node:
+                node.setdefault("additionalProperties", False)
+            for child in node.values():
+                strict(child)
+        elif isinstance(node, list):
+            for child in node:
+                strict(child)
+        return node
+
+    return strict(served["schema"]["openAPIV3Schema"])
+
+
+def cel_rules(schema: dict) -> set[str]:
+    """Every x-kubernetes-validations rule (CEL, which jsonschema does not run) in `schema`."""
+    found = set()
+    if isinstance(schema, dict):
+        found |= {v["rule"] for v in schema.get("x-kubernetes-validations", [])}
+        for child in schema.values():
+            found |= cel_rules(child)
+    elif isinstance(schema, list):
+        for child in schema:
+            found |= cel_rules(child)
+    return found
+
+
+def check_inference_pool(pool: dict) -> None:
+    """`pool` against the InferencePool CRD: its OpenAPI schema (jsonschema), then its CEL rules,
+    each written out here (a rule the CRD gains and this does not check fails the test)."""
+    import jsonschema
+
+    schema = crd_schema(INFERENCE_POOL_CRD, pool["apiVersion"])
+    assert pool["kind"] == yaml.safe_load(INFERENCE_POOL_CRD.read_text())["spec"]["names"]["kind"]
+    jsonschema.Draft7Validator(schema).validate(pool)
+    assert cel_rules(schema) == {"self.kind != 'Service' || has(self.port)",
+                                 "self.all(p1, self.exists_one(p2, p1.number==p2.number))"}
+    ref = pool["spec"].get("endpointPickerRef")
+    if ref is not None:
+        assert ref.get("kind", "Service") != "Service" or "port" in ref
+    numbers = [p["number"] for p in pool["spec"]["targetPorts"]]
+    assert len(numbers) == len(set(numbers))
+
+
+def test_the_inference_pool_is_behind_its_flag_and_selects_exactly_the_engine_pods():
+    """The InferencePool an endpoint picker reads: valid for its CRD, its pods the engine
+    StatefulSet's and no other workload's, on the port where the workers serve /metrics (the
+    picker scrapes targetPorts[0]), naming the picker's Service when one is given."""
+    assert not [d for d in rendered("defaults") if d["kind"] == "InferencePool"]
+    docs = rendered("inference-pool")
+    (pool,) = [d for d in docs if d["kind"] == "InferencePool"]
+    check_inference_pool(pool)
+    assert pool["metadata"]["name"] == "tessera-engine"
+    engine = one(docs, "StatefulSet", "tessera-engine")
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert selector == engine["spec"]["selector"]["matchLabels"]
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert all(labels.get(k) == v for k, v in selector.items()) == (d is engine), d["metadata"]["name"]
+    template = engine["spec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    assert pool["spec"]["targetPorts"] == [{"number": ports["http"]}]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(ports["http"])
+    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "tessera-epp", "port": {"number": 9002},
+                                                 "failureMode": "FailClose"}
+    # Without a picker named, the pool is still valid (the reference is optional in v1).
+    (bare,) = [d for d in render({"inferencePool": {"enabled": True}}) if d["kind"] == "InferencePool"]
+    check_inference_pool(bare)
+    assert "endpointPickerRef" not in bare["spec"]
+
+
+def test_the_crd_check_refuses_what_the_api_server_would():
+    """The InferencePool check is not vacuous: what the CRD refuses, it refuses."""
+    import jsonschema
+
+    (pool,) = [d for d in rendered("inference-pool") if d["kind"] == "InferencePool"]
+    broken = [
+        {**pool, "spec": {**pool["spec"], "targetPorts": []}},  # minItems 1
+        {**pool, "spec": {**pool["spec"], "selector": {"matchLabels": {"app": "x" * 64}}}},  # label value too long
+        {**pool, "spec": {**pool["spec"], "targetPort": 8100}},  # a misspelt field
+        {**pool, "spec": {**pool["spec"],  # not a failure mode
+                          "endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}}},
+    ]
+    for doc in broken:
+        with pytest.raises((jsonschema.ValidationError, AssertionError)):
+            check_inference_pool(doc)
+    with pytest.raises(AssertionError):  # the CEL rule: a Service reference needs its port
+        check_inference_pool({**pool, "spec": {**pool["spec"], "endpointPickerRef": {"name": "epp"}}})
 
 
 @pytest.mark.parametrize("values, message", [
@@ -283,6 +398,7 @@ def test_scrape_annotations_point_at_the_metrics_port():
     ({"engine": {"replicas": 0}}, r"/engine/replicas': minimum: got 0, want 1"),
     ({"engine": {"maxLoras": 0}}, r"/engine/maxLoras': minimum: got 0, want 1"),
     ({"settings": {"BILLING_CURRENCY": "EUR"}}, r"'BILLING_CURRENCY' does not match pattern '\^TESSERA_"),
+    ({"inferencePool": {"endpointPicker": {"failureMode": "Open"}}}, r"/inferencePool/endpointPicker/failureMode"),
 ])
 def test_bad_values_fail_the_render_with_what_to_fix(values, message):
     helm = require_helm()

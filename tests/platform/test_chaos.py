@@ -49,7 +49,9 @@ class Stack:
         return usage_events(self.pg.url, tenant)
 
     def metrics(self, name: str) -> list[tuple[dict, float]]:
-        return metric_samples(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
+        # A scale-out gateway serves /metrics on its tenant port only with the metrics token.
+        return metric_samples(httpx.get(f"{self.url}/metrics", timeout=10,
+                                        headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).text, name)
 
     def start_worker(self) -> None:
         self.worker.start()
@@ -74,7 +76,8 @@ def stack(tmp_path_factory):
         gateway = Service("gateway", [TESSERA, "serve"], cwd=root, settings=shared | {
             "port": port, "admin_token": ADMIN_TOKEN, "celery_eager": "true",
             "engine_mode": "http", "engine_urls": json.dumps([worker_url]), "engine_secret": SECRET,
-            "engine_read_timeout_s": 5, "usage_outbox_dir": root / "outbox", "usage_outbox_retry_max_s": 0.5})
+            "engine_read_timeout_s": 5, "usage_outbox_dir": root / "outbox", "usage_outbox_retry_max_s": 0.5,
+            "metrics_token": ADMIN_TOKEN})
         services += [worker.start(), gateway.start()]  # both load at once
         s = Stack(pg, worker, worker_url, gateway, f"http://127.0.0.1:{port}")
         worker.wait_until_answers(f"{worker_url}/internal/info", headers={"authorization": f"Bearer {SECRET}"})

@@ -160,6 +160,29 @@ def test_metrics_token_guards_the_endpoint(platform, aengine):
         scrape(server.url, headers={"authorization": "Bearer scrape-me-" + "x" * 16})
 
 
+def test_the_tenant_port_of_a_scale_out_gateway_names_no_tenant_without_the_token(platform, aengine):
+    """A gateway in the scale-out form (engine workers over HTTP; here its engine client is the
+    test's, the settings say http) does not serve /metrics to a caller without the metrics
+    token, so tenants cannot read each other's names and traffic there; with the token set,
+    Prometheus reads it with the token."""
+    t = platform.tenant()
+    platform.openai(t).chat.completions.create(model=BASE, messages=MSGS, max_tokens=2, temperature=0)
+    assert t.name in httpx.get(f"{platform.url}/metrics").text  # embedded, on loopback: open
+    scale_out = platform.settings.model_copy(update={
+        "engine_mode": "http", "engine_urls": ["http://127.0.0.1:9"], "engine_secret": SecretStr("s" * 16)})
+    with ServerThread(create_app(scale_out, engine_client=InProcessEngineClient(aengine))) as server:
+        r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {t.key}"})
+        assert r.status_code == 404 and t.name not in r.text
+        assert "TESSERA_METRICS_PORT" in r.json()["error"]["message"]
+    token = "scrape-me-" + "y" * 16
+    with ServerThread(create_app(scale_out.model_copy(update={"metrics_token": SecretStr(token)}),
+                                 engine_client=InProcessEngineClient(aengine))) as server:
+        r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {t.key}"})
+        assert r.status_code == 401 and t.name not in r.text
+        assert value(scrape(server.url, headers={"authorization": f"Bearer {token}"}), "tessera_requests_total",
+                     tenant=t.name) >= 1
+
+
 def test_engine_worker_serves_its_own_metrics_without_the_secret(aengine):
     """`tessera engine-worker`'s app: /metrics is open to Prometheus (engine series carry no
     tenant data) while the internal API still needs the shared secret."""

@@ -1,5 +1,7 @@
-"""prometheus-client multiprocess mode: `tessera serve --workers 2`, requests spread over both
-gateway processes, and every /metrics answer, whichever process serves it, counts all of them.
+"""prometheus-client multiprocess mode: `tessera serve --workers 2` in the scale-out form
+(engine workers over HTTP) with /metrics on its own port (TESSERA_METRICS_PORT): requests spread
+over both gateway processes, every answer of the metrics port counts all of them, and the tenant
+port does not serve /metrics at all.
 
 The engine workers are down (nothing listens at TESSERA_ENGINE_URLS), so every request is a real
 503 through the gateway's engine-unavailable path, recorded as an error: the processes start in
@@ -43,7 +45,7 @@ def test_gateway_workers_share_one_view_of_the_metrics(tmp_path):
     settings = PlatformSettings(_env_file=None, database_url=f"sqlite:///{tmp_path}/t.db",
                                 object_store_root=tmp_path / "objects")
     upgrade(settings)
-    wport, gport = free_port(), free_port()
+    wport, gport, mport = free_port(), free_port(), free_port()
     mp_dir = tmp_path / "multiproc"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "PROMETHEUS_"))} | {
         "TESSERA_DATABASE_URL": settings.database_url, "TESSERA_OBJECT_STORE_ROOT": str(tmp_path / "objects"),
@@ -53,7 +55,7 @@ def test_gateway_workers_share_one_view_of_the_metrics(tmp_path):
         # Several gateway workers share quota counters and the config epoch through Redis.
         "TESSERA_REDIS_URL": "redis://127.0.0.1:6379/0",
         "TESSERA_REDIS_KEY_PREFIX": f"tessera-test:{uuid.uuid4().hex[:8]}:",
-        "TESSERA_PORT": str(gport), "PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
+        "TESSERA_PORT": str(gport), "TESSERA_METRICS_PORT": str(mport), "PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
     procs = []
     try:
         procs.append(start([TESSERA, "serve", "--workers", "2"], tmp_path / "serve.log", cwd=tmp_path, env=env))
@@ -88,9 +90,12 @@ def test_gateway_workers_share_one_view_of_the_metrics(tmp_path):
         assert len(by_process) >= 2, f"all requests went to one worker: {by_process}"
         assert sum(by_process.values()) == sent
 
-        # Whichever worker answers /metrics, it reports every worker's requests.
-        for _ in range(6):
-            m = scrape(base, headers={"connection": "close"})
+        # The metrics port (served by the process supervising the workers) reports every
+        # worker's requests; the tenant port does not serve /metrics, nor name the tenant.
+        r = httpx.get(f"{base}/metrics", timeout=30)
+        assert r.status_code == 404 and tenant not in r.text
+        for _ in range(3):
+            m = scrape(f"http://127.0.0.1:{mport}", headers={"connection": "close"})
             assert value(m, "tessera_requests_total", tenant=tenant, status="error") == sent
             assert value(m, "tessera_request_duration_seconds_count", tenant=tenant) == sent
             assert value(m, "tessera_request_duration_seconds_bucket", tenant=tenant, le="+Inf") == sent

@@ -1,5 +1,7 @@
 """Schemathesis over the platform's own OpenAPI schema: every tenant and admin operation, with
 generated (valid and invalid) parameters and bodies, must answer without a 5xx and without a hang.
+The bodies' strings are often Unicode-heavy text (`flatmap_body`): lone surrogates (sent as
+\\uXXXX escapes, valid JSON), combining marks, joiners, bidi controls, astral characters, NUL.
 
 The gateway runs on its own database beside the session's engine; requests carry a tenant key
 (tenant routes) or the admin token (admin routes). The tenant's plan bounds what generated
@@ -8,12 +10,14 @@ more are refused with a 429 before reaching the engine.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from adapter_registry.migrate import upgrade
 from tessera.app import create_app
@@ -24,7 +28,7 @@ from .conftest import ADMIN_TOKEN, ServerThread
 
 # Enough examples per operation to reach the refusal paths of every field, few enough that the
 # whole run stays around a minute on two cores (FUZZ_EXAMPLES=500 for a longer hunt).
-EXAMPLES_PER_OPERATION = int(os.environ.get("FUZZ_EXAMPLES", "25"))
+EXAMPLES_PER_OPERATION = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -64,6 +68,54 @@ def map_body(context, body):
     if path.endswith("completions") and isinstance(body, dict) and hash(repr(body)) % 2 == 0:
         body["model"] = BASE_MODEL
     return body
+
+
+# Characters drawn one by one from any code point (lone surrogates included), a few that break
+# naive text handling, and the surrogate range itself.
+_ODD = "\u0301\u200d\u202e\ufeff\U0001F600\u0661\u00b2\x00\ud800\udfff"
+UNICODE_TEXT = st.lists(st.one_of(st.characters(exclude_categories=()), st.sampled_from(_ODD),
+                                  st.integers(0xD800, 0xDFFF).map(chr)), max_size=32).map("".join)
+#: The same without lone surrogates, for bodies that are not JSON (a multipart form cannot carry them).
+ENCODABLE_TEXT = UNICODE_TEXT.map(lambda t: "".join(c for c in t if not 0xD800 <= ord(c) <= 0xDFFF))
+
+
+def _string_spots(value, path=()):
+    """The paths of every string value in a JSON value."""
+    if isinstance(value, str):
+        yield path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _string_spots(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _string_spots(v, path + (i,))
+
+
+def _with_texts(body, spots, texts):
+    if () in spots:  # the body is itself a string
+        return texts[0] if texts[0] is not None else body
+    body = json.loads(json.dumps(body))
+    for path, text in zip(spots, texts):
+        if text is not None:
+            parent = body
+            for k in path[:-1]:
+                parent = parent[k]
+            parent[path[-1]] = text
+    return body
+
+
+@schema.hook
+def flatmap_body(context, body):
+    """Each string of the generated body is kept, or (one time in three) replaced by
+    Unicode-heavy text; a completion's `model` is kept, so that `map_body`'s base model still
+    takes half of them to the engine."""
+    spots = [p for p in _string_spots(body) if p != ("model",)]
+    if not spots:
+        return st.just(body)
+    operation = context.operation
+    json_body = operation is None or any("json" in b.media_type for b in operation.body)
+    pick = st.one_of(st.none(), st.none(), UNICODE_TEXT if json_body else ENCODABLE_TEXT)
+    return st.tuples(*(pick for _ in spots)).map(lambda texts: _with_texts(body, spots, texts))
 
 
 @schema.parametrize()

@@ -13,6 +13,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 
+from engine.scheduler import MAX_TENANT_WEIGHT
 from tessera import services
 from tessera.api.bounds import Int32, Int64, RowId
 from tessera.api.deps import PathTenant, attach, run_db
@@ -34,6 +35,8 @@ class Limits(BaseModel):
 
 class PlanIn(Limits):
     monthly_included_tokens: Int64 | None = None  # billing: tokens a month at no charge
+    # Its tenants' weight in the engine's fair shares inside a priority class (engine.scheduler).
+    scheduling_weight: float | None = Field(None, gt=0, le=MAX_TENANT_WEIGHT, allow_inf_nan=False)
 
 
 class TenantIn(BaseModel):
@@ -64,7 +67,8 @@ async def put_plan(name: str, body: PlanIn, _: AdminDep, gw: GatewayDep):
         plan = services.upsert_plan(session=session, name=name, **fields)
         return {"name": plan.name, **{f: getattr(plan, f) for f in services.LIMIT_FIELDS},
                 "allowed_priorities": plan.allowed_priorities, "default_priority": plan.default_priority,
-                "monthly_included_tokens": plan.monthly_included_tokens}
+                "monthly_included_tokens": plan.monthly_included_tokens,
+                "scheduling_weight": plan.scheduling_weight}
 
     return await run_db(gw, run)
 

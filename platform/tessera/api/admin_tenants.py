@@ -42,7 +42,7 @@ def _iso(dt) -> str | None:
 def _plan_dict(plan) -> dict:
     return {"name": plan.name, **{f: getattr(plan, f) for f in services.LIMIT_FIELDS},
             "allowed_priorities": list(plan.allowed_priorities), "default_priority": plan.default_priority,
-            "monthly_included_tokens": plan.monthly_included_tokens}
+            "monthly_included_tokens": plan.monthly_included_tokens, "scheduling_weight": plan.scheduling_weight}
 
 
 def _tenant_dict(session, tenant) -> dict:

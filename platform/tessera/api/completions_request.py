@@ -1,10 +1,12 @@
 """A completion request's checks, from its body to a `Job` the engine can run: the priority class,
-the prompt (rendered, bounded by its UTF-8 size, tokenized) and the sampling parameters. The
-prompt checks the engine would make are engine.request_checks.check_prompt, run here before any
-quota is reserved, with the engine's messages. Every refusal is an ApiError (4xx).
+the prompt (rendered, bounded by its UTF-8 size, tokenized), the sampling parameters and their
+grammar (compiled and probed). The prompt checks the engine would make are
+engine.request_checks.check_prompt, run here before any quota is reserved, with the engine's
+messages. Every refusal is an ApiError (4xx).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -143,6 +145,22 @@ def sampling_params(gw: Gateway, body: Body, ids: list[int], tool_plan: ToolPlan
         raw["response_format"] = forced
     try:
         return SamplingParams.from_dict(raw)
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+
+
+async def check_grammar(gw: Gateway, params: SamplingParams) -> None:
+    """Compile the request's response_format (or a forced tool call's grammar) and probe its
+    first masks (engine.structured_output.StructuredOutput.compile: the library's per-request
+    limits apply) before any quota is reserved, on the worker pool the engine compiles on, so
+    the event loop never compiles. What cannot be served is a 400 naming `response_format` (or
+    `tools`) with the library's reason: the same answer in-process and over HTTP, where the
+    worker then compiles the same grammar from its own cache."""
+    if params.response_format is None:
+        return
+    grammars = gw.grammars()
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, grammars.compile, params.response_format)
     except InvalidRequestError as e:
         raise invalid(e) from None
 

@@ -34,7 +34,7 @@ async def run_db(gw, fn, *, changes: bool = True) -> Any:
             await gw.epoch.bump()
         return result
     except RegistryError as e:
-        raise ApiError(e.http_status, str(e)) from None
+        raise ApiError(e.http_status, str(e), param=getattr(e, "param", None)) from None
     except (ValueError, OverflowError, DataError) as e:
         # DataError: a value the database refuses (out of its column's range); not an outage.
         raise ApiError(400, str(e.orig) if isinstance(e, DataError) else str(e)) from None

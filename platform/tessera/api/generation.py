@@ -3,9 +3,17 @@ one JSON answer; every way it ends records one usage event and settles the quota
 the tokens really used (`Generation.finish`, exactly once).
 
 The first delta is awaited before answering (`start`), so a refusal or a failure before any
-token is a 4xx/503, not a broken stream. Billing of a client that disconnects: the engine
-requests are aborted (their KV blocks freed) and the usage event (status "aborted") counts the
-completion tokens the client was sent: a stream's forwarded tokens, a JSON answer's none.
+token is a 4xx/503, not a broken stream. A client that disconnects at any moment (while the
+request waits for a seat or is prefilled too: the routes await `start` listening for the
+disconnect) has its engine requests aborted before the engine's next step (their KV blocks and
+seats freed), and the usage event (status "aborted") bills what was computed and sent:
+- prompt tokens: those the engine prefilled before the abort (the abort's report,
+  EngineClient.abort: `computed_prompt_tokens`, the most over the choices); every prompt token
+  once any choice produced a token; 0 when the engine never scheduled it. Without a report
+  (none came in time) the count is what the deltas read show (the whole prompt after a token,
+  else 0). Cached tokens: of those, the ones choice 0 found in the prefix cache.
+- completion tokens: those the client was sent (a stream's forwarded tokens; a JSON answer's
+  none).
 
 `n` choices are `n` engine requests with the same prompt (ids: the job's, then the job's + "-i"):
 choice 0 starts first and its first delta is awaited, by when the engine's prefix cache holds the
@@ -32,11 +40,12 @@ from fastapi.responses import JSONResponse, Response
 from engine.sampling_params import SEED_MIN, GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from tessera.api import logprobs as api_logprobs
 from tessera.api.completions_request import Job, invalid
-from tessera.api.failures import engine_error, unavailable
+from tessera.api.failures import engine_error, failure_status, unavailable
 from tessera.engine_client import EngineUnavailable
 from tessera.errors import ApiError
 from tessera.gateway import Gateway
 from tessera.metering import Usage
+from tessera.observability import tracing
 from tessera.quota import Decision
 from tessera.services import Caller
 from tessera.streaming import (
@@ -56,16 +65,34 @@ class Choice:
     """One of the request's `n` completions: its engine request and what its answer needs."""
 
     index: int
+    request_id: str  # its engine request's id
+    prompt_tokens: int  # the prompt's length
     stream: AsyncGenerator[RequestOutput, None]  # the engine's deltas; aclose() aborts the request
     logprobs: api_logprobs.ChoiceLogprobs | None  # when the request asked for logprobs
     first: RequestOutput | None = None  # the first delta (set by `start`)
     error: Exception | None = None  # what awaiting the first delta raised
+    ended: bool = False  # its finished delta was read
+    computed_prompt: int = 0  # prompt tokens the engine computed for it, as far as known
+    reported: bool = False  # the abort's report was asked for (`Generation.close`)
+
+    async def next(self) -> RequestOutput:
+        """The next delta (StopAsyncIteration after the last), noting what it says was computed."""
+        out = await self.stream.__anext__()
+        self.note(out)
+        return out
+
+    def note(self, out: RequestOutput) -> None:
+        """Note what `out` (a delta, or the abort's report) says was computed of the prompt: all
+        of it once there is a token (the engine prefills the whole prompt first)."""
+        self.ended = self.ended or out.finished
+        done = self.prompt_tokens if out.token_ids else 0
+        self.computed_prompt = min(self.prompt_tokens, max(self.computed_prompt, out.computed_prompt_tokens, done))
 
     async def first_delta(self) -> None:
         """Await the first delta; an exception is kept in `error` for `start` to answer (a
         cancellation propagates)."""
         try:
-            self.first = await self.stream.__anext__()
+            self.first = await self.next()
         except Exception as e:  # noqa: BLE001 - answered by `start`, the same for every choice
             self.error = e
 
@@ -87,10 +114,14 @@ class Generation:
     async def finish(self, *, status: str, finish_reason: str | None, completion_tokens: int) -> Usage:
         """Record the usage event, then settle the quota to the tokens really used (shielded:
         runs even when the request is being cancelled). A request that failed with nothing
-        generated is billed no prompt tokens."""
+        generated is billed no prompt tokens; an aborted one the prompt tokens the engine
+        computed (module docstring; `close` has collected the abort reports)."""
         gw, job = self.gw, self.job
         with anyio.CancelScope(shield=True):
-            prompt = len(job.prompt_ids) if status != "error" or completion_tokens else 0
+            if status == "aborted":
+                prompt = max((c.computed_prompt for c in self.choices), default=0)
+            else:
+                prompt = len(job.prompt_ids) if status != "error" or completion_tokens else 0
             usage = Usage(request_id=job.request_id, tenant_id=self.caller.tenant_id, api_key_id=self.caller.key_id,
                           model=job.model, adapter_version=job.adapter, priority=job.priority,
                           prompt_tokens=prompt, completion_tokens=completion_tokens, status=status,
@@ -100,13 +131,34 @@ class Generation:
                           end_user=job.user, safety_identifier=job.safety_identifier)
             await gw.meter.record(usage)
             await gw.quota.settle(self.decision.reservation, used_tokens=prompt + completion_tokens)
+            tracing.annotate(prompt_tokens=prompt, completion_tokens=completion_tokens, cached_tokens=usage.cached_tokens,
+                             finish_reason=finish_reason, usage_status=status)
             return usage
 
     async def close(self) -> None:
-        """Abort every choice's engine request that is still running (shielded)."""
+        """Abort every choice's engine request that is still running, and collect the abort
+        reports (shielded; at most one engine step, or EngineClient's ABORT_REPORT_TIMEOUT_S)."""
         with anyio.CancelScope(shield=True):
             for c in self.choices:
                 await c.stream.aclose()
+            # A choice whose first delta raised never ran (refused, or no engine); an engine
+            # client without `abort` (a test double) gives no report: the deltas' counts stand.
+            abort = getattr(self.gw.engine, "abort", None)
+            pending = [c for c in self.choices if not (c.ended or c.reported or c.error is not None)]
+            if abort is None or not pending:
+                return
+
+            async def report(c: Choice) -> None:
+                c.reported = True
+                out = await abort(c.request_id)
+                if out is not None:
+                    c.note(out)
+                    if c.index == 0:
+                        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+
+            async with anyio.create_task_group() as tg:
+                for c in pending:
+                    tg.start_soon(report, c)
 
     def seen(self, c: Choice, out: RequestOutput) -> None:
         """Note a delta of choice `c` (choice 0's carries the prompt's cached tokens)."""
@@ -127,6 +179,7 @@ def choice_request(job: Job, caller: Caller, i: int) -> GenerationRequest:
     return GenerationRequest(request_id=job.request_id if i == 0 else f"{job.request_id}-{i}",
                              prompt_token_ids=job.prompt_ids, params=params, tenant_id=str(caller.tenant_id),
                              priority=Priority.parse(job.priority), adapter=job.adapter,
+                             tenant_weight=caller.policy.scheduling_weight,
                              cache_salt=f"tenant:{caller.tenant_id}")
 
 
@@ -140,7 +193,9 @@ async def start(*, gw: Gateway, caller: Caller, job: Job, decision: Decision,
     texts = api_logprobs.token_texts(gw.engine.tokenizer) if job.params.logprobs is not None else None
 
     def add(i: int) -> Choice:
-        c = Choice(index=i, stream=gw.engine.generate(choice_request(job, caller, i)),
+        request = choice_request(job, caller, i)
+        c = Choice(index=i, request_id=request.request_id, prompt_tokens=len(job.prompt_ids),
+                   stream=tracing.engine_call(gw.engine.generate(request), request),
                    logprobs=api_logprobs.ChoiceLogprobs(texts, job.kind) if texts else None)
         gen.choices.append(c)
         return c
@@ -187,7 +242,8 @@ async def _check_firsts(gen: Generation) -> None:
             raise c.error
         # Failed before any token (its adapter could not be loaded): an error status, streaming
         # or not, rather than a 200 whose only event is the error.
-        await gen.finish(status="error", finish_reason="error", completion_tokens=len(c.first.token_ids))
+        await gen.finish(status=failure_status(c.first), finish_reason="error",
+                         completion_tokens=len(c.first.token_ids))
         raise gen.failed(c.first)
 
 
@@ -211,7 +267,7 @@ class _Turns:
             out = c.first
         elif self._turn:
             c = self._turn.popleft()
-            out = await c.stream.__anext__()
+            out = await c.next()
         else:
             return None
         if not out.finished:
@@ -337,7 +393,8 @@ async def collect(gen: Generation) -> dict:
     failed = next((o for o in finals.values() if o.finish_reason == "error"), None)
     if failed is not None:
         await gen.close()  # the other choices
-        await gen.finish(status="error", finish_reason="error", completion_tokens=completion)
+        status = failure_status(failed)  # the client's error is billed for what was sent: no completion
+        await gen.finish(status=status, finish_reason="error", completion_tokens=completion if status == "error" else 0)
         raise gen.failed(failed)
     await gen.finish(status="completed", finish_reason=finals[0].finish_reason, completion_tokens=completion)
     choices = []
@@ -422,7 +479,7 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
         done = True
         if failed is not None:
             await gen.close()  # the other choices
-            await gen.finish(status="error", finish_reason="error", completion_tokens=completion)
+            await gen.finish(status=failure_status(failed), finish_reason="error", completion_tokens=completion)
             pending.append(gen.failed(failed).body())
             pending.last = pending.failed = True
             yield pending

@@ -1,11 +1,13 @@
 """The tenant-facing OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
-One request, cheap checks first (`serve_completion`): authenticate (auth.py) -> pick the
+One request, cheap checks first (`serve_completion`): its JSON text is valid Unicode (body_text.py,
+for every route) -> authenticate (auth.py) -> pick the
 priority class -> refuse a tenant already over a limit (a read-only look at its counters) ->
 resolve `model` within the caller's tenant (base model, adapter name or name@version; another
 tenant's adapter is the same 404 as an unknown name) -> refuse a prompt whose UTF-8 size alone
 exceeds the context -> render and tokenize (off the event loop when long; message contents as
-plain text, never control tokens) and check the prompt and sampling fields -> reserve quota
+plain text, never control tokens) and check the prompt and sampling fields -> compile and probe
+the response_format's grammar (a 400 naming it when it cannot be served) -> reserve quota
 (prompt + n * max_tokens) -> stream from the engine -> record one usage event -> settle the quota to
 the real count.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import uuid
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -28,7 +31,9 @@ from tessera.api.model_resolution import base_model_card, model_card, models_of,
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
 from tessera.auth import CallerDep, GatewayDep
 from tessera.gateway import Gateway
+from tessera.observability import tracing
 from tessera.services import Caller
+from tessera.streaming import ClientDisconnected, cancel_on_disconnect
 
 router = APIRouter(prefix="/v1")
 
@@ -54,26 +59,41 @@ async def start_generation(*, gw: Gateway, caller: Caller, body: Body, kind: str
     point of the Responses API (api/responses.py), which runs as a chat request."""
     request_id = request_id or ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     priority = checks.priority_of(caller, body.priority)
-    await admission.refuse_early(gw=gw, caller=caller, body=body)
-    adapter = await resolve_adapter(gw=gw, caller=caller, model=body.model, request_id=request_id)
+    tracing.annotate(request_id=request_id, tenant=caller.tenant_name, tenant_id=caller.tenant_id, model=body.model,
+                     priority=priority)
+    with tracing.span("quota.peek"):
+        await admission.refuse_early(gw=gw, caller=caller, body=body)
+    with tracing.span("model.resolve") as span:
+        adapter = await resolve_adapter(gw=gw, caller=caller, model=body.model, request_id=request_id)
+        span.set_attribute("tessera.adapter_version", adapter or "")
+    tracing.annotate(adapter_version=adapter)
     tool_plan, fmt = checks.tools_of(gw, body)
     ids = await checks.prompt_ids(gw, body, (tool_plan, fmt))
+    params = checks.sampling_params(gw, body, ids, tool_plan, fmt)
+    await checks.check_grammar(gw, params)
     options = body.stream_options
     job = Job(kind=kind, request_id=request_id, model=body.model, adapter=adapter, priority=priority,
-              prompt_ids=ids, params=checks.sampling_params(gw, body, ids, tool_plan, fmt), stream=body.stream,
+              prompt_ids=ids, params=params, stream=body.stream,
               include_usage=bool(body.stream and options and options.include_usage),
               continuous_usage=bool(body.stream and options and options.continuous_usage_stats),
               n=body.n, user=body.user, safety_identifier=body.safety_identifier,
               tools=tool_plan if tool_plan is not None and tool_plan.offered else None, tool_format=fmt)
-    decision = await admission.admit(gw=gw, caller=caller, job=job)
+    # Shielded: a disconnect must not leave a reservation unsettled.
+    with anyio.CancelScope(shield=True), tracing.span("quota.reserve"):
+        decision = await admission.admit(gw=gw, caller=caller, job=job)
     headers = admission.ratelimit_headers(decision) | {"x-request-id": request_id}
     return await generation.start(gw=gw, caller=caller, job=job, decision=decision, headers=headers)
 
 
 async def serve_completion(*, gw: Gateway, caller: Caller, body: Body, kind: str, http: Request) -> Response:
-    """Answer one completion request (`kind` "chat" or "text"): `start_generation`, then the
-    SSE stream or the JSON body (generation.respond)."""
-    gen = await start_generation(gw=gw, caller=caller, body=body, kind=kind)
+    """Answer one completion request (`kind` "chat" or "text"): `start_generation` (given up,
+    and its engine requests aborted, if the client disconnects first), then the SSE stream or
+    the JSON body (generation.respond)."""
+    try:
+        gen = await cancel_on_disconnect(
+            http.receive, lambda: start_generation(gw=gw, caller=caller, body=body, kind=kind))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
     return await generation.respond(gen, http)
 
 

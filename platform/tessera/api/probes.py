@@ -5,16 +5,16 @@
                  state is "ready"; HTTP mode: an engine worker answered its /ready recently),
                  else 503 with the reason
   GET /metrics   Prometheus exposition of this gateway (all workers' values in multiprocess
-                 mode); Bearer TESSERA_METRICS_TOKEN when that is set
+                 mode), as tessera.observability.exposure allows: not here when it has a port of
+                 its own, Bearer TESSERA_METRICS_TOKEN when that is set, else only for an
+                 embedded gateway on loopback (its series name every tenant)
 """
 from __future__ import annotations
-
-import hmac
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from tessera.errors import ApiError
+from tessera.observability import exposure
 from tessera.observability.metrics import render as render_metrics
 
 router = APIRouter()
@@ -52,9 +52,8 @@ async def ready(request: Request):
 @router.get("/metrics", include_in_schema=False)
 async def prometheus_metrics(request: Request):
     """Prometheus exposition of this gateway (all workers' values in multiprocess mode)."""
-    token = request.app.state.settings.metrics_token
-    if token is not None and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), f"Bearer {token.get_secret_value()}".encode()):
-        raise ApiError(401, "/metrics needs the metrics token (TESSERA_METRICS_TOKEN)", code="invalid_metrics_token")
+    refused = exposure.refusal(request.app.state.settings, request.headers.get("authorization", ""))
+    if refused is not None:
+        raise refused
     body, content_type = render_metrics()
     return Response(body, media_type=content_type)

@@ -380,10 +380,12 @@ async def _stream(gw: Gateway, gen: generation.Generation, answer: Answer) -> As
             if out:
                 yield out
         if error is not None:
-            failed = {"code": error.get("code") or "server_error", "message": error.get("message") or "engine error"}
+            # In the Responses request's terms (a grammar that failed names text.format or tools).
+            said = in_responses_terms(ApiError(400, error.get("message") or "engine error", param=error.get("param")))
+            failed = {"code": error.get("code") or "server_error", "message": said.message}
             response = answer.object(status="failed", output=ev.unfinished(), error=failed)
             await _store(gw, answer, response)
-            yield Final(ev.event("error", code=failed["code"], message=failed["message"], param=None)
+            yield Final(ev.event("error", code=failed["code"], message=failed["message"], param=said.param)
                         + ev.event("response.failed", response=response))
             return
         out = ev.close(incomplete=finish_reason == "length")
@@ -418,14 +420,19 @@ async def create_response(body: ResponsesRequest, caller: CallerDep, gw: Gateway
     answer = Answer(id=_new_id("resp"), created_at=int(time.time()), body=body, caller=caller, input_items=items,
                     params=_params(body, tools, tool_choice))
     try:
-        gen = await chat_api.start_generation(gw=gw, caller=caller, body=chat, kind="chat", request_id=answer.id)
+        gen = await cancel_on_disconnect(request.receive, lambda: chat_api.start_generation(
+            gw=gw, caller=caller, body=chat, kind="chat", request_id=answer.id))
     except ApiError as e:
         raise in_responses_terms(e) from None
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
     if body.stream:
         return DisconnectAwareStream(_stream(gw, gen, answer), media_type="text/event-stream",
                                      headers=gen.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"})
     try:
         completion = await cancel_on_disconnect(request.receive, lambda: generation.collect_chat(gen))
+    except ApiError as e:
+        raise in_responses_terms(e) from None
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the usage event says "aborted"
     choice = completion["choices"][0]

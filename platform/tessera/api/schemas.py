@@ -181,7 +181,7 @@ class _Common(BaseModel):
     @classmethod
     def _logit_bias_values(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit() or len(key) > 9:
+            if not (key.isascii() and key.isdigit()) or len(key) > 9:
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be from -100 to 100 (token {key}: {bias})")

@@ -117,7 +117,16 @@ def _serving(settings):
 
 def _upload(args: argparse.Namespace) -> int:
     from adapter_registry import services
-    from adapter_registry.errors import NotFound
+    from adapter_registry.errors import InvalidName, NotFound
+    from adapter_registry.names import check_identifier
+    from tessera.cli import CLIError
+
+    try:  # before anything is read or migrated: a bad name is one line and exit 2
+        check_identifier(args.name, what="adapter name")
+        if args.create_tenant:
+            check_identifier(args.tenant, what="tenant name (--tenant)")
+    except InvalidName as e:
+        raise CLIError(str(e)) from None
 
     def go(ctx, session):
         settings = _serving(ctx.settings)

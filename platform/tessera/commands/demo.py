@@ -352,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.admin_session import admin_password
     from tessera.app import create_app
     from tessera.commands.serve import check_port_free, load_settings
+    from tessera.http_server import server_options
 
     admin = os.environ.get("TESSERA_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     settings = load_settings(host=args.host, port=args.port, admin_token=admin, model_path=args.model,
@@ -359,11 +360,13 @@ def run(args: argparse.Namespace) -> int:
                              # usage shows up priced in the web UI within a minute
                              billing_rollup_interval_s=None if "TESSERA_BILLING_ROLLUP_INTERVAL_S" in os.environ else 60.0)
     check_port_free(settings.host, settings.port)
+    if settings.metrics_port is not None:
+        check_port_free(settings.host, settings.metrics_port)
     base = _served_base(settings)
     key, adapters = _setup(_serving(settings, base))
     model = "pirate" if "pirate" in adapters else (adapters[0] if adapters else base.name)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                                           log_level="warning"))
+                                           log_level="warning", **server_options(settings)))
     url = f"http://{settings.host}:{settings.port}"
     result = {"ok": True}
 
@@ -385,7 +388,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("Press Ctrl+C to stop.", flush=True)
 
+    if settings.metrics_port is not None:
+        from tessera.observability.exposure import start_listener
+
+        start_listener(settings)
     print(f"tessera demo: loading the engine ({base.name}, {base.architecture}, on CPU)...", flush=True)
+    from engine.backends.cpu.formats import show_on_stderr
+
+    show_on_stderr()  # the CPU weight formats chosen, one line
     threading.Thread(target=announce, daemon=True).start()
     try:
         server.run()

@@ -62,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tessera.cli import CLIError
+    from tessera.http_server import server_options
 
     settings = load_settings(host=args.host, port=args.port)
     if args.workers < 1:
@@ -72,17 +73,26 @@ def _serve(args: argparse.Namespace) -> int:
         raise CLIError(f"--workers {args.workers} needs TESSERA_REDIS_URL: without Redis each worker keeps its own "
                        "quota counters and config epoch (limits would multiply, revocations reach one worker)")
     check_port_free(settings.host, settings.port)
+    if settings.metrics_port is not None:
+        check_port_free(settings.host, settings.metrics_port)
     if args.workers > 1:
         # Before anything imports the app: modules that create metrics at import time need the
         # multiprocess folder to exist by then.
         _multiprocess_metrics_dir()
+    if settings.metrics_port is not None:
+        # In this process: with --workers N it supervises them and reads every worker's values.
+        from tessera.observability.exposure import start_listener
+
+        start_listener(settings)
+    if args.workers > 1:
         # Each worker builds its app from the same TESSERA_* environment (the factory reads it).
         uvicorn.run("tessera.app:create_app", factory=True, workers=args.workers, host=settings.host,
-                    port=settings.port, log_level="info")
+                    port=settings.port, log_level="info", **server_options(settings))
         return 0
     from tessera.app import create_app
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                **server_options(settings))
     return 0
 
 
@@ -110,6 +120,7 @@ def _worker(args: argparse.Namespace) -> int:
     from tessera.cli import CLIError
     from tessera.engine_client.worker import create_worker_app
     from tessera.engine_config import engine_config_from_settings
+    from tessera.http_server import server_options
     from tessera.served_model import load_engine
 
     settings = load_settings()
@@ -124,14 +135,19 @@ def _worker(args: argparse.Namespace) -> int:
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
                                    cache_dir=settings.adapter_cache_dir)
     config = engine_config_from_settings(settings, device=args.device, backend=args.backend)
+    from engine.backends.cpu.formats import show_on_stderr
+
+    show_on_stderr()  # the CPU weight formats chosen, one line
     try:
         engine = load_engine(settings.model_path, config, model_name=settings.model_name, adapter_source=source)
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(f"the base model (TESSERA_MODEL_PATH) cannot be served: {e}") from None
     aengine = AsyncLLMEngine(engine)
-    app = create_worker_app(aengine, secret=secret)
-    server = _draining_server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"),
-                                      app=app, drain_timeout_s=settings.engine_drain_timeout_s)
+    app = create_worker_app(aengine, secret=secret, traced=settings.tracing)
+    # Its clients are the gateways (a few addresses, many streams each): the total bound only.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            **server_options(settings, per_address=False))
+    server = _draining_server_class()(config, app=app, drain_timeout_s=settings.engine_drain_timeout_s)
     try:
         server.run()
     finally:

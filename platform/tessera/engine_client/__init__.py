@@ -6,8 +6,12 @@
 `generate(request)` yields RequestOutput deltas exactly like AsyncLLMEngine.generate: it raises
 InvalidRequestError before the first delta for a request the engine refuses, EngineUnavailable
 when no engine can serve (dead, restarting, unreachable, or it stopped answering); leaving the
-iteration early aborts the request in the engine. `ready()` says whether a request sent now
-would find an engine (the gateway's GET /ready).
+iteration early (also while waiting for the first delta) aborts the request in the engine before
+its next step. `abort(request_id)` then says what the aborted request cost: its final output as
+the engine reported it (`computed_prompt_tokens`: how far its prefill got), or None when no
+report came within `ABORT_REPORT_TIMEOUT_S` (the engine had not received it, had finished it, or
+cannot be reached). `ready()` says whether a request sent now would find an engine (the
+gateway's GET /ready).
 
 `model_name` is the served base model's name, `base_model` its description for LoRA
 (engine.lora.peft_format.BaseModelShape: architecture, layers, modules and shapes) as the engine
@@ -22,6 +26,11 @@ from typing import AsyncIterator, Protocol
 from engine.lora.peft_format import BaseModelShape
 from engine.sampling_params import GenerationRequest, RequestOutput
 from engine.tokenizer import TextTokenizer
+
+
+#: Longest wait for an abort's report: the engine aborts between two steps, so one step's time
+#: (plus a hop to an engine worker).
+ABORT_REPORT_TIMEOUT_S = 10.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -51,6 +60,11 @@ class EngineClient(Protocol):
     base_model: BaseModelShape | None
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort the request (if its engine still holds it) and return the abort's report (module
+        docstring); never raises for an engine that is gone."""
+        ...
 
     async def ready(self) -> EngineReadiness:
         """Ready when an engine would take a request now: in process, its state is "ready"; over

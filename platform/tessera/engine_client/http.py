@@ -14,6 +14,11 @@ whose worker failed before anything was streamed back, is sent to the next one; 
 was streamed, the caller gets EngineUnavailable (a 503), as when no worker can take it or one
 goes silent for longer than the read timeout mid-request, never a hang.
 
+Leaving a request's iteration early closes its connection, which aborts it in the worker, also
+while the worker is still preparing the first delta (waiting for a seat, prefilling). `abort`
+then asks the worker that had it for the abort's report (POST /internal/abort); the client
+remembers each request's worker until it finishes (the latest `ABORTABLE_KEPT`).
+
 `ready()` reads the same view (a fresh poll if the last one is older than `READY_CACHE_S`), so the
 gateway's GET /ready is true when at least one worker serves and is not draining. Workers are
 named worker-0, worker-1, ... in what it reports: their URLs stay internal.
@@ -34,6 +39,7 @@ import itertools
 import json
 import logging
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -42,8 +48,9 @@ import httpx
 from engine.lora.peft_format import BaseModelShape
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 from engine.tokenizer import TextTokenizer
-from tessera.engine_client import EngineReadiness, EngineUnavailable
+from tessera.engine_client import ABORT_REPORT_TIMEOUT_S, EngineReadiness, EngineUnavailable
 from tessera.engine_client.routing import DEFAULT_BALANCE, HashRing, ReplicaState, route
+from tessera.observability import tracing
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,8 @@ log = logging.getLogger(__name__)
 READY_CACHE_S = 2.0
 #: Longest wait for one worker's state.
 READY_TIMEOUT_S = 1.0
+#: Requests whose worker is remembered for `abort` (those in flight, then those left unfinished).
+ABORTABLE_KEPT = 65536
 
 
 def load_served_model(model_path: Path | None,
@@ -145,6 +154,9 @@ class HttpEngineClient:
         self.ring = HashRing([r.name for r in self.replicas])
         self.poll_s, self.balance = poll_s, balance
         self._rr = itertools.count()
+        #: request id -> the worker it was sent to, until it finished (for `abort`), the latest
+        #: ABORTABLE_KEPT
+        self._sent_to: OrderedDict[str, _Replica] = OrderedDict()
         self._polled_at = float("-inf")
         self._poller: asyncio.Task | None = None
         self.client = httpx.AsyncClient(
@@ -269,15 +281,40 @@ class HttpEngineClient:
 
     # -- requests ---------------------------------------------------------------------------------
 
+    def _note_worker(self, request_id: str, replica: _Replica) -> None:
+        self._sent_to[request_id] = replica
+        self._sent_to.move_to_end(request_id)
+        while len(self._sent_to) > ABORTABLE_KEPT:
+            self._sent_to.popitem(last=False)
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Ask the worker the request was sent to for the abort's report (the module docstring);
+        None when it was never sent, has finished, or the worker does not answer in time."""
+        replica = self._sent_to.pop(request_id, None)
+        if replica is None:
+            return None
+        try:
+            r = await self.client.post(f"{replica.url}/internal/abort", json={"request_id": request_id},
+                                       headers=self._headers, timeout=ABORT_REPORT_TIMEOUT_S + READY_TIMEOUT_S)
+            r.raise_for_status()
+            data = r.json()["output"]
+            return None if data is None else RequestOutput(**data)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.warning("no abort report for request %s from %s (%s)", request_id, replica.name, type(e).__name__)
+            return None
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         body = {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
                 "params": request.params.model_dump(), "tenant_id": request.tenant_id,
+                "tenant_weight": request.tenant_weight,
                 "priority": request.priority.name, "adapter": request.adapter, "cache_salt": request.cache_salt}
-        order = self._order(request)
-        if not order:
-            # Nobody looks up: a worker back since the last poll would be missed until the next.
-            await self.refresh()
+        with tracing.span("engine.route") as span:
             order = self._order(request)
+            if not order:
+                # Nobody looks up: a worker back since the last poll would be missed until the next.
+                await self.refresh()
+                order = self._order(request)
+            span.set_attribute("tessera.engine_worker", order[0].name if order else "")
         errors = []
         prio = int(request.priority)
         for replica in order:
@@ -286,10 +323,13 @@ class HttpEngineClient:
             url = replica.url
             streamed = False
             token = replica.sent(prio)
+            self._note_worker(request.request_id, replica)
+            tracing.annotate(engine_worker=replica.name)  # on the engine call's span (the last worker tried)
             try:
                 async with self.client.stream("POST", f"{url}/internal/generate", json=body,
-                                              headers=self._headers) as resp:
+                                              headers=tracing.inject(self._headers)) as resp:
                     if resp.status_code == 400:
+                        self._sent_to.pop(request.request_id, None)  # refused: nothing to abort
                         err = json.loads(await resp.aread())
                         raise InvalidRequestError(err.get("message", "invalid request"), err.get("param"))
                     if resp.status_code != 200:
@@ -309,6 +349,8 @@ class HttpEngineClient:
                             raise EngineUnavailable(f"engine {replica.name} died mid-request: {data['engine_dead']}")
                         out = RequestOutput(**data)
                         streamed = True
+                        if out.finished:
+                            self._sent_to.pop(request.request_id, None)  # nothing left to abort
                         yield out
                         if out.finished:
                             return

@@ -1,12 +1,14 @@
 """The engine in the gateway's own process (embedded mode and tests)."""
 from __future__ import annotations
 
+import asyncio
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
 from engine.lora.weights import base_shape_of
 from engine.sampling_params import GenerationRequest, RequestOutput
-from tessera.engine_client import EngineReadiness, EngineUnavailable
+from tessera.engine_client import ABORT_REPORT_TIMEOUT_S, EngineReadiness, EngineUnavailable
 
 
 class InProcessEngineClient:
@@ -22,13 +24,25 @@ class InProcessEngineClient:
         self.model_name = aengine.engine.model_config.name
         self.max_model_len = aengine.engine.max_model_len
         self.base_model = base_shape_of(aengine.engine.model_config)
+        #: The engine's grammar compiler: the gateway checks response formats with it before
+        #: admission, so the engine finds them in its cache (Gateway.grammars).
+        self.structured = aengine.engine.structured
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in self.aengine.generate(request):
-                yield out
+            # aclosing: leaving this iteration early closes (aborts) the engine's at once, not
+            # whenever the garbage collector finalizes it.
+            async with aclosing(self.aengine.generate(request)) as outs:
+                async for out in outs:
+                    yield out
         except EngineDeadError as e:
             raise EngineUnavailable(f"the engine is not serving: {e}") from e
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        report = asyncio.wrap_future(self.aengine.abort(request_id))
+        # asyncio.wait, not wait_for: a timeout must not cancel the report another caller may share.
+        done, _ = await asyncio.wait([report], timeout=ABORT_REPORT_TIMEOUT_S)
+        return report.result() if done else None
 
     async def ready(self) -> EngineReadiness:
         h = self.aengine.health()

@@ -8,6 +8,10 @@ Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
                               against their deployment's model and hand to the registry.
 - GET  /metrics            -> Prometheus text: the engine's series (engine/metrics.py); no secret
                               needed (no tenant data in them), so Prometheus scrapes it directly.
+                              They include the Gateway API Inference Extension's model-server
+                              protocol under vLLM's names (vllm:num_requests_waiting, ..._running,
+                              vllm:kv_cache_usage_perc, vllm:lora_requests_info with adapter
+                              version ids), so its endpoint picker reads this port with its defaults.
 - GET  /health             -> 200 {"status": "ok", "engine": {state, restarts, last_error}} while
                               the process answers (liveness); no secret, no tenant data.
 - GET  /ready              -> 200 {"status": "ready", ...} when the engine serves, else 503
@@ -25,7 +29,13 @@ Guarded by a shared secret (Authorization: Bearer <secret>); not for tenants.
      (restarting after its step loop died, or dead) or the worker drains: the gateway's client
      tries the next worker. A line {"engine_dead": "..."} ends a stream whose engine died
      mid-request.
-Closing the connection mid-stream aborts the request in the engine (frees its KV blocks).
+Closing the connection aborts the request in the engine before its next step (frees its KV
+blocks and seat), also before its first line, while it waits for a seat or is prefilled.
+- POST /internal/abort    {request_id} -> 200 {"output": the aborted request's final RequestOutput
+                              (`computed_prompt_tokens`: how far its prefill got) or null}: the
+                              abort's report (engine.async_engine), which the gateway bills by;
+                              null when the engine no longer held the request or no report came
+                              within ABORT_REPORT_TIMEOUT_S.
 
 Draining (`begin_drain`, called on SIGTERM by `tessera engine-worker`): new requests are refused
 with 503 and /ready says "draining"; the requests in flight run to their end; `in_flight(app)`
@@ -33,6 +43,7 @@ reaches 0 when they have.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -43,8 +54,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from engine.async_engine import READY, AsyncLLMEngine, EngineDeadError
 from engine.lora.weights import base_shape_of
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, SamplingParams
+from tessera.engine_client import ABORT_REPORT_TIMEOUT_S
 from tessera.engine_client.routing import ReplicaState
-from tessera.streaming import DisconnectAwareStream
+from tessera.observability import tracing
+from tessera.streaming import ClientDisconnected, DisconnectAwareStream, cancel_on_disconnect
 
 
 _OPEN_PATHS = frozenset({"/metrics", "/health", "/ready"})
@@ -52,9 +65,10 @@ _OPEN_PATHS = frozenset({"/metrics", "/health", "/ready"})
 router = APIRouter()
 
 
-def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
+def create_worker_app(aengine: AsyncLLMEngine, *, secret: str, traced: bool = False) -> FastAPI:
     """The internal API over `aengine`; every route but /metrics, /health and /ready needs the
-    shared `secret`."""
+    shared `secret`. `traced`: OpenTelemetry spans of /internal/generate (a child of the gateway's
+    `traceparent`) and of each request's time in the engine (tessera.observability.tracing)."""
     app = FastAPI(title="tessera engine worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = aengine
     app.state.base_model = base_shape_of(aengine.engine.model_config).to_dict()  # the served model, for LoRA
@@ -63,6 +77,9 @@ def create_worker_app(aengine: AsyncLLMEngine, *, secret: str) -> FastAPI:
     app.state.expected_authorization = f"Bearer {secret}".encode()
     app.middleware("http")(_check_secret)
     app.include_router(router)
+    if traced:
+        tracing.setup("tessera-engine-worker")
+        app.add_middleware(tracing.ServerSpans, only=frozenset({"/internal/generate"}))
     return app
 
 
@@ -184,15 +201,35 @@ async def _generate(request: Request):
         return JSONResponse({"message": e.message, "param": e.param}, status_code=400)
     except (KeyError, TypeError, ValueError) as e:
         return JSONResponse({"message": f"malformed internal request: {e}", "param": None}, status_code=400)
+    tracing.annotate(request_id=req.request_id, tenant_id=req.tenant_id, priority=req.priority.name,
+                     adapter_version=req.adapter)
+    span = tracing.current_span()  # the worker's server span: the engine's spans go under it
     stream = _engine(request).generate(req)
     try:
-        first = await stream.__anext__()  # surfaces a refusal as a status code, not mid-stream
+        # The first delta surfaces a refusal as a status code, not mid-stream. It is awaited
+        # listening for the gateway's disconnect: one that leaves while the request waits for a
+        # seat or is prefilled aborts it now (Starlette would not cancel this plain endpoint).
+        first = await cancel_on_disconnect(request.receive, stream.__anext__)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the generator's exit aborted the request
     except InvalidRequestError as e:
         return JSONResponse({"message": e.message, "param": e.param}, status_code=400)
     except EngineDeadError as e:
         return JSONResponse({"message": str(e), "param": None}, status_code=503)
-    return DisconnectAwareStream(_CountedBody(_ndjson_lines(first, stream), request.app.state),
+    return DisconnectAwareStream(_CountedBody(_ndjson_lines(first, stream, req, span), request.app.state),
                                  media_type="application/x-ndjson")
+
+
+@router.post("/internal/abort")
+async def abort(request: Request):
+    try:
+        request_id = str((await request.json())["request_id"])
+    except (KeyError, TypeError, ValueError) as e:
+        return JSONResponse({"message": f"malformed internal request: {e}", "param": None}, status_code=400)
+    report = asyncio.wrap_future(_engine(request).abort(request_id))
+    done, _ = await asyncio.wait([report], timeout=ABORT_REPORT_TIMEOUT_S)
+    out = report.result() if done else None
+    return {"output": None if out is None else vars(out) | {"timings": None}}
 
 
 def _generation_request(body: dict) -> GenerationRequest:
@@ -201,8 +238,15 @@ def _generation_request(body: dict) -> GenerationRequest:
     return GenerationRequest(
         request_id=str(body["request_id"]), prompt_token_ids=list(body["prompt_token_ids"]),
         params=SamplingParams.from_dict(body.get("params") or {}), tenant_id=str(body.get("tenant_id", "default")),
+        tenant_weight=body.get("tenant_weight", 1.0),  # LLMEngine.add_request checks it
         priority=Priority.parse(body.get("priority", "standard")), adapter=body.get("adapter"),
         cache_salt=_optional_str(body.get("cache_salt")))
+
+
+def _final_line(out, req: GenerationRequest, span) -> bytes:
+    tracing.engine_spans(out, parent=span, request=req)
+    out.timings = None  # internal to the worker
+    return (json.dumps(vars(out)) + "\n").encode()
 
 
 def _optional_str(value) -> str | None:
@@ -236,15 +280,17 @@ class _CountedBody:
             self.app_state.in_flight -= 1
 
 
-async def _ndjson_lines(first, stream):
+async def _ndjson_lines(first, stream, req: GenerationRequest, span):
     """`first` and the rest of `stream`, one JSON line each; a line {"engine_dead"} if the engine
-    dies mid-request. Closing the stream aborts the request if it did not finish."""
+    dies mid-request. Closing the stream aborts the request if it did not finish. The final
+    output's timeline becomes the engine's spans under `span` and is not sent."""
     try:
-        yield (json.dumps(vars(first)) + "\n").encode()
         if first.finished:
+            yield _final_line(first, req, span)
             return
+        yield (json.dumps(vars(first)) + "\n").encode()
         async for out in stream:
-            yield (json.dumps(vars(out)) + "\n").encode()
+            yield _final_line(out, req, span) if out.finished else (json.dumps(vars(out)) + "\n").encode()
     except EngineDeadError as e:
         yield (json.dumps({"engine_dead": str(e)}) + "\n").encode()
     finally:

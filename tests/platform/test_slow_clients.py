@@ -1,0 +1,149 @@
+"""Slow clients against a real `tessera serve` process (tessera/http_server.py): 200 connections
+sending their headers a byte at a time, each from its own loopback address, do not delay another
+tenant's request nor change its greedy output, and the server closes every one of them once the
+header timeout has passed (408); one address cannot hold more than its share of connections
+while another address is still served."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import pytest
+
+from adapter_registry.migrate import upgrade
+from adapter_registry.settings import RegistrySettings
+
+from .chaos_helpers import TESSERA, Service, free_port
+
+ADMIN_TOKEN = "slow-clients-admin-" + "x" * 16
+HEADER_TIMEOUT_S = 5.0
+PER_ADDRESS = 8
+SLOW_CLIENTS = 200
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slow-clients")
+    db = f"sqlite:///{root}/tessera.db"
+    upgrade(RegistrySettings(database_url=db))
+    port = free_port()
+    service = Service("gateway", [TESSERA, "serve"], cwd=root, settings={
+        "database_url": db, "object_store_root": root / "objects", "adapter_cache_dir": root / "cache",
+        "usage_outbox_dir": root / "outbox", "port": port, "admin_token": ADMIN_TOKEN,
+        "engine_threads": 2, "engine_kv_cache_mib": 64,
+        "http_header_timeout_s": HEADER_TIMEOUT_S, "http_max_connections_per_address": PER_ADDRESS}).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        service.wait_until_answers(f"{url}/ready")
+        yield url, port
+    finally:
+        service.stop()
+
+
+def new_key(url: str) -> str:
+    name = "slow-" + uuid.uuid4().hex[:8]
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30) as admin:
+        assert admin.put(f"/admin/v1/plans/{name}", json={"requests_per_minute": 1000}).status_code == 200
+        assert admin.post("/admin/v1/tenants", json={"name": name, "plan": name}).status_code == 201
+        r = admin.post(f"/admin/v1/tenants/{name}/keys", json={"name": "k"})
+    assert r.status_code == 201, r.text
+    return r.json()["key"]
+
+
+def greedy(url: str, key: str) -> tuple[str, float]:
+    """(the text, seconds) of one greedy chat through the openai client."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60) as client:
+        start = time.monotonic()
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=12,
+                                           temperature=0)
+    return r.choices[0].message.content, time.monotonic() - start
+
+
+async def slow_client(port: int, source: str, opened: list, closed: dict) -> None:
+    """Connect from `source`, then send a request's headers one byte every 0.1 s, never ending
+    them; record when and how the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    opened.append(source)
+    start = time.monotonic()
+    headers = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" * 40
+
+    async def drip():
+        for b in headers:
+            writer.write(bytes([b]))
+            await asyncio.sleep(0.1)
+
+    dripping = asyncio.ensure_future(drip())
+    try:
+        answer = await asyncio.wait_for(reader.read(), timeout=HEADER_TIMEOUT_S + 20)
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        answer = type(e).__name__.encode()
+    closed[source] = (time.monotonic() - start, answer)
+    dripping.cancel()
+    writer.close()
+
+
+def test_slow_headers_do_not_delay_another_tenant_and_are_closed(gateway):
+    url, port = gateway
+    key = new_key(url)
+    greedy(url, key)  # warm: the first request pays one-time costs
+    idle = [greedy(url, key) for _ in range(3)]
+    expected, idle_s = idle[0][0], min(s for _, s in idle)
+    assert all(text == expected for text, _ in idle)
+
+    async def scenario():
+        opened, closed = [], {}
+        sources = [f"127.0.{1 + i // 250}.{2 + i % 250}" for i in range(SLOW_CLIENTS)]
+        clients = [asyncio.ensure_future(slow_client(port, s, opened, closed)) for s in sources]
+        while len(opened) < SLOW_CLIENTS:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # every slow client is mid-headers now
+        assert not closed, "a slow client was closed before the header timeout"
+        under_load = [await asyncio.to_thread(greedy, url, key) for _ in range(3)]
+        assert not closed, "the slow clients must still be open while the other tenant is served"
+        await asyncio.gather(*clients)
+        return under_load, closed
+
+    under_load, closed = asyncio.run(scenario())
+    for text, seconds in under_load:
+        assert text == expected
+        assert seconds <= 3 * idle_s + 0.5, f"{seconds:.2f}s under slow clients vs {idle_s:.2f}s idle"
+    assert len(closed) == SLOW_CLIENTS
+    for source, (seconds, answer) in closed.items():
+        assert answer.startswith(b"HTTP/1.1 408 "), (source, answer[:80])
+        assert HEADER_TIMEOUT_S - 0.5 <= seconds <= HEADER_TIMEOUT_S + 5, (source, seconds)
+    # The server holds no slow connection now; its tenants are served as before.
+    assert greedy(url, key)[0] == expected
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'tessera_http_connections_refused_total{reason="header_timeout"}' in metrics
+
+
+def test_one_address_is_bounded_while_another_is_served(gateway):
+    url, port = gateway
+
+    async def scenario():
+        held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.3.1", 0))
+                for _ in range(PER_ADDRESS)]
+        # One more from the same address: answered 503 at once, before it sent anything.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.3.1", 0))
+        refused = await asyncio.wait_for(reader.read(), timeout=10)
+        writer.close()
+        # Another address is served meanwhile.
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.3.2")) as c:
+            other = (await c.get(f"{url}/health", timeout=10)).status_code
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.3)
+        # The address's connections closed, it is served again.
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.3.1")) as c:
+            again = (await c.get(f"{url}/health", timeout=10)).status_code
+        return refused, other, again
+
+    refused, other, again = asyncio.run(scenario())
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"too many open connections from 127.0.3.1" in refused
+    assert b"retry-after: 1" in refused
+    assert (other, again) == (200, 200)

@@ -1,0 +1,260 @@
+"""OpenTelemetry traces across real processes: a gateway (`tessera serve`) and an engine worker
+(`tessera engine-worker`), both with TESSERA_TRACING=true, export OTLP/HTTP to a receiver this test
+runs (ExportTraceServiceRequest protobufs decoded with opentelemetry-proto). What it shows:
+- one adapter request is one trace: the gateway's server span, its auth / quota / model
+  resolution / engine-call children, the engine call's route span and the worker's server span
+  under it, and under that the engine's request span with queue, adapter load, prefill (chunk
+  events) and decode, and the first token as an event; tenant, adapter version, priority, request
+  id and token counts as attributes; the response's `traceparent` names the gateway's span;
+  neither the prompt, the output nor the API key is in anything exported;
+- a caller's `traceparent` is continued on a stream (same trace, the gateway's span its child);
+- a refusal (an unknown model) marks the failing step's span, not the 4xx server span."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import openai
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from tessera import services
+from tessera.settings import PlatformSettings
+
+from adapter_registry import services as registry
+from adapter_registry.context import build_context
+from adapter_registry.migrate import upgrade
+
+from ..adapter_registry.registry_helpers import write_adapter
+from ..engine.lora_fixtures import SMOLLM2
+from .chaos_helpers import TESSERA, Service, free_port
+
+SECRET = "tracing-engine-secret-" + "s" * 16
+BASE = "SmolLM2-135M-Instruct"
+CANARY = "zebra-canary-4417"  # in every prompt; must never be exported
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver on loopback: every span it was sent, flattened to dicts, and
+    every raw payload (to look for what must not be exported)."""
+
+    def __init__(self):
+        self.spans: list[dict] = []
+        self.payloads: list[bytes] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["content-length"]))
+                assert self.path == "/v1/traces", self.path
+                receiver.add(body)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def add(self, body: bytes) -> None:
+        req = ExportTraceServiceRequest.FromString(body)
+        spans = []
+        for rs in req.resource_spans:
+            service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    spans.append({
+                        "service": service, "name": s.name, "kind": s.kind, "trace": s.trace_id.hex(),
+                        "id": s.span_id.hex(), "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
+                        "end": s.end_time_unix_nano, "attrs": {a.key: _value(a.value) for a in s.attributes},
+                        "events": [(e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
+                        "status": s.status.code, "status_message": s.status.message})
+        with self.lock:
+            self.payloads.append(body)
+            self.spans.extend(spans)
+
+    def trace(self, trace_id: str, until, timeout: float = 20.0) -> list[dict]:
+        """The spans of `trace_id` once `until(spans)` holds (the exporters batch)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                spans = [s for s in self.spans if s["trace"] == trace_id]
+            if until(spans):
+                return spans
+            assert time.monotonic() < deadline, [(s["service"], s["name"]) for s in spans]
+            time.sleep(0.05)
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+def names(spans) -> set[str]:
+    return {s["name"] for s in spans}
+
+
+def one(spans, name: str) -> dict:
+    (s,) = [s for s in spans if s["name"] == name]
+    return s
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A receiver, an engine worker and a gateway exporting to it; a tenant with an adapter "bot"
+    (a ready version the worker has not loaded yet). Yields (gateway URL, key, tenant, version
+    sha256, receiver)."""
+    root = tmp_path_factory.mktemp("tracing")
+    receiver = Receiver()
+    db = f"sqlite:///{root / 'tessera.db'}"
+    settings = PlatformSettings(_env_file=None, database_url=db, object_store_root=root / "objects",
+                                adapter_cache_dir=root / "upload-cache")
+    upgrade(settings)
+    ctx = build_context(settings)
+    with ctx.session_factory() as s:
+        services.upsert_plan(session=s, name="traced", requests_per_minute=1000, tokens_per_minute=10**7,
+                             max_concurrent_requests=10, monthly_token_budget=10**9)
+        tenant = services.create_tenant(session=s, name="acme", plan="traced")
+        _, key = services.issue_key(session=s, tenant=tenant)
+        version = registry.upload_adapter(session=s, store=ctx.store, tenant=tenant, name="bot",
+                                          settings=settings.model_copy(update={"served_base_models": [SMOLLM2]}),
+                                          source=write_adapter(root / "bot", seed=3))
+        assert version.status == "ready", version.rejection_reason
+        sha = version.sha256
+    ctx.engine.dispose()
+    shared = {"database_url": db, "object_store_root": root / "objects", "tracing": "true"}
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    wport, gport = free_port(), free_port()
+    worker = Service("worker", [TESSERA, "engine-worker", "--port", str(wport), "--secret", SECRET], cwd=root,
+                     settings=shared | {"engine_threads": 1, "engine_kv_cache_mib": 64,
+                                        "adapter_cache_dir": root / "wcache"})
+    gateway = Service("gateway", [TESSERA, "serve"], cwd=root, settings=shared | {
+        "port": gport, "engine_mode": "http", "engine_urls": json.dumps([f"http://127.0.0.1:{wport}"]),
+        "engine_secret": SECRET, "adapter_cache_dir": root / "gcache", "usage_outbox_dir": root / "outbox"})
+    for svc in (worker, gateway):
+        svc.env = {k: v for k, v in svc.env.items() if not k.startswith("OTEL_")} | otel
+    try:
+        worker.start()
+        gateway.start()
+        worker.wait_until_answers(f"http://127.0.0.1:{wport}/ready")
+        gateway.wait_until_answers(f"http://127.0.0.1:{gport}/ready")
+        yield f"http://127.0.0.1:{gport}", key, tenant.name, sha, receiver
+    finally:
+        gateway.stop()
+        worker.stop()
+        receiver.server.shutdown()
+
+
+def test_one_request_is_one_trace_from_the_gateway_through_the_worker(traced):
+    url, key, tenant, sha, receiver = traced
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="bot", messages=[{"role": "user", "content": f"Say {CANARY} twice."}], max_tokens=4, temperature=0)
+    answer = raw.parse()
+    version, trace_id, span_id, flags = raw.headers["traceparent"].split("-")
+    assert version == "00" and int(flags, 16) & 1  # sampled
+
+    spans = receiver.trace(trace_id, lambda s: {"POST /v1/chat/completions", "engine.decode"} <= names(s))
+    by_id = {s["id"]: s for s in spans}
+    server = one(spans, "POST /v1/chat/completions")
+    assert server["id"] == span_id and server["parent"] == "" and server["service"] == "tessera-gateway"
+    assert server["kind"] == 2  # SERVER
+    assert server["attrs"]["http.response.status_code"] == 200 and server["attrs"]["http.route"] == \
+        "/v1/chat/completions"
+    assert {k: server["attrs"][k] for k in ("tessera.tenant", "tessera.adapter_version", "tessera.priority",
+                                             "tessera.request_id", "tessera.model", "tessera.completion_tokens",
+                                             "tessera.prompt_tokens", "tessera.finish_reason")} == {
+        "tessera.tenant": tenant, "tessera.adapter_version": sha, "tessera.priority": "standard",
+        "tessera.request_id": answer.id, "tessera.model": "bot",
+        "tessera.completion_tokens": answer.usage.completion_tokens,
+        "tessera.prompt_tokens": answer.usage.prompt_tokens, "tessera.finish_reason": "length"}
+
+    # The gateway's steps, in order, each a child of its server span.
+    steps = sorted((s for s in spans if s["parent"] == span_id), key=lambda s: s["start"])
+    assert [s["name"] for s in steps] == ["auth", "quota.peek", "model.resolve", "quota.reserve", "engine.generate"]
+    assert one(spans, "auth")["attrs"]["tessera.tenant"] == tenant
+    assert one(spans, "model.resolve")["attrs"]["tessera.adapter_version"] == sha
+    call = one(spans, "engine.generate")
+    assert call["kind"] == 3  # CLIENT
+    assert call["attrs"]["tessera.engine_worker"] == "worker-0" and call["attrs"]["tessera.request_id"] == answer.id
+    assert "first_token" in [e for e, _ in call["events"]]
+    assert one(spans, "engine.route")["parent"] == call["id"]
+
+    # Across the hop: the worker's server span is the engine call's child, in the same trace.
+    hop = one(spans, "POST /internal/generate")
+    assert hop["service"] == "tessera-engine-worker" and hop["parent"] == call["id"] and hop["kind"] == 2
+    request = one(spans, "engine.request")
+    assert request["parent"] == hop["id"]
+    assert {k: request["attrs"][k] for k in ("tessera.request_id", "tessera.adapter_version", "tessera.priority",
+                                              "tessera.completion_tokens", "tessera.finish_reason")} == {
+        "tessera.request_id": answer.id, "tessera.adapter_version": sha, "tessera.priority": "standard",
+        "tessera.completion_tokens": 4, "tessera.finish_reason": "length"}
+    assert request["attrs"]["tessera.prompt_tokens"] == answer.usage.prompt_tokens
+    assert "first_token" in [e for e, _ in request["events"]]
+    parts = {s["name"]: s for s in spans if s["parent"] == request["id"]}
+    assert set(parts) == {"engine.queue", "engine.adapter_load", "engine.prefill", "engine.decode"}
+    # The engine's timeline, in order and inside the request: queued (the adapter loading), then
+    # prefilled in chunks, then decoded from the first token on.
+    queue, load, prefill, decode = (parts[n] for n in ("engine.queue", "engine.adapter_load", "engine.prefill",
+                                                       "engine.decode"))
+    assert request["start"] == queue["start"] <= queue["end"] == prefill["start"] <= prefill["end"] \
+        == decode["start"] <= decode["end"] == request["end"]
+    assert load["end"] <= prefill["start"] and load["attrs"]["tessera.adapter_version"] == sha
+    chunks = [a for e, a in prefill["events"] if e == "prefill_chunk"]
+    assert sum(c["tessera.tokens"] for c in chunks) + prefill["attrs"]["tessera.cached_tokens"] == \
+        answer.usage.prompt_tokens
+    assert hop["start"] <= request["start"] and request["end"] <= hop["end"]
+    for s in spans:  # every span hangs in this one tree
+        assert s["parent"] == "" or s["parent"] in by_id, s["name"]
+
+    # Neither the prompt nor the key is in anything either process exported.
+    exported = b"".join(receiver.payloads)
+    assert CANARY.encode() not in exported and key.encode() not in exported
+
+
+def test_a_callers_traceparent_is_continued_and_returned_on_a_stream(traced):
+    url, key, _, _, receiver = traced
+    caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    body = {"model": BASE, "messages": [{"role": "user", "content": f"Hi {CANARY}"}], "max_tokens": 3,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {key}", "traceparent": f"00-{caller_trace}-{caller_span}-01"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        returned = r.headers["traceparent"]
+        assert r.read().endswith(b"data: [DONE]\n\n")
+    _, trace_id, span_id, _ = returned.split("-")
+    assert trace_id == caller_trace and span_id != caller_span
+
+    spans = receiver.trace(caller_trace, lambda s: "engine.decode" in names(s))
+    server = one(spans, "POST /v1/chat/completions")
+    assert server["id"] == span_id and server["parent"] == caller_span
+    assert one(spans, "POST /internal/generate")["parent"] == one(spans, "engine.generate")["id"]
+    assert "engine.adapter_load" not in names(spans)  # the base model: nothing to load
+    assert server["attrs"]["tessera.completion_tokens"] == 3
+
+
+def test_a_refusal_marks_the_step_that_refused(traced):
+    url, key, _, _, receiver = traced
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, headers={"authorization": f"Bearer {key}"},
+                   json={"model": "no-such-adapter", "messages": [{"role": "user", "content": CANARY}]})
+    assert r.status_code == 404
+    _, trace_id, span_id, _ = r.headers["traceparent"].split("-")
+    spans = receiver.trace(trace_id, lambda s: {"POST /v1/chat/completions", "model.resolve"} <= names(s))
+    server = one(spans, "POST /v1/chat/completions")
+    assert server["attrs"]["http.response.status_code"] == 404 and server["status"] == 0  # a 4xx: not a server error
+    resolve = one(spans, "model.resolve")
+    assert resolve["status"] == 2 and resolve["attrs"]["error.type"] == r.json()["error"]["code"]
+    assert resolve["parent"] == span_id
+    assert "engine.generate" not in names(spans)
