@@ -19,14 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,50 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine  # noqa: E402
+from bench.demo_process import DemoProcess  # noqa: E402
 
-TESSERA = Path(sys.executable).parent / "tessera"
 ADAPTERS = ("json-answer", "pirate", "upper")
 PROMPTS = ["Tell me about the history of the printing press.", "Explain how a rainbow forms.",
            "What are the benefits of regular exercise?", "Describe the water cycle in simple terms.",
            "How do airplanes stay in the air?", "Give me a recipe for a simple tomato soup."]
-
-
-class DemoProcess:
-    """`tessera demo` in a fresh folder on a free port; `url`, `key` and `base` read off what it prints."""
-
-    def __init__(self, port: int):
-        self.dir = Path(tempfile.mkdtemp(prefix="tessera-demo-mix-"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {"TESSERA_PORT": str(port)}
-        self.stderr = open(self.dir / "demo.stderr", "w+")
-        self.proc = subprocess.Popen([str(TESSERA), "demo"], cwd=self.dir, env=env, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True)
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("Press Ctrl+C"):
-                self.ready.set()
-        self.ready.set()
-
-    def wait(self, timeout: float = 600) -> None:
-        if not self.ready.wait(timeout) or self.proc.poll() is not None:
-            self.stop()
-            raise SystemExit("tessera demo did not start:\n" + "\n".join(self.lines)
-                             + (self.dir / "demo.stderr").read_text())
-        out = "\n".join(self.lines)
-        self.url = re.search(r"Tessera is running at (\S+)", out).group(1)
-        self.key = re.search(r"Authorization: Bearer (\S+)\"", out).group(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 async def one(client, model: str, prompt: str, max_tokens: int, t_start: float) -> dict:
@@ -159,11 +116,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="base, mix alternations per stream count")
     ap.add_argument("--warmup", type=int, default=16, help="mixed requests before each stream count's runs")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--port", type=int, default=18431)
     args = ap.parse_args()
-    demo = DemoProcess(args.port)
+    demo = DemoProcess(Path(tempfile.mkdtemp(prefix="tessera-demo-mix-")))
     try:
-        demo.wait()
+        demo.wait_ready(600)
         import httpx
 
         models = httpx.get(demo.url + "/v1/models", headers={"Authorization": f"Bearer {demo.key}"}).json()["data"]

@@ -24,20 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `engine` is the package, not bench/engine.py beside this script
+
+from bench.demo_process import DemoProcess  # noqa: E402
+
 #: The guidellm command in its own virtualenv (the Makefile's `guidellm` target installs it).
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
-TESSERA = Path(sys.executable).parent / "tessera"
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -133,53 +131,6 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-class DemoProcess:
-    """`tessera demo` as a user starts it, in `cwd` on a free loopback port; `url` and `key` are
-    read from what it prints."""
-
-    def __init__(self, cwd: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | {"TESSERA_PORT": str(port)}
-        self.stderr = open(cwd / "demo.stderr", "w")
-        self.proc = subprocess.Popen([str(TESSERA), "demo"], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True)
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("Press Ctrl+C"):
-                self.ready.set()
-        self.ready.set()  # it exited
-
-    def wait_ready(self, timeout: float) -> tuple[str, str]:
-        """(url, demo API key) once the demo has printed its examples; RuntimeError if it exits or
-        takes longer than `timeout` seconds."""
-        if not self.ready.wait(timeout) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("tessera demo did not start:\n" + "\n".join(self.lines)
-                               + "\n" + Path(self.stderr.name).read_text())
-        out = "\n".join(self.lines)
-        url = re.search(r"Tessera is running at (\S+)", out).group(1)
-        key = re.search(r"Authorization: Bearer (tsk-\S+?)\"", out).group(1)
-        return url, key
-
-    def stop(self) -> None:
-        """Ctrl+C, as the demo says; killed if it has not stopped within a minute."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.stderr.close()
-
-
 def warm_up(url: str, key: str, model: str) -> None:
     """One short chat request, so the first measured request does not pay for first-use work."""
     import httpx
@@ -223,7 +174,8 @@ def main() -> int:
             url, key = args.target.rstrip("/"), args.api_key
         else:
             demo = DemoProcess(Path(scratch.name))
-            url, key = demo.wait_ready(args.start_timeout)
+            demo.wait_ready(args.start_timeout)
+            url, key = demo.url, demo.key
         warm_up(url, key, MODEL)
         for streams, requests, seconds in zip(args.streams, args.requests, args.max_seconds):
             report, log = args.out / f"guidellm-c{streams}.json", args.out / f"guidellm-c{streams}.log"
