@@ -20,11 +20,11 @@ branch_labels = None
 depends_on = None
 
 
+# Plain ALTER TABLE, not batch mode: SQLite (3.35+) adds and drops the column in place, where a
+# batch rebuild would drop `plans`, which tenant_policies' foreign key still references.
 def upgrade() -> None:
-    with op.batch_alter_table('plans', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('scheduling_weight', sa.Float(), server_default='1', nullable=False))
+    op.add_column('plans', sa.Column('scheduling_weight', sa.Float(), server_default='1', nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('plans', schema=None) as batch_op:
-        batch_op.drop_column('scheduling_weight')
+    op.drop_column('plans', 'scheduling_weight')

@@ -226,12 +226,17 @@ def _columns_0006(model, *extra: str):
 
 def test_migration_0007_keeps_existing_usage_and_amounts(bare_url):
     settings = RegistrySettings(database_url=bare_url)
-    upgrade(settings, "0006")
+    # The plan and tenant as the services write them (the ORM knows only today's columns), then the
+    # schema back at 0006 with their rows kept: what a 0006 gateway had.
+    upgrade(settings)
     engine = make_engine(bare_url)
     try:
         with make_session_factory(engine)() as s:
             services.upsert_plan(session=s, name="m")
             tid = services.create_tenant(session=s, name="t-mig", plan="m").id
+        engine.dispose()
+        downgrade(settings, "0006")
+        with make_session_factory(engine)() as s:
             for kind, micros in (("input", INPUT), ("output", OUTPUT)):
                 set_price(session=s, base_model=BASE, priority="standard", token_kind=kind, micros_per_mtok=micros,
                           effective_from=date(2026, 1, 1))
