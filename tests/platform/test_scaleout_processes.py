@@ -152,7 +152,9 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
     def stream(i: int) -> None:
         res = results[i]
         res.update(received=0, error=None, done=False)
-        body = chat(models[i % 3], 48, stream=True, stream_options={"include_usage": True})
+        # ignore_eos: no stream may end on its own before the kill (one that did, on the worker
+        # to be killed, left nothing running there).
+        body = chat(models[i % 3], 48, stream=True, stream_options={"include_usage": True}, ignore_eos=True)
         try:
             with httpx.stream("POST", f"{(a, b)[i % 2]}/v1/chat/completions", json=body, headers=auth,
                               timeout=120) as r:
@@ -178,6 +180,10 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
     for t in threads:
         t.start()
     started.wait(timeout=120)  # every stream has tokens: none can be retried elsewhere now
+    running = [sum(httpx.get(f"{url}/internal/state", headers={"authorization": f"Bearer {SECRET}"},
+                             timeout=10).json()["running"].values()) for url in fleet["worker_urls"]]
+    # The affinity routing spreads the burst: both workers are serving some of its streams.
+    assert all(running), running
     killed = fleet["workers"][1]
     killed.kill()
     for t in threads:
@@ -185,7 +191,6 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
     assert all(r["status"] == 200 for r in results), results
     failed = [r for r in results if not r["done"]]
     finished = [r for r in results if r["done"]]
-    # The affinity routing spreads the burst: some streams ran on the killed worker, some not.
     assert failed and finished, results
     assert all(r["error"] and r["error"]["code"] == "engine_unavailable" for r in failed), failed
     assert all(r["error"] is None for r in finished), finished
