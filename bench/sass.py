@@ -19,7 +19,11 @@ layer's launches in the order DecoderLayer.forward makes them (norms, the four W
 their split-K sums, RoPE + KV write, decode attention and its reduction, the gated activation,
 the four LoRA groups' BGMV shrink + expand); and one prefill chunk of `--prefill` tokens (the
 W4A16 GEMM path, prefill attention, SGMV). The lm_head is a dense torch matmul (not Triton): it
-enters the per-token estimate as its bytes at the bandwidth bound.
+enters the per-token estimate as its bytes at the bandwidth bound. Beside them, the four linears
+of one family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint format in
+`--formats` (QUANT_FORMATS: the W4A16 kernels with a K-quant's fp32 scales, the W8A16 kernels for
+8-bit codes), at the same batches and prefill chunk; their sites are named "{family} {format}
+decode T=..." and stay out of the per-token figures (which are the engine's default 4-bit layer).
 
 Per variant (from `cuobjdump -res-usage` and `-sass` of the cubin Triton built): registers,
 spill stores / loads (STL / LDL instructions; Triton kernels use local memory only to spill) and
@@ -72,6 +76,15 @@ CLOCK_HZ = 1.7e9
 #: What torch.cuda.get_device_name gives on an H100 SXM: the launch-config tables' key.
 DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_FAMILIES = ("llama3.1-8b", "qwen2.5-7b", "gemma2-9b")
+#: Checkpoint formats whose layer linears are compiled beside the default 4-bit layer (`--formats`):
+#: name -> (code bits, group size (0: one group a row, G = K), scale and min dtype, mins or none).
+QUANT_FORMATS = {
+    "q4_k": (4, 32, "float32", True),  # GGUF Q4_K: d x sc and -dmin x m per 32 inputs, exact in fp32
+    "q8_0": (8, 32, "float16", False),  # GGUF Q8_0: fp16 d per 32, int8 codes
+    "q6_k": (8, 16, "float32", False),  # GGUF Q6_K: d x sc per 16, codes shifted to -32..31
+    "q5_k": (8, 32, "float32", True),  # GGUF Q5_K: codes 0..31 with d x sc and -dmin x m
+    "w8-channel": (8, 0, "float16", False),  # compressed-tensors W8A16: one scale a row
+}
 
 
 # ----------------------------------------------------------------------------- recording
@@ -124,7 +137,8 @@ def recording(device_name: str = DEVICE_NAME, num_sms: int = NUM_SMS):
     from triton.runtime.jit import JITFunction
 
     import engine.backends.triton.norms
-    import engine.backends.triton.w4a16  # noqa: F401
+    import engine.backends.triton.w4a16
+    import engine.backends.triton.w8a16  # noqa: F401
     import punica_kernels.kernels  # noqa: F401
     from engine.backends.triton import attention
     from punica_kernels.kernels import _common
@@ -281,6 +295,42 @@ def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context
         layer("decode", b, context)
     if prefill:
         layer("prefill", prefill, prefill)
+
+
+def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, prefill: int) -> None:
+    """The four linears of one family's decode layer at each batch, and of one prefill chunk, on
+    weights of checkpoint format `fmt` (QUANT_FORMATS) through the launchers the Triton backend
+    gives them: w4a16_matmul for 4-bit codes, w8a16_matmul for 8-bit."""
+    import torch
+
+    from engine.backends.triton import w4a16, w8a16
+    from engine.loader.quantized import QuantizedWeight
+
+    bits, group, scale_dtype, has_mins = QUANT_FORMATS[fmt]
+    sd = getattr(torch, scale_dtype)
+    cfg = _shapes(family)
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_size, kv_size = cfg.num_heads * D, cfg.num_kv_heads * D
+    shapes = {"qkv_proj": (q_size + 2 * kv_size, H), "o_proj": (H, q_size), "gate_up_proj": (2 * I, H),
+              "down_proj": (H, I)}
+
+    def weight(n: int, k: int):
+        g = group or k
+        scales = torch.empty(n, -(-k // g), dtype=sd)
+        mins = torch.empty_like(scales) if has_mins else None
+        if bits == 4:
+            return w4a16.W4Weight(torch.empty(n, k // 2, dtype=torch.uint8), scales,
+                                  torch.zeros_like(scales) if mins is None else mins, g)
+        return QuantizedWeight(8, torch.empty(n, k, dtype=torch.int8), scales, mins, g, source=fmt)
+
+    matmul = w4a16.w4a16_matmul if bits == 4 else w8a16.w8a16_matmul
+    weights = {name: weight(n, k) for name, (n, k) in shapes.items()}
+    steps = [("decode", b) for b in batches] + ([("prefill", prefill)] if prefill else [])
+    for kind, T in steps:
+        for name, (_, k) in shapes.items():
+            rec.site = f"{family} {fmt} {kind} T={T} {name}"
+            rec.share = 1.0
+            matmul(torch.empty(T, k, dtype=torch.bfloat16), weights[name])
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -459,8 +509,9 @@ def launch_model(launch: Launch) -> dict:
     k = launch.kernel
     programs = launch.programs
     cdiv = lambda p, q: -(-int(p) // int(q))
-    if k in ("w4_gemv_kernel", "w4_gemm_kernel"):
-        weights = _nbytes(a["q_ptr"]) + _nbytes(a["s_ptr"]) + _nbytes(a["m_ptr"])
+    if k in ("w4_gemv_kernel", "w4_gemm_kernel", "w8_gemv_kernel", "w8_gemm_kernel"):
+        # Without mins (HAS_MIN off) the W8A16 kernels read none: m_ptr is a stand-in.
+        weights = _nbytes(a["q_ptr"]) + _nbytes(a["s_ptr"]) + (_nbytes(a["m_ptr"]) if a.get("HAS_MIN", True) else 0)
         other = int(a["M"]) * int(a["K"]) * a["x_ptr"].element_size() + _nbytes(a["out_ptr"])
         # The last K chunk may be shorter: all chunks together hold cdiv(K, BLOCK_K) tiles.
         tiles = cdiv(a["K"], a["BLOCK_K"]) * (programs // int(launch.grid[-1]))
@@ -590,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the adapter stacks")
     p.add_argument("--group-size", type=int, default=32,
                    help="4-bit group size: 32 for GGUF Q4_0/Q4_1 files (bench/gpu.sh's), 128 for quantizing at load")
+    p.add_argument("--formats", default=",".join(QUANT_FORMATS),
+                   help="checkpoint formats (QUANT_FORMATS) whose linears are compiled too, comma-separated "
+                        "(empty: none)")
+    p.add_argument("--formats-family", default="llama3.1-8b", help="the family whose shapes the --formats linears take")
     p.add_argument("--kernels", default="", help="only kernels whose name contains one of these, comma-separated")
     p.add_argument("--no-lora", action="store_true", help="leave out the LoRA launches")
     p.add_argument("--count-only", action="store_true",
@@ -599,9 +654,14 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader.synthetic import FAMILIES
 
     families = [f for f in args.families.split(",") if f]
-    for f in families:
+    for f in families + [args.formats_family]:
         if f not in FAMILIES:
             print(f"unknown family {f!r}; one of {', '.join(sorted(FAMILIES))}", file=sys.stderr)
+            return 2
+    formats = [f for f in args.formats.split(",") if f]
+    for f in formats:
+        if f not in QUANT_FORMATS:
+            print(f"unknown format {f!r}; one of {', '.join(QUANT_FORMATS)}", file=sys.stderr)
             return 2
     batches = _ints(args.batches)
     wanted = [k for k in args.kernels.split(",") if k]
@@ -610,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in families:
             record_family(rec, f, batches=batches, prefill=args.prefill, context=args.context, rank=args.rank,
                           group_size=args.group_size)
+        for fmt in formats:
+            record_quantized_linears(rec, args.formats_family, fmt, batches=batches, prefill=args.prefill)
     launches = [x for x in rec.launches if not (args.no_lora and " lora " in x.site)
                 and (not wanted or any(w in x.kernel for w in wanted))]
     if args.count_only:

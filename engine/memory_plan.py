@@ -3,8 +3,9 @@ one-line refusal with the numbers (InsufficientMemoryError, a ValueError), not a
 kill halfway through loading.
 
 The estimates follow how the engine holds weights (engine.loader, engine.backends):
-- host, while loading: the loaders' tensors (GGUF layers dequantized to fp32, 4 bytes a weight,
-  plus the 4-bit files' raw blocks; safetensors in their stored dtype), plus what the backend
+- host, while loading: the loaders' tensors (a quantized checkpoint's layer matrices as stored,
+  a GGUF's other tensors dequantized to fp32, safetensors in their stored dtype: the average is
+  engine.loader.read_model_config's bytes a weight), plus what the backend
   keeps on the host: the CPU backend's exact fp32 copy, and for its "auto"/"int8" format an int8
   and a bf16 copy beside it (7 bytes a layer weight in all);
 - CUDA: 4-bit layer weights (0.5625 bytes a weight with group scales) or dense ones in the

@@ -13,12 +13,13 @@ tolerance; inputs and outputs on `backend.device`; activations in `backend.dtype
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.loader.quantized import QuantizedWeight, dense
 from engine.backends import torch_ops
 from engine.model.attention import AttentionMetadata, AttentionSpec
 from engine.model.layers import RotaryEmbedding
@@ -43,6 +44,29 @@ class LoRABatch(ABC):
         """Take the device copies of `host_tensors()`, in the same order."""
 
 
+class RowsLinear(nn.Module):
+    """One linear made of several whose outputs are its rows in order (a fused projection whose
+    parts a checkpoint stores in different forms, e.g. a GGUF Q4_K_M layer's Q4_K q/k and Q6_K
+    v): each part's matmul gives its columns of the output."""
+
+    def __init__(self, parts: Sequence[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        return torch.cat([p(x, exact) for p in self.parts], dim=-1)
+
+
+def dense_rows(parts: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor:
+    """The parts stacked by rows as one dense tensor (QuantizedWeights dequantized: fp32)."""
+    tensors = [dense(p) for p in parts]
+    if len({t.dtype for t in tensors}) > 1:
+        tensors = [t.float() for t in tensors]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 class Backend(ABC):
     """One engine's kernels. Built from its EngineConfig; `device` and `dtype` are where and in
     what the activations live."""
@@ -65,12 +89,12 @@ class Backend(ABC):
         return self.config.weight_format
 
     @abstractmethod
-    def linear(self, weight: torch.Tensor, *, raw: tuple[str, torch.Tensor] | None = None,
-               lm_head: bool = False) -> nn.Module:
-        """A frozen base linear for fp32 `weight` [out, in] (host): a module called as
-        `lin(x [T, in], exact: bool) -> [T, out]` in x's dtype. `raw`: ("q4_0" | "q4_1", the
-        checkpoint's raw GGUF rows of the same weight) where it has them (a backend may keep
-        those instead); `lm_head`: the output projection (a backend may keep it dense)."""
+    def linear(self, parts: Sequence[torch.Tensor | QuantizedWeight], *, lm_head: bool = False) -> nn.Module:
+        """A frozen base linear whose weight [out, in] is `parts` stacked by rows (the fused
+        projections: q | k | v, gate | up), each a host tensor or a checkpoint's QuantizedWeight
+        (engine.loader.quantized; a backend keeps it quantized where it has a kernel for its form):
+        a module called as `lin(x [T, in], exact: bool) -> [T, out]` in x's dtype. `lm_head`: the
+        output projection (a backend may keep it dense)."""
 
     def prepare_model(self, model: nn.Module) -> dict:
         """Called once after the model is built (weights on the device): measure or pack what the

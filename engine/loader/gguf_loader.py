@@ -30,17 +30,18 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeConfig
+from engine.loader import gguf_quants
 from engine.loader.architectures import (ARCHITECTURES, Architecture, UnsupportedModelError, architecture_of_gguf,
                                          default_sliding_layers, global_every)
+from engine.loader.quantized import UnsupportedQuantizationError
 from engine.model.rope import longrope_attention_default
 
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-}
+#: Types kept dense (fp32) wherever they are.
+DENSE_TYPES = set(gguf_quants.DENSE_TYPES)
+#: Every type a tensor may have: the dense ones and the quantized ones a layer matrix keeps as a
+#: QuantizedWeight (engine.loader.gguf_quants); other tensors of a quantized type (the token
+#: embedding, llama.cpp's Q6_K output) are dequantized.
+SUPPORTED_TYPES = DENSE_TYPES | set(gguf_quants.SERVED_TYPES)
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -87,12 +88,9 @@ ROPE_FACTORS_LONG = "rope_factors_long.weight"
 _ROPE_TENSORS = (ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)
 
 
-#: Key suffix of a layer weight's raw Q4_1 blocks in load_gguf's tensors (20 bytes per 32 weights).
-Q4_1_SUFFIX = ".q4_1"
-#: Key suffix of a layer weight's raw Q4_0 blocks in load_gguf's tensors (18 bytes per 32 weights).
-Q4_0_SUFFIX = ".q4_0"
-#: The 4-bit layer types whose raw blocks load_gguf keeps, and the key suffix of each.
-_RAW_SUFFIXES = {GGMLQuantizationType.Q4_1: Q4_1_SUFFIX, GGMLQuantizationType.Q4_0: Q4_0_SUFFIX}
+#: The layer matrices (GGUF names after "blk.{i}."): kept quantized when the file quantizes them.
+_LINEARS = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_qkv.weight",
+            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
 
 
 def layer_tensor_map(arch: Architecture) -> dict[str, str]:
@@ -340,8 +338,8 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def _tensor_to_numpy(t) -> np.ndarray:
     qtype = GGMLQuantizationType(t.tensor_type)
     if qtype not in SUPPORTED_TYPES:
-        raise UnsupportedModelError(f"tensor {t.name}: GGUF type {qtype.name} is not supported "
-                                    f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+        raise UnsupportedQuantizationError(f"tensor {t.name}: GGUF type {qtype.name} is not supported "
+                                           f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
     # gguf's dequantize is vectorized numpy over all blocks; shape comes back in row-major
     # (rows, cols) order, i.e. the reverse of GGUF's ne[] listing.
     arr = dequantize(t.data, qtype)
@@ -361,6 +359,19 @@ def config_of_file(reader: GGUFReader, meta: dict, name: str) -> ModelConfig:
                                       vocab_size=None if embed is None else int(embed.shape[-1]))
 
 
+def loaded_bytes_per_weight(reader: GGUFReader) -> float:
+    """Host bytes a weight of the file takes once load_gguf has read it, averaged over its
+    tensors: layer matrices of a quantized type as stored, everything else fp32."""
+    weights = stored = 0
+    for t in reader.tensors:
+        n = int(t.n_elements)
+        quantized = GGMLQuantizationType(t.tensor_type) not in DENSE_TYPES
+        layer_matrix = t.name.startswith("blk.") and t.name.split(".", 2)[2] in _LINEARS
+        weights += n
+        stored += int(t.n_bytes) if quantized and layer_matrix else 4 * n
+    return stored / max(1, weights)
+
+
 def served_name(path: str | Path) -> str:
     """The name a GGUF file is served under when none is given: the embedded model's own name
     for its file, else the file's stem (llama.cpp's `general.name` is free text, often not an id)."""
@@ -371,14 +382,13 @@ def served_name(path: str | Path) -> str:
 def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """Read a GGUF file of any served family (see the module docstring).
 
-    Returns (config, fp32 tensors in the loaders' contract names and layout, raw metadata). Q/K
-    projection rows are un-permuted into HF's layout so that HF-trained LoRA adapters apply
-    unchanged, fused projections split. Layer weights stored as Q4_1 also come as their raw
-    blocks under name + Q4_1_SUFFIX (uint8 [rows, 20 bytes per 32 inputs], rows in the same
-    order, split alike), and those stored as Q4_0 under name + Q4_0_SUFFIX (uint8 [rows, 18 bytes
-    per 32 inputs]); each dequantizes to exactly the fp32 weight beside it. UnsupportedModelError
-    for a family, tensor, type or feature not served; ValueError for a file that lacks a tensor
-    its metadata needs.
+    Returns (config, tensors in the loaders' contract names and layout, raw metadata): layer
+    matrices the file quantizes as QuantizedWeight (engine.loader.quantized; the file's codes and
+    scales, converted by engine.loader.gguf_quants without dequantizing), every other tensor fp32.
+    Q/K projection rows are un-permuted into HF's layout so that HF-trained LoRA adapters apply
+    unchanged, fused projections split. UnsupportedModelError for a family, tensor, type or
+    feature not served (UnsupportedQuantizationError for a type); ValueError for a file that
+    lacks a tensor its metadata needs.
     """
     path = Path(path)
     reader = GGUFReader(str(path))
@@ -413,27 +423,34 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
             rest, targets = gname, [GLOBAL_TENSORS[gname]]
         else:
             raise UnsupportedModelError(f"GGUF tensor {gname!r} is not served")
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if rest in _LINEARS and qtype not in DENSE_TYPES:
+            # A layer matrix stays quantized: its codes and scales, never dequantized here.
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            weight = gguf_quants.quantized_weight(np.asarray(t.data), qtype, shape)
+            if rest in permute:
+                order = _unpermute_rope(np.arange(weight.N), permute[rest])
+                weight = weight.permute_rows(torch.from_numpy(np.ascontiguousarray(order)))
+            if len(targets) > 1:
+                if weight.N != sum(sizes[rest]):
+                    raise ValueError(f"{path}: {gname} has {weight.N} rows, expected {sum(sizes[rest])}")
+                bounds = np.cumsum([0, *sizes[rest]])
+                parts = [weight.rows(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+            else:
+                parts = [weight]
+            tensors.update(zip(targets, parts))
+            continue
         arr = _tensor_to_numpy(t)
-        # 4-bit layers also keep their raw blocks (rows permuted like the weights), so a kernel can
-        # read the file's own 4-bit weights: the CPU int8 format's Q4_1 kernel (backends/cpu/q4.py),
-        # the Triton backend's W4A16 matmul (backends/triton/w4a16.py) for Q4_0 and Q4_1.
-        raw_suffix = _RAW_SUFFIXES.get(GGMLQuantizationType(t.tensor_type)) if gname.startswith("blk.") else None
-        raw = None if raw_suffix is None else np.array(t.data, dtype=np.uint8, copy=True)
         if rest in permute:
             arr = _unpermute_rope(arr, permute[rest])
-            raw = None if raw is None else _unpermute_rope(raw, permute[rest])
         if len(targets) > 1:
             if arr.shape[0] != sum(sizes[rest]):
                 raise ValueError(f"{path}: {gname} has {arr.shape[0]} rows, expected {sum(sizes[rest])}")
-            cuts = np.cumsum(sizes[rest])[:-1]
-            parts = np.split(arr, cuts)
-            raws = [None] * len(parts) if raw is None else np.split(raw, cuts)
+            parts = np.split(arr, np.cumsum(sizes[rest])[:-1])
         else:
-            parts, raws = [arr], [raw]
-        for hf, part, part_raw in zip(targets, parts, raws):
+            parts = [arr]
+        for hf, part in zip(targets, parts):
             tensors[hf] = torch.from_numpy(np.array(part, dtype=np.float32, order="C", copy=True))
-            if part_raw is not None:
-                tensors[hf + raw_suffix] = torch.from_numpy(np.ascontiguousarray(part_raw))
 
     missing = [n for n in contract_tensor_names(cfg) if n not in tensors]
     if missing:

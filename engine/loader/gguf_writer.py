@@ -19,10 +19,16 @@ llama.cpp's arch, engine.loader.architectures):
   `attention.sliding_window_pattern` only where the layers differ from llama.cpp's rule for the
   arch), soft-caps, and `attention.scale` only where query_pre_attn_scalar is not the value
   llama.cpp assumes for the arch;
-- quantization with gguf.quants.quantize: "f32", "f16", "q8_0", or "q4_0"/"q4_1" for layer
-  matrices with Q8_0 embeddings and lm_head (as the synthetic checkpoints; llama.cpp's own 4-bit
-  files use K-quants there, which the loader does not read). Vectors (norms, biases, RoPE
-  factors) stay F32; a matrix whose rows are not whole 32-weight blocks is written F16.
+- quantization (`QUANTS`): "f32", "f16", "q8_0", or "q4_0"/"q4_1" for layer matrices with Q8_0
+  embeddings and lm_head (as the synthetic checkpoints), with gguf.quants.quantize; and
+  llama.cpp's K-quant mixes as llama-quantize chooses them (llama_tensor_get_type), quantized by
+  this module's own `quantize_k` (gguf-py has no K-quant quantizer), in llama.cpp's byte layout:
+  "q4_k_m" (layer matrices and the token embedding Q4_K; attn_v and ffn_down on the
+  `use_more_bits` layers, the first and last eighth and every third between, Q6_K; a fused
+  attn_qkv Q5_K; the lm_head, or a tied token embedding, Q6_K), "q5_k_m" (the same with Q5_K,
+  attn_qkv Q6_K) and "q6_k" (Q6_K throughout). Vectors (norms, biases, RoPE factors) stay F32; a
+  matrix whose rows are not whole blocks of its type falls back as llama.cpp's does (Q4_K ->
+  Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), and to F16 where those do not fit either.
 
 A ModelConfig GGUF metadata cannot express (dynamic NTK RoPE, llama3 scaling on Gemma, LongRoPE
 outside Phi-3, sliding windows of several sizes, ...) is an UnsupportedModelError naming it,
@@ -34,7 +40,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -51,15 +57,42 @@ from engine.model.rope import longrope_attention_default
 
 F32, F16, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0
 Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
+Q5_0, Q5_1 = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1
+Q2_K, Q3_K, Q4_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K
+Q5_K, Q6_K = GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
 
-#: quant -> (layer matrices' type, token embedding and lm_head type, general.file_type).
+
+class QuantMix(NamedTuple):
+    """The GGML type a `quant` writes each matrix in (vectors are F32 under every quant)."""
+
+    #: Layer matrices.
+    layer: GGMLQuantizationType
+    #: The token embedding, and the lm_head where `output` is None.
+    embedding: GGMLQuantizationType
+    #: general.file_type.
+    file_type: LlamaFileType
+    #: llama.cpp's output rule: the lm_head, and the token embedding of a tied model (no lm_head).
+    output: GGMLQuantizationType | None = None
+    #: attn_v and ffn_down on llama.cpp's `use_more_bits` layers.
+    more_bits: GGMLQuantizationType | None = None
+    #: A fused attn_qkv (Phi-3).
+    attn_qkv: GGMLQuantizationType | None = None
+
+
+#: quant -> its QuantMix.
 QUANTS = {
-    "f32": (F32, F32, LlamaFileType.ALL_F32),
-    "f16": (F16, F16, LlamaFileType.MOSTLY_F16),
-    "q8_0": (Q8_0, Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "q4_0": (Q4_0, Q8_0, LlamaFileType.MOSTLY_Q4_0),
-    "q4_1": (Q4_1, Q8_0, LlamaFileType.MOSTLY_Q4_1),
+    "f32": QuantMix(F32, F32, LlamaFileType.ALL_F32),
+    "f16": QuantMix(F16, F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": QuantMix(Q8_0, Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": QuantMix(Q4_0, Q8_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": QuantMix(Q4_1, Q8_0, LlamaFileType.MOSTLY_Q4_1),
+    "q4_k_m": QuantMix(Q4_K, Q4_K, LlamaFileType.MOSTLY_Q4_K_M, output=Q6_K, more_bits=Q6_K, attn_qkv=Q5_K),
+    "q5_k_m": QuantMix(Q5_K, Q5_K, LlamaFileType.MOSTLY_Q5_K_M, output=Q6_K, more_bits=Q6_K, attn_qkv=Q6_K),
+    "q6_k": QuantMix(Q6_K, Q6_K, LlamaFileType.MOSTLY_Q6_K, output=Q6_K),
 }
+
+#: llama.cpp's type for a matrix whose rows are not whole super-blocks of the type it chose.
+K_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
@@ -174,18 +207,51 @@ def gguf_plan(cfg: ModelConfig) -> list[PlannedTensor]:
     return plan
 
 
-def tensor_type(planned: PlannedTensor, quant: str) -> GGMLQuantizationType:
-    """The GGML type `planned` is written in under `quant` (QUANTS; vectors F32; a matrix whose
-    rows are not whole 32-weight blocks F16)."""
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's layers whose attn_v and ffn_down the K-quant "_M" mixes give more bits: the
+    first and last eighth, and every third layer between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def tensor_type(planned: PlannedTensor, quant: str, *, num_layers: int | None = None,
+                tied: bool = False) -> GGMLQuantizationType:
+    """The GGML type `planned` is written in under `quant` (QUANTS; vectors F32; a matrix whose rows
+    are not whole blocks of its type: K_FALLBACK, then F16). The K-quant mixes depend on the file:
+    its `num_layers` (use_more_bits) and whether the token embedding is `tied` as the lm_head;
+    `tensor_types` passes both."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
     if len(planned.shape) == 1:
         return F32
-    layer, embed, _ = QUANTS[quant]
-    qtype = embed if planned.embedding else layer
-    if qtype not in (F32, F16) and planned.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
-        return F16
+    mix = QUANTS[quant]
+    role = planned.name.split(".", 2)[2] if planned.name.startswith("blk.") else planned.name
+    if planned.embedding:
+        is_output = role == "output.weight" or (tied and role == "token_embd.weight")
+        qtype = mix.output if is_output and mix.output is not None else mix.embedding
+    elif role == "attn_qkv.weight" and mix.attn_qkv is not None:
+        qtype = mix.attn_qkv
+    elif role in ("attn_v.weight", "ffn_down.weight") and mix.more_bits is not None:
+        if num_layers is None:
+            raise ValueError(f"quant {quant!r} chooses {planned.name}'s type by the file's layer count: "
+                             "pass num_layers (tensor_types does)")
+        layer = int(planned.name.split(".")[1])
+        qtype = mix.more_bits if use_more_bits(layer, num_layers) else mix.layer
+    else:
+        qtype = mix.layer
+    cols = planned.shape[-1]
+    if qtype not in (F32, F16) and cols % GGML_QUANT_SIZES[qtype][0]:
+        qtype = K_FALLBACK.get(qtype, F16)
+        if qtype != F16 and cols % GGML_QUANT_SIZES[qtype][0]:
+            qtype = F16
     return qtype
+
+
+def tensor_types(plan: Sequence[PlannedTensor], quant: str) -> list[GGMLQuantizationType]:
+    """tensor_type of each tensor of `plan` (a gguf_plan), with the file's layer count and whether
+    it has an lm_head."""
+    num_layers = len({p.name.split(".")[1] for p in plan if p.name.startswith("blk.")})
+    tied = not any(p.name == "output.weight" for p in plan)
+    return [tensor_type(p, quant, num_layers=num_layers, tied=tied) for p in plan]
 
 
 def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -193,6 +259,168 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     inverse of gguf_loader._unpermute_rope."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ----------------------------------------------------------------------------- K-quants
+#
+# Each quantizer: fp32 super-blocks [n, 256] -> llama.cpp's blocks uint8 [n, type size]. Sub-block
+# scales (and offsets) first, from the sub-block's range; then the super-block's fp16 d (and
+# dmin), rounded up so no sub-block scale exceeds its integer range; then each sub-block's integer
+# scale rounded up against d, so the quantized step still covers the sub-block's range; then the
+# codes rounded against the steps the file states. Every weight is within half its sub-block's
+# stated step of what llama.cpp dequantizes (up to fp32 rounding).
+
+QK_K = 256
+
+
+def _fp16_at_least(x: np.ndarray) -> np.ndarray:
+    """The least float16 >= x (x >= 0 finite float32): a super-block scale that never clips."""
+    if np.any(x > np.finfo(np.float16).max):
+        raise ValueError("weights too large for a K-quant's fp16 super-block scale")
+    h = x.astype(np.float16)
+    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+
+
+def _multiples(need: np.ndarray, unit: np.ndarray, top: int) -> np.ndarray:
+    """ceil(need / unit) clipped to 0..top (0 where unit is 0): the integer sub-block scales."""
+    unit = unit.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.ceil(need / unit)
+    return np.where(unit > 0, np.clip(q, 0, top), 0).astype(np.uint8)
+
+
+def _codes(x: np.ndarray, step: np.ndarray, offset: np.ndarray | float, low: int, high: int) -> np.ndarray:
+    """round((x + offset) / step) clipped to low..high, 0 where the step is 0 (int16)."""
+    step = step[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint((x + offset) / step)
+    return np.where(step > 0, np.clip(q, low, high), 0).astype(np.int16)
+
+
+def _affine(x: np.ndarray, levels: int, scale_max: int):
+    """Sub-blocks x [n, S, G] as d * sc * code - dmin * m, code 0..levels, sc and m 0..scale_max:
+    -> (d, dmin float16 [n], sc, m uint8 [n, S], codes int16 [n, S, G]). As llama.cpp's, the
+    offset is never above zero (m >= 0)."""
+    below = -np.minimum(x.min(axis=-1), 0)                     # [n, S], >= 0
+    dmin = _fp16_at_least(below.max(axis=-1) / np.float32(scale_max))
+    m = _multiples(below, dmin, scale_max)
+    offset = dmin.astype(np.float32)[:, None] * m              # >= below: the lowest weight fits
+    span = (x.max(axis=-1) + offset) / np.float32(levels)      # the step the sub-block needs
+    d = _fp16_at_least(span.max(axis=-1) / np.float32(scale_max))
+    sc = _multiples(span, d, scale_max)
+    step = d.astype(np.float32)[:, None] * sc
+    return d, dmin, sc, m, _codes(x, step, offset[..., None], 0, levels)
+
+
+def _symmetric(x: np.ndarray, low: int, high: int, scale_max: int):
+    """Sub-blocks x [n, S, G] as d * sc * code, code low..high, sc 0..scale_max: -> (d float16 [n],
+    sc uint8 [n, S], codes int16 [n, S, G])."""
+    span = np.abs(x).max(axis=-1) / np.float32(high)
+    d = _fp16_at_least(span.max(axis=-1) / np.float32(scale_max))
+    sc = _multiples(span, d, scale_max)
+    step = d.astype(np.float32)[:, None] * sc
+    return d, sc, _codes(x, step, 0.0, low, high)
+
+
+def _half(d: np.ndarray) -> np.ndarray:
+    """float16 [n] -> its bytes uint8 [n, 2]."""
+    return np.ascontiguousarray(d, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _pack_crumbs(v: np.ndarray) -> np.ndarray:
+    """2-bit values [n, H, 4, 32] -> bytes [n, H * 32]: bits 2k..2k+1 of byte l hold value (k, l)."""
+    v = v.astype(np.uint8)
+    packed = v[:, :, 0] | (v[:, :, 1] << 2) | (v[:, :, 2] << 4) | (v[:, :, 3] << 6)
+    return packed.reshape(v.shape[0], -1)
+
+
+def _pack_bits(v: np.ndarray) -> np.ndarray:
+    """Bits [n, 8, 32] -> bytes [n, 32]: bit b of byte l holds value (b, l)."""
+    return np.packbits(v.astype(np.uint8).transpose(0, 2, 1), axis=-1, bitorder="little").reshape(v.shape[0], 32)
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 6-bit sc, m [n, 8] -> its 12 scale bytes (the inverse of gguf_quants' unpacking)."""
+    first = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    second = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    third = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    return np.concatenate([first, second, third], axis=-1)
+
+
+def _low_nibbles_by_64(q: np.ndarray) -> np.ndarray:
+    """Codes [n, 256] (their low 4 bits) -> Q4_K/Q5_K's qs [n, 128]: per 64 weights, byte l holds
+    weight l in its low nibble and weight 32 + l in its high nibble."""
+    q = (q & 0x0F).astype(np.uint8).reshape(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _affine(x.reshape(-1, 8, 32), 15, 63)
+    return np.concatenate([_half(d), _half(dmin), _pack_k_scales(sc, m), _low_nibbles_by_64(q.reshape(-1, QK_K))],
+                          axis=-1)
+
+
+def _quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _affine(x.reshape(-1, 8, 32), 31, 63)
+    qh = _pack_bits(q >> 4)
+    return np.concatenate([_half(d), _half(dmin), _pack_k_scales(sc, m), qh, _low_nibbles_by_64(q.reshape(-1, QK_K))],
+                          axis=-1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    d, sc, q = _symmetric(x.reshape(-1, 16, 16), -32, 31, 127)
+    u = (q + 32).astype(np.uint8).reshape(-1, 2, 2, 64)        # per 128 weights: two runs of 64
+    ql = ((u[:, :, 0] & 0x0F) | ((u[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+    qh = _pack_crumbs((u >> 4).reshape(-1, 2, 4, 32))
+    return np.concatenate([ql, qh, sc.view(np.uint8), _half(d)], axis=-1)
+
+
+def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    d, sc, q = _symmetric(x.reshape(-1, 16, 16), -4, 3, 31)
+    u = (q + 4).astype(np.uint8).reshape(-1, 8, 32)             # bit 2: the hmask bit
+    hmask = _pack_bits(u >> 2)
+    qs = _pack_crumbs((u & 3).reshape(-1, 2, 4, 32))
+    s6 = sc + np.uint8(32)                                       # 6-bit scales stored as sc + 32
+    low = (s6[:, :8] & 0x0F) | ((s6[:, 8:] & 0x0F) << 4)
+    top = (s6 >> 4).reshape(-1, 4, 4)                            # [n, k, i]: scale 4 k + i
+    high = top[:, 0] | (top[:, 1] << 2) | (top[:, 2] << 4) | (top[:, 3] << 6)
+    return np.concatenate([hmask, qs, low, high, _half(d)], axis=-1)
+
+
+def _quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _affine(x.reshape(-1, 16, 16), 3, 15)
+    qs = _pack_crumbs(q.reshape(-1, 2, 4, 32))
+    return np.concatenate([sc | (m << 4), qs, _half(d), _half(dmin)], axis=-1)
+
+
+#: The K-quant types `quantize_k` writes.
+K_QUANTIZERS = {Q2_K: _quantize_q2_k, Q3_K: _quantize_q3_k, Q4_K: _quantize_q4_k, Q5_K: _quantize_q5_k,
+                Q6_K: _quantize_q6_k}
+
+
+def quantize_k(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """fp32 [rows, K] (K a multiple of 256) as `qtype` (K_QUANTIZERS) in llama.cpp's byte layout:
+    uint8 [rows, K / 256 * type size]. Each weight comes back (gguf.quants.dequantize) within half
+    its sub-block's step d * sc (see the section comment). Vectorized over super-blocks, a few
+    million weights at a time to bound memory."""
+    rows, k = values.shape
+    if k % QK_K:
+        raise ValueError(f"{qtype.name} rows must be whole {QK_K}-weight super-blocks, not {k} weights")
+    quantize_blocks = K_QUANTIZERS[qtype]
+    out = np.empty((rows, k // QK_K * GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    step = max(1, (1 << 22) // k)
+    for start in range(0, rows, step):
+        part = np.asarray(values[start:start + step], dtype=np.float32).reshape(-1, QK_K)
+        out[start:start + step] = quantize_blocks(part).reshape(-1, out.shape[1])
+    return out
+
+
+def quantize_tensor(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A tensor's stored data in `qtype`: quantize_k for the K-quants, gguf.quants.quantize for the
+    others (float32 / float16 values for F32 / F16, uint8 blocks for the quantized types)."""
+    if qtype in K_QUANTIZERS:
+        return quantize_k(values, qtype)
+    return quantize(values, qtype)
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -402,13 +630,10 @@ def write_gguf(path: str | Path, cfg: ModelConfig, tensors: Mapping[str, torch.T
             raise ValueError(f"{planned.name}: shape {arr.shape}, expected {tuple(planned.shape)}")
         if planned.permute_heads:
             arr = permute_rope(arr, planned.permute_heads)
-        return quantize(np.ascontiguousarray(arr), qtype)
+        return quantize_tensor(np.ascontiguousarray(arr), qtype)
 
-    entries = []
-    for p in plan:
-        qtype = tensor_type(p, quant)
-        entries.append((p, qtype, lambda p=p, q=qtype: produce(p, q)))
-    return write_gguf_stream(path, cfg, tokenizer_meta or {}, entries, file_type=QUANTS[quant][2])
+    entries = [(p, qtype, lambda p=p, q=qtype: produce(p, q)) for p, qtype in zip(plan, tensor_types(plan, quant))]
+    return write_gguf_stream(path, cfg, tokenizer_meta or {}, entries, file_type=QUANTS[quant].file_type)
 
 
 # ----------------------------------------------------------------------------- tokenizer

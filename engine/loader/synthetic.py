@@ -73,7 +73,7 @@ from engine.loader.architectures import ARCHITECTURES, model_config_from_hf
 from engine.loader.gguf_loader import contract_tensor_names, contract_tensor_shape
 from engine.loader.gguf_writer import (PRE_TOKENIZER_REGEX, QUANTS, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
                                        TOKEN_USER_DEFINED, add_metadata_value, gguf_plan, rope_tensor_values,
-                                       tensor_type, write_gguf_stream)
+                                       quantize_tensor, tensor_types, write_gguf_stream)
 from engine.tokenizer import byte_level_chars
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -142,6 +142,8 @@ SHAPES: dict[str, SyntheticShape] = {
 }
 
 LAYER_QUANTS = {"q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0}
+#: write_family_gguf's quants: random blocks of the simple types, llama.cpp's K-quant mixes.
+FAMILY_GGUF_QUANTS = ("q4_0", "q4_1", "q8_0", "f16", "q4_k_m", "q5_k_m", "q6_k")
 EMBED_QUANTS = {"q8_0": GGMLQuantizationType.Q8_0, "f16": GGMLQuantizationType.F16}
 
 # One block's numpy layout per type (32 weights a block), as ggml stores it.
@@ -150,6 +152,7 @@ _BLOCK_DTYPES = {
     GGMLQuantizationType.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
     GGMLQuantizationType.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", 32)]),
 }
+_RANDOM_BLOCK_TYPES = frozenset(_BLOCK_DTYPES)
 # Standard deviation of one weight per unit scale d: nibbles uniform on 0..15 (centered at 7.5
 # for Q4_1, at 8 for Q4_0), int8 uniform on -128..127.
 _STD_PER_D = {
@@ -692,6 +695,13 @@ FAMILIES.update({
     "gemma3-tiny": _tiny("gemma3-1b", ((0, _gemma_block(2)),), head_dim=32, query_pre_attn_scalar=24,
                          sliding_window=16, sliding_window_pattern=2,
                          rope_scaling={"factor": 8.0, "rope_type": "linear"}),
+    # Hidden 256: every layer matrix takes whole 256-weight K-quant super-blocks (llama.cpp's
+    # Q4_K_M mix without its fallbacks for narrow rows).
+    "llama3.1-wide-tiny": _tiny("llama3.1-8b", ((-16, _llama3_block(16)),), hidden_size=256, intermediate_size=512,
+                                max_position_embeddings=2048,
+                                rope_scaling={**_LLAMA31["rope_scaling"], "original_max_position_embeddings": 256}),
+    "qwen2.5-wide-tiny": _tiny("qwen2.5-7b", ((-32, _QWEN25_TOKENS),), hidden_size=256, intermediate_size=512,
+                               max_window_layers=2),
     "phi3.5-tiny": _tiny("phi3.5-mini", num_key_value_heads=4, original_max_position_embeddings=1024, sliding_window=64,
                          rope_scaling={"long_factor": list(_PHI35_LONG[::3]), "short_factor": list(_PHI35_SHORT[::3]),
                                        "type": "longrope"}),
@@ -763,16 +773,18 @@ def family_ids(family: Family, vocab: Vocabulary) -> dict[str, Any]:
     return ids
 
 
-def family_config_json(name: str) -> dict[str, Any]:
-    """The config.json of synthetic family `name` (FAMILIES), token ids included."""
+def family_config_json(name: str, num_layers: int | None = None) -> dict[str, Any]:
+    """The config.json of synthetic family `name` (FAMILIES), token ids included; `num_layers`
+    keeps the family's shapes with fewer (or more) layers (load-time benchmarks at real widths)."""
     family = _family(name)
     vocab = family_vocabulary(family.tokenizer, family.config["vocab_size"])
-    return {"_name_or_path": f"tessera-synthetic/{name}", **family.config, **family_ids(family, vocab)}
+    layers = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    return {"_name_or_path": f"tessera-synthetic/{name}", **family.config, **layers, **family_ids(family, vocab)}
 
 
-def family_model_config(name: str) -> ModelConfig:
+def family_model_config(name: str, num_layers: int | None = None) -> ModelConfig:
     """ModelConfig of synthetic family `name` as the HF loader reads its config.json."""
-    return model_config_from_hf(family_config_json(name), f"tessera-synthetic/{name}")
+    return model_config_from_hf(family_config_json(name, num_layers), f"tessera-synthetic/{name}")
 
 
 def _hf_tokenizer(spec: TokenizerSpec, vocab: Vocabulary):
@@ -937,13 +949,14 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Cal
             data.tofile(f)
 
 
-def write_family_safetensors(out: str | Path, name: str, *, seed: int = 0) -> Path:
+def write_family_safetensors(out: str | Path, name: str, *, seed: int = 0, num_layers: int | None = None) -> Path:
     """Write synthetic family `name` (FAMILIES) as a HF checkpoint directory `out` (see the module
-    docstring). Deterministic: the same (name, seed) gives the same files."""
+    docstring), with `num_layers` layers if given. Deterministic: the same (name, seed) gives the
+    same files."""
     family = _family(name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = family_config_json(name)
+    config = family_config_json(name, num_layers)
     cfg = model_config_from_hf(config, config["_name_or_path"])
     vocab = family_vocabulary(family.tokenizer, cfg.vocab_size)
 
@@ -1005,25 +1018,27 @@ def write_family_tokenizer(out: str | Path, name: str, *, vocab_size: int | None
     return vocab
 
 
-def family_gguf_config(name: str) -> ModelConfig:
+def family_gguf_config(name: str, num_layers: int | None = None) -> ModelConfig:
     """The ModelConfig a synthetic family's GGUF states: config.json's, with generation_config's
     eos ids added (llama.cpp stops at each, as transformers' generate does)."""
     family = _family(name)
-    cfg = family_model_config(name)
+    cfg = family_model_config(name, num_layers)
     vocab = family_vocabulary(family.tokenizer, cfg.vocab_size)
     eos = list(cfg.eos_token_ids)
     eos += [i for i in (vocab.id(t) for t in family.generation_eos) if i not in eos]
     return replace(cfg, eos_token_ids=tuple(eos))
 
 
-def write_family_gguf(path: str | Path, name: str, *, seed: int = 0, quant: str = "q4_1") -> Path:
-    """Write synthetic family `name` (FAMILIES) as a llama.cpp GGUF at `path`: layer matrices in
-    `quant` ("q4_0", "q4_1", "q8_0", "f16"), embeddings Q8_0 (F16 for "f16"), norms ones, the
-    RoPE tensors of its config (gguf_writer's plan and metadata). Deterministic: the same (name,
-    seed, quant) gives the same bytes."""
-    if quant not in QUANTS or quant == "f32":
-        raise ValueError(f"quant must be one of q4_0, q4_1, q8_0, f16, not {quant!r}")
-    cfg = family_gguf_config(name)
+def write_family_gguf(path: str | Path, name: str, *, seed: int = 0, quant: str = "q4_1",
+                      num_layers: int | None = None) -> Path:
+    """Write synthetic family `name` (FAMILIES) as a llama.cpp GGUF at `path`, with `num_layers`
+    layers if given: layer matrices in `quant` ("q4_0", "q4_1", "q8_0", "f16" with embeddings
+    Q8_0, F16 for "f16"; or llama.cpp's mixes "q4_k_m", "q5_k_m", "q6_k", gguf_writer.QUANTS),
+    norms ones, the RoPE tensors of its config (gguf_writer's plan and metadata). Deterministic:
+    the same (name, seed, quant) gives the same bytes."""
+    if quant not in FAMILY_GGUF_QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(FAMILY_GGUF_QUANTS)}, not {quant!r}")
+    cfg = family_gguf_config(name, num_layers)
     rope = rope_tensor_values(cfg)
 
     def produce(index: int, planned, qtype) -> np.ndarray:
@@ -1038,21 +1053,26 @@ def write_family_gguf(path: str | Path, name: str, *, seed: int = 0, quant: str 
         std = _weight_std(planned.name, cols, cfg.hidden_size)
         if qtype == GGMLQuantizationType.F16:
             return random_half(rows, cols, std, seed, index, "f16").view(np.float16)
-        return random_blocks(qtype, rows, cols, std, seed, index)
+        if qtype in _RANDOM_BLOCK_TYPES:
+            return random_blocks(qtype, rows, cols, std, seed, index)
+        # llama.cpp's mixes (K-quants and their fallbacks): random weights quantized as it would.
+        return quantize_tensor(random_half(rows, cols, std, seed, index, "f16").view(np.float16).astype(np.float32),
+                               qtype)
 
     entries = []
-    for index, planned in enumerate(gguf_plan(cfg)):
-        qtype = tensor_type(planned, quant)
+    plan = gguf_plan(cfg)
+    for index, (planned, qtype) in enumerate(zip(plan, tensor_types(plan, quant))):
         entries.append((planned, qtype, lambda i=index, p=planned, q=qtype: produce(i, p, q)))
     return write_gguf_stream(path, cfg, family_tokenizer_metadata(name), entries, file_type=QUANTS[quant][2])
 
 
-def write_family(out: str | Path, name: str, *, fmt: str = "gguf", seed: int = 0, quant: str = "q4_1") -> Path:
+def write_family(out: str | Path, name: str, *, fmt: str = "gguf", seed: int = 0, quant: str = "q4_1",
+                 num_layers: int | None = None) -> Path:
     """write_family_gguf or write_family_safetensors by `fmt` ("gguf" | "safetensors")."""
     if fmt == "gguf":
-        return write_family_gguf(out, name, seed=seed, quant=quant)
+        return write_family_gguf(out, name, seed=seed, quant=quant, num_layers=num_layers)
     if fmt == "safetensors":
-        return write_family_safetensors(out, name, seed=seed)
+        return write_family_safetensors(out, name, seed=seed, num_layers=num_layers)
     raise ValueError(f"format must be gguf or safetensors, not {fmt!r}")
 
 
@@ -1063,7 +1083,8 @@ def family_plan_bytes(name: str, fmt: str = "safetensors", quant: str = "q4_1") 
     if fmt == "safetensors":
         return sum(int(np.prod(t.shape)) * 2 for t in hf_plan(family_model_config(name)))
     cfg = family_gguf_config(name)
-    return sum(stored_nbytes(p.shape, tensor_type(p, quant)) for p in gguf_plan(cfg))
+    plan = gguf_plan(cfg)
+    return sum(stored_nbytes(p.shape, qtype) for p, qtype in zip(plan, tensor_types(plan, quant)))
 
 
 def _family(name: str) -> Family:
@@ -1085,7 +1106,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--family only: a llama.cpp .gguf file or a HF checkpoint directory")
     ap.add_argument("--out", required=True, help="the .gguf file, or the directory for --format safetensors")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quant", default="q4_1", choices=("q4_0", "q4_1", "q8_0", "f16"),
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="--family only: this many layers at the family's widths (default: the family's)")
+    ap.add_argument("--quant", default="q4_1", choices=FAMILY_GGUF_QUANTS,
                     help="layer weights' type (--shape: q4_0 or q4_1)")
     ap.add_argument("--embed-quant", default="q8_0", choices=sorted(EMBED_QUANTS),
                     help="--shape only: token embedding and lm_head type")
@@ -1105,7 +1128,10 @@ def main(argv: list[str] | None = None) -> int:
         path = write_synthetic_gguf(args.out, shape, seed=args.seed, quant=args.quant, embed_quant=args.embed_quant)
         what_ = f"shape {shape}, {args.quant} layers, {args.embed_quant} embeddings"
     else:
-        path = write_family(args.out, args.family, fmt=fmt, seed=args.seed, quant=args.quant)
+        if args.num_layers is not None and args.num_layers < 1:
+            return _fail(f"--num-layers must be at least 1, not {args.num_layers}")
+        path = write_family(args.out, args.family, fmt=fmt, seed=args.seed, quant=args.quant,
+                            num_layers=args.num_layers)
         what_ = f"family {args.family}, " + (f"{args.quant} layers" if fmt == "gguf" else "bf16 safetensors")
     size = (path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
     print(f"{path}: {what_}, seed {args.seed}, {size / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.1f} s")

@@ -14,8 +14,9 @@ module honours where the config sets it:
     hidden_act             silu(gate) * up, or gelu_tanh(gate) * up (Gemma)
     final_logit_softcap    logits = cap * tanh(logits / cap)        (Gemma 2)
 
-Weights come in the loaders' layout (engine.loader); q/k/v and gate/up are fused into one matmul
-each. Every op runs on the engine's backend (engine.backends: norms, linears, attention, the
+Weights come in the loaders' layout (engine.loader: tensors, and QuantizedWeights for the layer
+matrices a checkpoint quantizes); q/k/v and gate/up are fused into one linear each, whose parts
+the backend joins as their forms allow. Every op runs on the engine's backend (engine.backends: norms, linears, attention, the
 gated activation), which also placed the weights on its device. LoRA is added by an optional
 `lora` object passed to forward (the backend's LoRABatch), whose `apply(layer, group, x, y)` adds
 each token's adapter term into y in place for the fused groups "qkv", "o", "gate_up" and "down".
@@ -26,20 +27,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.loader.gguf_loader import Q4_0_SUFFIX, Q4_1_SUFFIX
 from engine.model.attention import AttentionMetadata, AttentionSpec, KVCache
 from engine.model.layers import RMSNorm, RotaryEmbedding
-
-
-def _raw_blocks(w: dict[str, torch.Tensor], names: list[str]) -> tuple[str, torch.Tensor] | None:
-    """The checkpoint's raw 4-bit rows of these weights as (qtype, rows concatenated like the
-    weights: the fused projections), or None unless every part is stored in the same 4-bit type
-    (engine.loader.gguf_loader.Q4_0_SUFFIX / Q4_1_SUFFIX)."""
-    for qtype, suffix in (("q4_1", Q4_1_SUFFIX), ("q4_0", Q4_0_SUFFIX)):
-        raws = [w.get(n + suffix) for n in names]
-        if all(r is not None for r in raws):
-            return qtype, torch.cat(raws)
-    return None
 
 
 class DecoderLayer(nn.Module):
@@ -67,10 +56,10 @@ class DecoderLayer(nn.Module):
         qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         o, down = [p + "self_attn.o_proj.weight"], [p + "mlp.down_proj.weight"]
-        self.qkv_proj = backend.linear(torch.cat([w[n] for n in qkv]), raw=_raw_blocks(w, qkv))
-        self.o_proj = backend.linear(w[o[0]], raw=_raw_blocks(w, o))
-        self.gate_up_proj = backend.linear(torch.cat([w[n] for n in gate_up]), raw=_raw_blocks(w, gate_up))
-        self.down_proj = backend.linear(w[down[0]], raw=_raw_blocks(w, down))
+        self.qkv_proj = backend.linear([w[n] for n in qkv])
+        self.o_proj = backend.linear([w[n] for n in o])
+        self.gate_up_proj = backend.linear([w[n] for n in gate_up])
+        self.down_proj = backend.linear([w[n] for n in down])
         self.qkv_bias = None
         if cfg.attention_bias:
             bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
@@ -140,7 +129,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, weights, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"].to(device=dev, dtype=dt), cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = backend.linear(head, lm_head=True)
+        self.lm_head = backend.linear([head], lm_head=True)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dt).to(dev)
         self.local_rope = (None if cfg.local_rope is None
                            else RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope, dt).to(dev))

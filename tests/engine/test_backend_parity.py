@@ -125,7 +125,7 @@ def test_triton_backend_takes_its_kernels_from_punica_and_places_everything_on_i
     eng = _engine(tiny, "triton")
     assert eng.backend.name == "triton" and eng.weight_format == "w4a16"
     layer = eng.model.layers[0]
-    assert all(isinstance(m, W4A16Linear) and m.source == "q4_1"
+    assert all(isinstance(m, W4A16Linear) and m.source == "gguf q4_1"
                for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
     # By type: the engine's device may name no index ("cuda"), the tensors' always do ("cuda:0").
     assert all(t.device.type == eng.device.type for t in eng.kv.k + eng.kv.v)

@@ -7,7 +7,9 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from engine.loader.gguf_loader import Q4_1_SUFFIX, _unpermute_rope
+from engine.loader.gguf_loader import _unpermute_rope
+from engine.loader.gguf_quants import q4_1_blocks
+from engine.loader.quantized import dense
 from engine.loader.synthetic import (BOS_ID, EOS_ID, SHAPES, dequantize_blocks, random_blocks, tensor_plan,
                                      write_synthetic_gguf)
 from engine.sampling_params import GenerationRequest, SamplingParams
@@ -58,13 +60,14 @@ def test_blocks_dequantize_to_the_seeded_bytes(tiny):
             heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
             if heads:  # the loader un-permutes llama.cpp's Q/K rows, bytes and weights alike
                 expected, data = _unpermute_rope(expected, heads), _unpermute_rope(data, heads)
-            assert np.array_equal(tensors[hf + Q4_1_SUFFIX].numpy(), data), name
+            assert np.array_equal(q4_1_blocks(tensors[hf]), data), name
             # The scale keeps each layer's output at about its input's size.
-            assert 0.8 < float(tensors[hf].std()) * cols ** 0.5 < 1.2, name
+            assert 0.8 < float(dense(tensors[hf]).std()) * cols ** 0.5 < 1.2, name
         else:
             hf = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "model.norm.weight"}[name]
-        np.testing.assert_array_equal(tensors[hf].numpy(), expected.reshape(tensors[hf].shape), err_msg=name)
+        got = dense(tensors[hf])
+        np.testing.assert_array_equal(got.numpy(), expected.reshape(got.shape), err_msg=name)
 
 
 def test_same_seed_same_bytes_other_seed_or_quant_differs(tmp_path, tiny_path):
@@ -75,8 +78,9 @@ def test_same_seed_same_bytes_other_seed_or_quant_differs(tmp_path, tiny_path):
     assert other.stat().st_size == tiny_path.stat().st_size and other.read_bytes() != tiny_path.read_bytes()
     cfg, tensors, _ = load_checkpoint(q4_0)
     assert cfg.hidden_size == SHAPES["tiny"].hidden_size
-    assert not any(k.endswith(Q4_1_SUFFIX) for k in tensors)  # Q4_0 layers: no Q4_1 blocks kept
     w = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert w.source == "gguf q4_0" and w.mins is not None  # Q4_0: the min is -8 d
+    w = w.dequantize()
     assert torch.isfinite(w).all() and 0.8 < float(w.std()) * w.shape[1] ** 0.5 < 1.2
 
 

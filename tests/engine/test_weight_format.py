@@ -256,19 +256,24 @@ def test_engine_picks_the_prefill_copy_by_the_cpus_kind_or_by_config(smollm_chec
     assert make(exact_prefill=False).backend.exact_prefill is False
 
 
-def test_gguf_q4_1_layers_keep_their_raw_blocks_in_the_weights_order(smollm_checkpoint):
-    """The loader keeps each Q4_1 layer weight's raw blocks, rows permuted like the weights (Q/K
-    un-permuted into HF's layout), so they dequantize to exactly the fp32 weights."""
-    from engine.loader.gguf_loader import Q4_1_SUFFIX
+def test_gguf_q4_1_layers_stay_quantized_in_the_weights_order(smollm_checkpoint):
+    """The loader keeps each Q4_1 layer weight as the file's codes and scales (a QuantizedWeight),
+    rows permuted like the weights (Q/K un-permuted into HF's layout): its Q4_1 blocks are the
+    file's, and they dequantize to the weights the file describes; the Q8_0 embedding is fp32."""
     from engine.backends.cpu import q4 as cpu_q4
+    from engine.loader.gguf_quants import q4_1_blocks
+    from engine.loader.quantized import QuantizedWeight
 
     _, weights, _ = smollm_checkpoint
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.3.mlp.down_proj.weight"):
-        raw = weights[name + Q4_1_SUFFIX]
-        assert raw.dtype == torch.uint8 and raw.shape == (weights[name].shape[0], weights[name].shape[1] // 32 * 20)
-        assert torch.equal(cpu_q4.dequantize(raw), weights[name])
-    assert "model.embed_tokens.weight" + Q4_1_SUFFIX not in weights  # Q8_0 in this file
+        w = weights[name]
+        assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size, w.scales.dtype) == (4, 32, torch.float16)
+        raw = torch.from_numpy(q4_1_blocks(w))
+        assert raw.dtype == torch.uint8 and raw.shape == (w.N, w.K // 32 * 20)
+        assert torch.equal(cpu_q4.dequantize(raw), w.dequantize())
+    embed = weights["model.embed_tokens.weight"]
+    assert isinstance(embed, torch.Tensor) and embed.dtype == torch.float32  # Q8_0 in this file
 
 
 def test_q4_kernel_multiplies_by_the_files_own_weights_and_small_batches_take_it(smollm_checkpoint):

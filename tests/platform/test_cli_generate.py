@@ -121,3 +121,38 @@ def test_generate_serves_a_hugging_face_directory_and_its_adapter(tmp_path):
     smol_adapter = _run("--model", str(model), "--adapter", str(PIRATE), "--max-tokens", "4", "Hi")
     assert smol_adapter.returncode == 2 and smol_adapter.stderr.count("\n") == 1, smol_adapter.stderr
     assert "tensor" in smol_adapter.stderr and "has shape" in smol_adapter.stderr, smol_adapter.stderr
+
+
+def test_quantized_checkpoints_are_served_and_unsupported_ones_are_one_line(tmp_path):
+    """--model on what people download: a GPTQ act-order directory and a Q4_K_M GGUF are served;
+    an FP8 (compressed-tensors float-quantized) directory and an AWQ GEMV one are one line naming
+    the format, exit 2."""
+    import json
+
+    from engine.loader.quantized_writer import write_gptq
+    from engine.loader.synthetic import write_family, write_family_tokenizer
+
+    dense = write_family(tmp_path / "qwen2.5-wide-tiny", "qwen2.5-wide-tiny", fmt="safetensors")
+    gptq = write_gptq(dense, tmp_path / "gptq", bits=4, group_size=128, sym=True, desc_act=True)
+    write_family_tokenizer(gptq, "qwen2.5-wide-tiny")
+    gguf = write_family(tmp_path / "qwen2.5-wide-tiny.Q4_K_M.gguf", "qwen2.5-wide-tiny", quant="q4_k_m")
+    for model in (gptq, gguf):
+        out = _run("--model", str(model), "--raw", "--max-tokens", "4", "Once upon a time")
+        assert out.returncode == 0 and "completion 4 tokens]" in out.stderr, out.stderr
+
+    for name, quantization, says in (
+            ("fp8", {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+                "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                             "symmetric": True}}}}, "float-quantized (FP8"),
+            ("awq-gemv", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                          "version": "gemv"}, "gemv")):
+        bad = tmp_path / name
+        bad.mkdir()
+        for f in dense.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+        out = _run("--model", str(bad), "Hi")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("tessera: error:") and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr

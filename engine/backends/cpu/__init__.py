@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
 import punica_kernels
 from engine.backends import torch_ops
-from engine.backends.base import Backend, LoRABatch
+from engine.backends.base import Backend, LoRABatch, dense_rows
 from engine.backends.cpu import decode_ops, formats
 from engine.backends.cpu.linear import CpuLinear
+from engine.loader import gguf_quants
+from engine.loader.quantized import QuantizedWeight
 from engine.model.attention import AttentionMetadata
 from punica_kernels import cpu_native
 
@@ -79,10 +82,13 @@ class CpuBackend(Backend):
         fmt = self.config.weight_format
         return "int8" if fmt == "auto" else fmt
 
-    def linear(self, weight: torch.Tensor, *, raw=None, lm_head: bool = False) -> nn.Module:
-        """A CpuLinear; of the raw blocks it keeps Q4_1 (its kernel's format)."""
-        q4_1 = raw[1] if raw is not None and raw[0] == "q4_1" else None
-        return CpuLinear(weight, self.weight_format(), q4_1=q4_1)
+    def linear(self, parts, *, lm_head: bool = False) -> nn.Module:
+        """A CpuLinear of the parts' dense weight (QuantizedWeights dequantized: this backend's
+        formats are its own, chosen in prepare_model); where every part is a GGUF Q4_0/Q4_1-form
+        weight it also keeps their Q4_1 blocks (its Q4_1 kernel's format)."""
+        blocks = [gguf_quants.q4_1_blocks(p) if isinstance(p, QuantizedWeight) else None for p in parts]
+        q4_1 = None if any(b is None for b in blocks) else torch.from_numpy(np.concatenate(blocks))
+        return CpuLinear(dense_rows(parts), self.weight_format(), q4_1=q4_1)
 
     def prepare_model(self, model: nn.Module) -> dict:
         """For the int8 format: pack the dense copies (oneDNN) and the C kernels' copies, then set

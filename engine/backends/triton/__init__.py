@@ -1,7 +1,7 @@
 """The Triton backend: punica_kernels' Triton SGMV (prefill segments) and BGMV (decode tokens)
-for the LoRA term; a W4A16 matmul on 4-bit base weights (w4a16.py), paged attention with a fused
-RoPE + KV write (attention.py) and fused norms (norms.py) in Triton; CUDA graphs for decode
-steps (cuda_graphs.py). On CUDA tensors it is the GPU engine; on CPU tensors the Triton
+for the LoRA term; W4A16 and W8A16 matmuls on quantized base weights (w4a16.py, w8a16.py),
+paged attention with a fused RoPE + KV write (attention.py) and fused norms (norms.py) in
+Triton; CUDA graphs for decode steps (cuda_graphs.py). On CUDA tensors it is the GPU engine; on CPU tensors the Triton
 kernels run only under the interpreter (TRITON_INTERPRET=1, set before triton is imported),
 which is how the whole engine on this backend is tested on a machine without a GPU.
 """
@@ -15,7 +15,8 @@ from torch import nn
 
 import punica_kernels
 from engine.backends import torch_ops
-from engine.backends.base import Backend, LoRABatch
+from engine.backends.base import Backend, LoRABatch, RowsLinear, dense_rows
+from engine.loader.quantized import QuantizedWeight, cat_rows, same_form
 
 
 class DenseLinear(nn.Module):
@@ -55,8 +56,9 @@ class TritonLoRABatch(LoRABatch):
 
 
 class TritonBackend(Backend):
-    """See the module docstring. Formats: "auto" and "w4a16" keep layer weights 4-bit on the device
-    (the checkpoint's own Q4_0/Q4_1 blocks, else quantized at load) with the lm_head dense;
+    """See the module docstring. Formats: "auto" and "w4a16" keep layer weights quantized on the device
+    (a quantized checkpoint's own codes and scales, 4- or 8-bit; a dense one's quantized to 4 bits
+    at load) with the lm_head dense;
     "fp32"/"bf16" keep every weight dense in the activation dtype. Attention, RoPE + KV write and
     the norms are Triton kernels (engine.backends.triton.attention, norms) reading K/V through
     block tables; decode-only steps on CUDA replay CUDA graphs (cuda_graphs)."""
@@ -83,16 +85,33 @@ class TritonBackend(Backend):
                              "4-bit (auto, w4a16) or dense (fp32, bf16) weights")
         return "w4a16" if fmt == "auto" else fmt
 
-    def linear(self, weight, *, raw=None, lm_head=False):
-        """W4A16Linear for layer weights in the 4-bit format (where the shape fits it: K % 32 == 0),
-        else DenseLinear (the lm_head always: it may be the tied embedding, read once per token)."""
-        if self.weight_format() == "w4a16" and not lm_head:
+    def linear(self, parts, *, lm_head=False):
+        """For the 4-bit format: a checkpoint's QuantizedWeights stay as they are on the device (4-bit
+        codes: W4A16Linear, 8-bit: W8A16Linear), parts of one form as one matmul, of several forms
+        as a RowsLinear; dense layer weights are quantized at load (W4A16Linear) where the shape
+        fits (K % 32 == 0). DenseLinear otherwise, and always for the lm_head (it may be the tied
+        embedding, read once per token)."""
+        if self.weight_format() != "w4a16" or lm_head:
+            return DenseLinear(dense_rows(parts), self.dtype, self.device)
+        from engine.backends.triton import w4a16
+
+        if not any(isinstance(p, QuantizedWeight) for p in parts):
+            weight = dense_rows(parts)
+            if w4a16.supported(weight):
+                return w4a16.W4A16Linear(weight, device=self.device, dtype=self.dtype)
+            return DenseLinear(weight, self.dtype, self.device)
+        if all(isinstance(p, QuantizedWeight) for p in parts) and same_form(parts):
+            return self._quantized_linear(cat_rows(list(parts)))
+        return RowsLinear([self.linear([p]) for p in parts])
+
+    def _quantized_linear(self, weight: QuantizedWeight) -> nn.Module:
+        if weight.bits == 4:
             from engine.backends.triton import w4a16
 
-            if w4a16.supported(weight):
-                qtype, rows = raw if raw is not None else (None, None)
-                return w4a16.W4A16Linear(weight, raw=rows, qtype=qtype, device=self.device, dtype=self.dtype)
-        return DenseLinear(weight, self.dtype, self.device)
+            return w4a16.W4A16Linear(weight, device=self.device, dtype=self.dtype)
+        from engine.backends.triton import w8a16
+
+        return w8a16.W8A16Linear(weight, device=self.device, dtype=self.dtype)
 
     def prepare_model(self, model):
         return {"weight_format": self.weight_format()}

@@ -12,13 +12,19 @@ The format (`W4Weight`):
   high nibble. A file's blocks therefore become this layout by dropping their scale bytes, no
   nibble is moved, and the kernels read both nibbles of a byte against two 16-wide runs of x.
   Each row is K/2 bytes, a multiple of 16, so every row starts 16-byte aligned when the tensor
-  does (the launchers check it) and a tile's bytes load as whole 16-byte vectors.
-- `scales`, `mins` fp16 [N, ceil(K / G)], G a multiple of 32 (a byte's two nibbles then always
-  share a group). GGUF blocks give G = 32: Q4_1's d and m as they are, Q4_0's d and -8 d (exact in
-  fp16: a power-of-two multiple). Quantization at load time defaults to G = 128: a decode GEMV is
-  bound by the bytes it reads, and 4 bytes of scale and min per 128 weights add 6% to the 4-bit
-  bytes where G = 32 adds 25%. The price is a step set by a wider range (each weight is within
-  half its group's step, `quantize`); `W4A16Linear(group_size=32)` takes the other side.
+  does (the launchers check it) and a tile's bytes load as whole 16-byte vectors. This is
+  engine.loader.quantized.QuantizedWeight's 4-bit `codes` layout, so a checkpoint's codes come
+  to the device as they are.
+- `scales`, `mins` [N, ceil(K / G)], both fp16 or both fp32, G a multiple of 32 (a byte's two
+  nibbles then always share a group). The kernels load them in their stored dtype and widen to
+  fp32. fp16 where the checkpoint's values are fp16 (GGUF Q4_0/Q4_1, AWQ/GPTQ scales; Q4_0's min
+  -8 d is exact in fp16); fp32 where the checkpoint multiplies two of its values (a K-quant's
+  super-block d times a sub-block scale, a zero point times a scale), whose product fp16 would
+  round: twice the scale bytes, the price of the checkpoint's exact weights. Quantization at load
+  time defaults to G = 128 with fp16 scales: a decode GEMV is bound by the bytes it reads, and 4
+  bytes of scale and min per 128 weights add 6% to the 4-bit bytes where G = 32 adds 25%. The
+  price is a step set by a wider range (each weight is within half its group's step,
+  `quantize`); `W4A16Linear(group_size=32)` takes the other side.
 
 Kernels (`w4a16_matmul`), chosen by the number of rows M:
 - M <= GEMV_MAX_M: split-K GEMV. Each program dequantizes a BLOCK_N x BLOCK_K tile once (16-byte
@@ -32,7 +38,14 @@ Kernels (`w4a16_matmul`), chosen by the number of rows M:
 - wider: tiled GEMM on the tensor cores (tl.dot, BLOCK_M/N >= 16): tiles dequantized to x's dtype
   (fp32 tiles with IEEE products for fp32 activations, for `exact=True`, and for bf16 under the
   interpreter, whose bf16 tl.dot is wrong).
-Block sizes come from `CONFIGS` (data, keyed by device name, path, N, K; `pick_config`).
+Block sizes come from `CONFIGS` (data, keyed by device name, path, N, K; `pick_config`). The
+launch plan, the split-K sum and the activation checks are shared with the 8-bit kernels
+(w8a16.py).
+
+`W4A16Linear` takes a float weight (quantized at load) or a checkpoint's 4-bit QuantizedWeight
+(its codes, scales and mins to the device as they are). A QuantizedWeight with an input
+permutation (GPTQ act-order) keeps `perm` on the device and multiplies x[:, perm]: one gather of
+the activations a call (T x K elements, against the N x K / 2 weight bytes the kernel reads).
 
 Where the kernels run: Triton builds them for the GPU or for the interpreter by TRITON_INTERPRET
 when this module is imported: compiled kernels take CUDA tensors, interpreted ones CPU tensors
@@ -41,12 +54,14 @@ when this module is imported: compiled kernels take CUDA tensors, interpreted on
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
+from engine.loader.quantized import QuantizedWeight
 from punica_kernels.kernels import _common
 
 #: Inputs per packing block (byte j: input j low nibble, input j + 16 high nibble).
@@ -55,6 +70,8 @@ PACK = 32
 DEFAULT_GROUP_SIZE = 128
 #: GGUF block bytes per type: fp16 d (Q4_1: then fp16 m), then 16 bytes of nibbles.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20}
+#: The dtypes scales and mins may have (both the same): the kernels widen them to fp32 as loaded.
+SCALE_DTYPES = (torch.float16, torch.float32)
 #: Widest M the split-K GEMV path takes; wider goes to the tensor-core GEMM.
 GEMV_MAX_M = 16
 #: Most products one GEMV program holds at once (BLOCK_M x BLOCK_N x BLOCK_K / 2 per nibble);
@@ -66,9 +83,10 @@ GEMV_TILE_BUDGET = 8192
 INTERPRETED: bool = _common.INTERPRETED
 
 
-def check_runnable(device: torch.device) -> None:
-    """Raise RuntimeError unless this module's kernels can run on tensors of `device`."""
-    _common.check_runnable(device, "the W4A16", cpu_hint="")
+def check_runnable(device: torch.device, what: str = "the W4A16") -> None:
+    """Raise RuntimeError unless this module's kernels (or those `what` names, built in the same
+    process) can run on tensors of `device`."""
+    _common.check_runnable(device, what, cpu_hint="")
 
 
 # ----------------------------------------------------------------------------- the format
@@ -79,8 +97,8 @@ class W4Weight:
     """N x K 4-bit weights (see the module docstring for the layout)."""
 
     qweight: torch.Tensor  # uint8 [N, K/2]: per 32 inputs, byte j = input j | input j + 16 << 4
-    scales: torch.Tensor  # fp16 [N, ceil(K / group_size)]
-    mins: torch.Tensor  # fp16 [N, ceil(K / group_size)]: W = q * scale + min
+    scales: torch.Tensor  # fp16 or fp32 [N, ceil(K / group_size)]
+    mins: torch.Tensor  # scales' dtype [N, ceil(K / group_size)]: W = q * scale + min
     group_size: int  # inputs per (scale, min), a multiple of 32
 
     def __post_init__(self):
@@ -93,10 +111,12 @@ class W4Weight:
             raise ValueError(f"K must be a multiple of {PACK}: qweight has {q.shape[1]} bytes a row")
         groups = (self.K + g - 1) // g
         for name, t in (("scales", s), ("mins", m)):
-            if t.dtype != torch.float16 or tuple(t.shape) != (self.N, groups):
-                raise ValueError(f"{name} must be float16 [{self.N}, {groups}], not {t.dtype} {tuple(t.shape)}")
+            if t.dtype not in SCALE_DTYPES or tuple(t.shape) != (self.N, groups):
+                raise ValueError(f"{name} must be float16/float32 [{self.N}, {groups}], not {t.dtype} {tuple(t.shape)}")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device}, qweight on {q.device}")
+        if m.dtype != s.dtype:
+            raise ValueError(f"scales ({s.dtype}) and mins ({m.dtype}) must share a dtype")
         if not (q.is_contiguous() and s.is_contiguous() and m.is_contiguous()):
             raise ValueError("qweight, scales and mins must be contiguous")
 
@@ -126,8 +146,19 @@ def supported(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.is_floating_point() and weight.shape[1] % PACK == 0
 
 
+def from_quantized(qw: QuantizedWeight) -> W4Weight:
+    """A checkpoint's 4-bit QuantizedWeight as a W4Weight, without its input permutation (the
+    caller gathers x through `qw.perm`): the codes as they are (the same layout), mins None ->
+    zeros in the scales' dtype. ValueError for another bit width."""
+    if not isinstance(qw, QuantizedWeight) or qw.bits != 4:
+        what = f"{qw.bits}-bit QuantizedWeight" if isinstance(qw, QuantizedWeight) else type(qw).__name__
+        raise ValueError(f"the W4A16 format takes 4-bit QuantizedWeights, not a {what}")
+    mins = torch.zeros_like(qw.scales) if qw.mins is None else qw.mins
+    return W4Weight(qw.codes.contiguous(), qw.scales.contiguous(), mins.contiguous(), qw.group_size)
+
+
 def pack_gguf(raw: torch.Tensor, qtype: str) -> W4Weight:
-    """GGUF Q4_0 / Q4_1 rows (uint8 [N, K/32 * block bytes], as gguf_loader keeps them) -> W4Weight
+    """GGUF Q4_0 / Q4_1 rows (uint8 [N, K/32 * block bytes], blocks as in the file) -> W4Weight
     with group size 32, dequantizing to exactly what gguf.quants.dequantize gives."""
     if qtype not in GGUF_BLOCK_BYTES:
         raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)}, not {qtype!r}")
@@ -219,7 +250,8 @@ def dequantize(w: W4Weight) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters of one path. Tile sizes are powers of two; block_k >= 32 (one packing
-    block); the GEMM's block_m, block_n >= 16 (the tensor cores' smallest tile)."""
+    block; the 8-bit kernels: 16, one run); the GEMM's block_m, block_n >= 16 (the tensor cores'
+    smallest tile)."""
 
     block_n: int
     block_k: int
@@ -242,15 +274,17 @@ CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
 _TARGET_PROGRAMS = 264
 
 
-def pick_config(device_name: str, path: str, n: int, k: int) -> KernelConfig:
-    """The config for a (device, path, N, K): the exact entry, else the device's default for the
-    path, else the untuned default."""
+def pick_config(device_name: str, path: str, n: int, k: int,
+                configs: dict[tuple[str, str, int, int], KernelConfig] | None = None) -> KernelConfig:
+    """The config for a (device, path, N, K) from `configs` (None: this module's CONFIGS): the
+    exact entry, else the device's default for the path, else the untuned default."""
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
+    table = CONFIGS if configs is None else configs
     for key in ((device_name, path, n, k), (device_name, path, 0, 0), ("default", path, n, k)):
-        if key in CONFIGS:
-            return CONFIGS[key]
-    return CONFIGS[("default", path, 0, 0)]
+        if key in table:
+            return table[key]
+    return table[("default", path, 0, 0)]
 
 
 def _auto_split(n_programs: int, k_tiles: int) -> int:
@@ -394,26 +428,36 @@ class LaunchPlan:
 
 
 def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = None,
-                config: KernelConfig | None = None) -> LaunchPlan:
+                config: KernelConfig | None = None,
+                configs: dict[tuple[str, str, int, int], KernelConfig] | None = None,
+                min_block_k: int = PACK, inputs_per_product: int = 2) -> LaunchPlan:
     """The launch for an [m, k] x [n, k].T product on `device`: the path (None: GEMV up to
-    GEMV_MAX_M rows), the config (None: pick_config's), its GEMV tile shrunk to the register
-    budget for m rows, and split_k resolved so every K chunk is whole tiles and none is empty.
+    GEMV_MAX_M rows), the config (None: pick_config's from `configs`, None: CONFIGS), its GEMV
+    tile shrunk to the register budget for m rows, and split_k resolved so every K chunk is whole
+    tiles and none is empty. `min_block_k` is the kernels' smallest K tile (the 4-bit packing
+    block, 32; the 8-bit kernels' 16-input run); `inputs_per_product` how many of a tile's inputs
+    one live fp32 product covers (the 4-bit GEMV sums a byte's two nibbles into one: 2; 8-bit: 1),
+    so a GEMV tile holds BLOCK_M x BLOCK_N x BLOCK_K / inputs_per_product <= GEMV_TILE_BUDGET.
     Raises ValueError on a bad path or block size."""
     path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
-    cfg = config or pick_config(_common.device_name(device), path, n, k)
+    cfg = config or pick_config(_common.device_name(device), path, n, k, configs)
     block_n, block_k = cfg.block_n, cfg.block_k
-    _common.check_blocks(minimum=PACK, block_k=block_k)
+    _common.check_blocks(minimum=min_block_k, block_k=block_k)
     if path == "gemv":
         _common.check_blocks(minimum=1, block_n=block_n)
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV path takes up to {GEMV_MAX_M} rows, not {m}")
         block_m = _common.next_pow2(m)
-        # Keep BLOCK_M x BLOCK_N x BLOCK_K/2 fp32 products within the register budget.
-        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_k > PACK:
+
+        def products() -> int:
+            return block_m * block_n * block_k // inputs_per_product
+
+        # Keep the live fp32 products within the register budget.
+        while products() > GEMV_TILE_BUDGET and block_k > min_block_k:
             block_k //= 2
-        while block_m * block_n * block_k // 2 > GEMV_TILE_BUDGET and block_n > 16:
+        while products() > GEMV_TILE_BUDGET and block_n > 16:
             block_n //= 2
         m_blocks = 1
     else:
@@ -428,6 +472,34 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
     return LaunchPlan(path, block_m, block_n, block_k, split, k_chunk, cfg.num_warps, cfg.num_stages)
 
 
+def check_activations(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+    """The launchers' checks of x against K inputs of weights on `device` (ValueError naming what
+    is wrong); returns x with a unit column stride (a copy only where it had none)."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, not {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], not {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"x is on {x.device}, the weights on {device}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def run_split_k(y: torch.Tensor, plan: LaunchPlan, launch: Callable[[torch.Tensor, int], None]) -> torch.Tensor:
+    """Run a product kernel into y [M, N] by `plan`: `launch(out, stride_ok)` launches it writing
+    `out` with K chunk s at offset s * stride_ok; with one chunk out is y itself (stride 0),
+    else an fp32 workspace [split_k, M, N] that _split_k_sum_kernel then adds in chunk order into
+    y (see the module docstring: deterministic, no atomics). Returns y."""
+    m, n = y.shape
+    if plan.split_k == 1:
+        launch(y, 0)
+        return y
+    ws = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=y.device)
+    launch(ws, ws.stride(0))
+    block = 1024
+    _split_k_sum_kernel[(triton.cdiv(m * n, block),)](ws, y, m * n, plan.split_k, BLOCK=block)
+    return y
+
+
 def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str | None = None,
                  config: KernelConfig | None = None) -> torch.Tensor:
     """y = x @ dequantize(w).T with the weights dequantized in the kernels. Semantics: see the
@@ -435,7 +507,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
 
     Args:
         x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
-        w: the 4-bit weights.
+        w: the 4-bit weights (fp16 or fp32 scales and mins).
         exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
         path: "gemv" or "gemm"; None picks by M (GEMV up to GEMV_MAX_M rows).
         config: launch parameters; None takes pick_config's for the device and shape.
@@ -445,14 +517,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
         ValueError on a bad dtype, shape, device, layout or config; RuntimeError where this
         module's kernels cannot run on x's device (check_runnable).
     """
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be bf16, fp16 or fp32, not {x.dtype}")
-    if x.dim() != 2 or x.shape[1] != w.K:
-        raise ValueError(f"x must be [M, {w.K}], not {tuple(x.shape)}")
-    if x.device != w.device:
-        raise ValueError(f"x is on {x.device}, the weights on {w.device}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = check_activations(x, w.K, w.device)
     m, n, k = x.shape[0], w.N, w.K
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -465,78 +530,74 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     if w.qweight.data_ptr() % 16:
         raise ValueError("qweight's data must start 16-byte aligned (a tensor of its own, not an offset view)")
     plan = launch_plan(m, n, k, x.device, path=path, config=config)
-    split = plan.split_k
-    if split == 1:
-        out, stride_ok = y, 0
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        stride_ok = out.stride(0)
     common = dict(G=w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                   num_warps=plan.num_warps, num_stages=plan.num_stages)
-    args = (x, w.qweight, w.scales, w.mins, out, m, n, k, plan.k_chunk, x.stride(0), w.qweight.stride(0),
-            w.scales.stride(0), n, stride_ok)
     n_blocks = triton.cdiv(n, plan.block_n)
-    if plan.path == "gemv":
-        _w4_gemv_kernel[(n_blocks, split)](*args, **common)
-    else:
-        ieee = exact or _common.dot_in_fp32(x.dtype)
-        _w4_gemm_kernel[(triton.cdiv(m, plan.block_m), n_blocks, split)](*args, IEEE=ieee, **common)
-    if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block)
-    return y
+
+    def launch(out: torch.Tensor, stride_ok: int) -> None:
+        args = (x, w.qweight, w.scales, w.mins, out, m, n, k, plan.k_chunk, x.stride(0), w.qweight.stride(0),
+                w.scales.stride(0), n, stride_ok)
+        if plan.path == "gemv":
+            _w4_gemv_kernel[(n_blocks, plan.split_k)](*args, **common)
+        else:
+            ieee = exact or _common.dot_in_fp32(x.dtype)
+            _w4_gemm_kernel[(triton.cdiv(m, plan.block_m), n_blocks, plan.split_k)](*args, IEEE=ieee, **common)
+
+    return run_split_k(y, plan, launch)
 
 
 # ----------------------------------------------------------------------------- module
 
 
-def _rows_match(packed: W4Weight, weight: torch.Tensor, samples: int = 64) -> bool:
-    """Whether `samples` rows spread over N (first and last included) dequantize to exactly the
-    weight's: catches rows permuted or concatenated in another order than the weight's, at a
-    fraction of a whole dequantization per layer at load."""
-    n = packed.N
-    rows = torch.unique(torch.linspace(0, n - 1, min(samples, n)).round().long())
-    sample = W4Weight(packed.qweight[rows].contiguous(), packed.scales[rows].contiguous(),
-                      packed.mins[rows].contiguous(), packed.group_size)
-    return torch.equal(dequantize(sample), weight[rows].float())
+def device_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on `device`, contiguous and starting 16-byte aligned (the kernels' vector loads need it;
+    a row slice of a host tensor may start anywhere): copied only where it must be."""
+    t = t.to(device).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 class W4A16Linear(nn.Module):
     """A frozen base linear kept 4-bit on the device: `lin(x [T, in], exact) -> [T, out]` in x's
-    dtype (the Backend.linear contract). Only the W4Weight lives on the device: from the
-    checkpoint's own GGUF blocks when given (a sample of rows checked at build to dequantize to
-    exactly `weight`'s), else quantized at load (on the host) with `group_size`."""
+    dtype (the Backend.linear contract). Only the 4-bit weight (codes, scales, mins, and a
+    QuantizedWeight's input permutation) lives on the device."""
 
-    def __init__(self, weight: torch.Tensor, *, raw: torch.Tensor | None = None, qtype: str | None = None,
-                 device: torch.device | str, dtype: torch.dtype, group_size: int = DEFAULT_GROUP_SIZE):
-        """weight: fp32 [out, in] on the host; raw, qtype: the same weight's GGUF rows and their
-        type ("q4_0" / "q4_1"), or None; dtype: the activations' dtype (forward's x)."""
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, *, device: torch.device | str, dtype: torch.dtype,
+                 group_size: int = DEFAULT_GROUP_SIZE):
+        """weight: a float [out, in] tensor on the host, quantized at load with `group_size`
+        (`quantize`); or a checkpoint's 4-bit QuantizedWeight, whose codes, scales and mins go
+        to the device as they are (`from_quantized`; group_size is then the checkpoint's).
+        dtype: the activations' dtype (forward's x). ValueError for an 8-bit QuantizedWeight
+        (w8a16.W8A16Linear takes those) or a shape the format cannot hold."""
         super().__init__()
-        if (raw is None) != (qtype is None):
-            raise ValueError("raw GGUF rows and their qtype come together")
-        if raw is not None:
-            packed = pack_gguf(raw, qtype)
-            if (packed.N, packed.K) != tuple(weight.shape) or not _rows_match(packed, weight):
-                raise ValueError(f"the {qtype} rows do not dequantize to the weight {tuple(weight.shape)} "
-                                 "(rows permuted or concatenated differently?)")
-            self.source = qtype
+        perm = None
+        if isinstance(weight, QuantizedWeight):
+            packed = from_quantized(weight)
+            perm = weight.perm
+            self.source = weight.source or "4-bit"
         else:
             packed = quantize(weight, group_size)
             self.source = f"quantized g{group_size}"
-        w = packed.to(device)
-        self.register_buffer("qweight", w.qweight)
-        self.register_buffer("scales", w.scales)
-        self.register_buffer("mins", w.mins)
-        self.group_size = w.group_size
+        self.register_buffer("qweight", device_copy(packed.qweight, device))
+        self.register_buffer("scales", device_copy(packed.scales, device))
+        self.register_buffer("mins", device_copy(packed.mins, device))
+        self.register_buffer("perm", None if perm is None else perm.to(device))
+        self.group_size = packed.group_size
         self.dtype = dtype
-        self.out_features, self.in_features = w.N, w.K
+        self.out_features, self.in_features = packed.N, packed.K
 
     @property
     def weight4(self) -> W4Weight:
+        """The weight in the stored (permuted) input order: y = x[:, perm] @ dequantize(weight4).T."""
         return W4Weight(self.qweight, self.scales, self.mins, self.group_size)
 
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if self.perm is not None:
+            # Act-order checkpoints: the codes' inputs are sorted by group, so x is read in that
+            # order (one gather of the activations, T x K, before the kernel).
+            x = x.index_select(1, self.perm)
         return w4a16_matmul(x, self.weight4, exact=exact)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.source}, activations {self.dtype}"
+        order = ", act-order perm" if self.perm is not None else ""
+        return (f"in={self.in_features}, out={self.out_features}, {self.source}{order}, "
+                f"scales {self.scales.dtype}, activations {self.dtype}")

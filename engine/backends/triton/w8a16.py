@@ -1,0 +1,274 @@
+"""W8A16: 8-bit base weights on the device, multiplied by 16-bit (or fp32) activations with the
+weights dequantized inside the Triton kernels, so an 8-bit checkpoint (GGUF Q8_0, the K-quants
+whose codes fit in 8 bits, GPTQ 8-bit, compressed-tensors W8A16) stays 8-bit on the GPU.
+
+Semantics:
+    # w: an 8-bit engine.loader.quantized.QuantizedWeight, N x K, groups of G inputs along K
+    Wp[n, k] = codes[n, k] * scales[n, k // G] (+ mins[n, k // G])   # fp32, codes in -128..127
+    y[m, :] = x[m, perm] @ Wp.T                                       # = x @ w.dequantize().T
+    # fp32 accumulation, y in x's dtype; perm None: x as it is
+
+The format is QuantizedWeight's own (bits 8), read as it is:
+- `codes` int8 [N, K], contiguous: each row is K bytes, so with K a multiple of 16 (every served
+  model's) and a 16-byte aligned base (the launcher checks it) every 16-input run of a row loads
+  as one 16-byte vector. Other K are served, with narrower loads.
+- `scales` (and `mins`) fp16 or fp32 [N, ceil(K / G)], G a multiple of 16, so a 16-input run
+  always shares one group: the kernels load one scale (and min) a run, in the stored dtype, and
+  widen it to fp32. A per-channel scale is G = K. Without mins (symmetric formats) the kernels
+  are built with HAS_MIN off and read no mins at all.
+- `perm` (GPTQ act-order): x is gathered through it once a call (T x K elements) before the
+  kernel, which then reads the codes in their stored order.
+
+Kernels (`w8a16_matmul`), the two paths of w4a16.py with 8-bit tiles, sharing its launch plan
+(`w4a16.launch_plan`: the path by M, the GEMV tile shrunk to the register budget, split-K into
+whole nonempty chunks), its split-K sum (`w4a16.run_split_k`: each K chunk's partial sums in
+its own slice of an fp32 workspace, added in a fixed order by one more kernel, no atomics, the
+same bits on every run) and its activation checks:
+- M <= GEMV_MAX_M: split-K GEMV on the CUDA cores. Each program dequantizes a BLOCK_N x BLOCK_K
+  tile once (16-byte loads of codes, one scale a 16-input run) and multiplies it by all M rows
+  (fp32 products and accumulation).
+- wider: tiled GEMM on the tensor cores (tl.dot): tiles dequantized to x's dtype (fp32 tiles
+  with IEEE products for fp32 activations, for `exact=True`, and for bf16 under the interpreter,
+  whose bf16 tl.dot is wrong).
+Block sizes come from this module's `CONFIGS` (same keys as w4a16's).
+
+Where the kernels run: as w4a16's (TRITON_INTERPRET at import; `w4a16.check_runnable`).
+`dequantize` (QuantizedWeight.dequantize) is the reference and runs anywhere.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from engine.backends.triton.w4a16 import (KernelConfig, LaunchPlan, check_activations, check_runnable,
+                                          device_copy, launch_plan, run_split_k)
+from engine.loader.quantized import QuantizedWeight
+from punica_kernels.kernels import _common
+
+#: Inputs per run: one 16-byte vector of codes, one scale (G % 16 == 0).
+RUN = 16
+
+#: (device name, path, N, K) -> config, as w4a16.CONFIGS.
+CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
+    # GEMV: 32 rows x 128 inputs a tile: 128 bytes of each row (eight 16-byte loads), as the
+    # 4-bit GEMV's default tile reads, with the same 8192 live fp32 products.
+    ("default", "gemv", 0, 0): KernelConfig(block_n=32, block_k=128, split_k=0, num_warps=4, num_stages=2),
+    ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=64, split_k=1, block_m=64, num_warps=4, num_stages=3),
+}
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:
+    """The reference: fp32 [N, K] in the original input order (QuantizedWeight.dequantize)."""
+    return w.dequantize()
+
+
+def plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = None,
+         config: KernelConfig | None = None) -> LaunchPlan:
+    """The launch for an [m, k] x [n, k].T product of 8-bit weights (w4a16.launch_plan with this
+    module's configs, 16-input runs, one input per live product)."""
+    return launch_plan(m, n, k, device, path=path, config=config, configs=CONFIGS, min_block_k=RUN,
+                       inputs_per_product=1)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
+                  G: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr):
+    """fp32 weights of one K tile of NR runs of 16 inputs as [BLOCK_N, NR, 16], with the input
+    index of each [NR, 16] and its mask (inside K). Run r holds inputs k0 + 16 r + j, j < 16.
+    Scales and mins load once a run ([BLOCK_N, NR]), not once a weight."""
+    r = tl.arange(0, NR)
+    j = tl.arange(0, 16)
+    # Alignment of the code loads: k0 is a multiple of the K tile (chunks and steps are whole
+    # tiles of a multiple of 16 inputs) and rows are K bytes apart from a 16-byte aligned base;
+    # where K % 16 == 0 (Triton specializes on it) the mask is constant over each run too, so
+    # each run's 16 bytes load as one vector.
+    k0 = tl.multiple_of(k0, 16)
+    e = k0 + r[:, None] * 16 + j[None, :]  # [NR, 16]
+    mask_e = e < K
+    q = tl.load(q_ptr + rows[:, None, None] * stride_q + e[None, :, :],
+                mask=mask_n[:, None, None] & mask_e[None, :, :], other=0)
+    g = (k0 + r * 16) // G  # G % 16 == 0: a run's 16 inputs share one group
+    s_off = rows[:, None] * stride_s + g[None, :]
+    mask_s = mask_n[:, None] & ((k0 + r * 16) < K)[None, :]
+    sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+    w = q.to(tl.float32) * sc
+    if HAS_MIN:
+        w += tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+    return w, e, mask_e
+
+
+@triton.jit
+def _w8_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
+    G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) alone writes out[s, :, n-block].
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)  # row * stride must not wrap at 2^31 bytes
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w, e, mask_e = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
+                                     G, BLOCK_K // 16, HAS_MIN)
+        # x is small and shared by all programs (L2); nothing is assumed of its row stride.
+        xt = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + e[None, :, :],
+                     mask=mask_m[:, None, None] & mask_e[None, :, :], other=0.0).to(tl.float32)
+        prod = xt[:, None, :, :] * w[None, :, :, :]
+        acc += tl.sum(tl.sum(prod, axis=3), axis=2)
+    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _w8_gemm_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
+    G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) alone writes
+    # out[s, m-block, n-block]. M blocks vary fastest: programs running together share weight tiles.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    p = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_CHUNK
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w3, _, _ = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
+                                 G, BLOCK_K // 16, HAS_MIN)
+        # [BLOCK_N, NR, 16] -> [BLOCK_K, BLOCK_N]: flattened in input order, transposed for tl.dot.
+        w = tl.trans(tl.reshape(w3, (BLOCK_N, BLOCK_K)))
+        e = k0 + p
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=mask_m[:, None] & (e < K)[None, :],
+                     other=0.0)
+        if IEEE:
+            acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(xt, w.to(xt.dtype))
+    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _check_weight(w: QuantizedWeight) -> None:
+    if not isinstance(w, QuantizedWeight) or w.bits != 8:
+        what = f"a {w.bits}-bit QuantizedWeight" if isinstance(w, QuantizedWeight) else type(w).__name__
+        raise ValueError(f"the W8A16 kernels take 8-bit QuantizedWeights, not {what}")
+    parts = {"scales": w.scales, "mins": w.mins, "perm": w.perm}
+    for name, t in parts.items():
+        if t is not None and t.device != w.codes.device:
+            raise ValueError(f"{name} is on {t.device}, codes on {w.codes.device}")
+    if not all(t.is_contiguous() for t in (w.codes, w.scales, w.mins) if t is not None):
+        raise ValueError("codes, scales and mins must be contiguous")
+    # Rows are K bytes apart: 16-byte alignment of the base keeps every run's vector load aligned
+    # (where K % 16 == 0); a view at an odd offset would break that silently.
+    if w.codes.data_ptr() % 16:
+        raise ValueError("codes' data must start 16-byte aligned (a tensor of its own, not an offset view)")
+
+
+def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, path: str | None = None,
+                 config: KernelConfig | None = None) -> torch.Tensor:
+    """y = x @ w.dequantize().T with the 8-bit weights dequantized in the kernels. Semantics: see
+    the module docstring.
+
+    Args:
+        x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
+        w: an 8-bit QuantizedWeight (contiguous tensors on one device; mins and perm optional).
+        exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
+        path: "gemv" or "gemm"; None picks by M (GEMV up to GEMV_MAX_M rows).
+        config: launch parameters; None takes this module's CONFIGS for the device and shape.
+    Returns:
+        [M, N] in x's dtype, a new tensor.
+    Raises:
+        ValueError on a bad weight, dtype, shape, device, layout or config; RuntimeError where
+        the kernels cannot run on x's device (w4a16.check_runnable).
+    """
+    _check_weight(w)
+    x = check_activations(x, w.K, w.codes.device)
+    m, n, k = x.shape[0], w.N, w.K
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    check_runnable(x.device, "the W8A16")
+    lp = plan(m, n, k, x.device, path=path, config=config)
+    if w.perm is not None:
+        x = x.index_select(1, w.perm)
+    has_min = w.mins is not None
+    common = dict(G=w.group_size, HAS_MIN=has_min, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k,
+                  num_warps=lp.num_warps, num_stages=lp.num_stages)
+    n_blocks = triton.cdiv(n, lp.block_n)
+    # Without mins the kernels never read m_ptr (HAS_MIN off): the scales stand in for it.
+    mins = w.mins if has_min else w.scales
+
+    def launch(out: torch.Tensor, stride_ok: int) -> None:
+        args = (x, w.codes, w.scales, mins, out, m, n, k, lp.k_chunk, x.stride(0), w.codes.stride(0),
+                w.scales.stride(0), n, stride_ok)
+        if lp.path == "gemv":
+            _w8_gemv_kernel[(n_blocks, lp.split_k)](*args, **common)
+        else:
+            ieee = exact or _common.dot_in_fp32(x.dtype)
+            _w8_gemm_kernel[(triton.cdiv(m, lp.block_m), n_blocks, lp.split_k)](*args, IEEE=ieee, **common)
+
+    return run_split_k(y, lp, launch)
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class W8A16Linear(nn.Module):
+    """A frozen base linear kept 8-bit on the device: `lin(x [T, in], exact) -> [T, out]` in x's
+    dtype (the Backend.linear contract). Only the checkpoint's codes, scales, mins (where the
+    format has them) and input permutation (where it has one) live on the device, as loaded."""
+
+    def __init__(self, qw: QuantizedWeight, *, device: torch.device | str, dtype: torch.dtype):
+        """qw: an 8-bit QuantizedWeight on the host; dtype: the activations' dtype (forward's x).
+        ValueError for another bit width (w4a16.W4A16Linear takes 4-bit weights)."""
+        super().__init__()
+        if not isinstance(qw, QuantizedWeight) or qw.bits != 8:
+            what = f"a {qw.bits}-bit QuantizedWeight" if isinstance(qw, QuantizedWeight) else type(qw).__name__
+            raise ValueError(f"W8A16Linear takes an 8-bit QuantizedWeight, not {what}")
+        self.register_buffer("codes", device_copy(qw.codes, device))
+        self.register_buffer("scales", device_copy(qw.scales, device))
+        self.register_buffer("mins", None if qw.mins is None else device_copy(qw.mins, device))
+        self.register_buffer("perm", None if qw.perm is None else qw.perm.to(device))
+        self.group_size = qw.group_size
+        self.source = qw.source or "8-bit"
+        self.dtype = dtype
+        self.out_features, self.in_features = qw.N, qw.K
+
+    @property
+    def weight8(self) -> QuantizedWeight:
+        """The weight as the kernels read it (dequantize(weight8) is the layer's fp32 weight)."""
+        return QuantizedWeight(8, self.codes, self.scales, self.mins, self.group_size, self.perm, self.source)
+
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        return w8a16_matmul(x, self.weight8, exact=exact)
+
+    def extra_repr(self) -> str:
+        order = ", act-order perm" if self.perm is not None else ""
+        mins = "" if self.mins is not None else ", no mins"
+        return (f"in={self.in_features}, out={self.out_features}, {self.source} g{self.group_size}{order}, "
+                f"scales {self.scales.dtype}{mins}, activations {self.dtype}")

@@ -1,0 +1,169 @@
+"""A checkpoint's quantized layer weight in one form every format converts into and every backend
+reads: integer codes with per-group scales (and mins), never dequantized on the way in.
+
+Semantics (`QuantizedWeight`, N outputs x K inputs):
+
+    Wp[n, j] = codes[n, j] * scales[n, j // group_size] + mins[n, j // group_size]   # fp32
+    W[:, perm] = Wp            (perm None: W = Wp)
+    y = x @ W.T = x[:, perm] @ Wp.T
+
+- `bits` 4: `codes` uint8 [N, K/2], values 0..15 packed as engine.backends.triton.w4a16's W4Weight
+  (per 32 inputs, byte j holds input j in its low nibble and input j + 16 in its high nibble), so
+  the W4A16 kernels read them as they are. `bits` 8: `codes` int8 [N, K], values -128..127 (formats
+  with unsigned 8-bit or 5-/6-bit codes shift them into this range and fold the shift into `mins`,
+  exactly: code * scale and the folded min are exact in fp32 for every format converted here).
+- `scales`, `mins`: fp16 or fp32 [N, ceil(K / group_size)]; `mins` None means zero (symmetric
+  formats). fp16 where the format's own values are fp16 (GGUF Q4_0/Q4_1/Q8_0, AWQ/GPTQ scales),
+  fp32 where the format multiplies two of them (a K-quant's super-block d times a sub-block's
+  6-bit scale; a zero point times a scale): the product is exact in fp32 and not in fp16.
+- `group_size`: inputs per scale, a multiple of 16 (K-quant Q6_K/Q3_K sub-blocks are 16 inputs);
+  bits 4 needs a multiple of 32 (a byte's two nibbles share a group).
+- `perm`: GPTQ act-order (`desc_act` with `g_idx`): inputs are sorted once at load so each
+  group's inputs are contiguous; the kernels then read x through `perm` (x[:, perm]).
+
+`dequantize()` is the reference (fp32, computed as the semantics say, in the original input
+order) that every converter is checked against bit for bit, and what a backend without a kernel
+for the form (the CPU backend) multiplies by. `source` names the checkpoint's own format
+("gguf q4_k", "awq g128", "gptq g128 act-order", ...), for logs and errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.loader.architectures import UnsupportedModelError
+
+#: Inputs per 4-bit packing block (byte j: input j low nibble, input j + 16 high nibble).
+PACK = 32
+
+
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """A checkpoint's quantization (a type, a bit width, a group size, a scheme) that no backend
+    serves; the message names it and what is supported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """See the module docstring."""
+
+    bits: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group_size: int
+    perm: torch.Tensor | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        c, s, m, g = self.codes, self.scales, self.mins, self.group_size
+        if self.bits == 4:
+            if c.dtype != torch.uint8 or c.dim() != 2 or c.shape[1] % (PACK // 2):
+                raise ValueError(f"4-bit codes must be uint8 [N, K/2] with K a multiple of {PACK}, "
+                                 f"not {c.dtype} {tuple(c.shape)}")
+            if g % PACK:
+                raise ValueError(f"4-bit group_size must be a multiple of {PACK}, not {g}")
+        elif self.bits == 8:
+            if c.dtype != torch.int8 or c.dim() != 2:
+                raise ValueError(f"8-bit codes must be int8 [N, K], not {c.dtype} {tuple(c.shape)}")
+        else:
+            raise ValueError(f"bits must be 4 or 8, not {self.bits}")
+        if g <= 0 or g % 16:
+            raise ValueError(f"group_size must be a positive multiple of 16, not {g}")
+        groups = -(-self.K // g)
+        for name, t in (("scales", s), ("mins", m)):
+            if t is None:
+                continue
+            if t.dtype not in (torch.float16, torch.float32) or tuple(t.shape) != (self.N, groups):
+                raise ValueError(f"{name} must be float16/float32 [{self.N}, {groups}], not {t.dtype} {tuple(t.shape)}")
+        if m is not None and m.dtype != s.dtype:
+            raise ValueError(f"scales ({s.dtype}) and mins ({m.dtype}) must share a dtype")
+        if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (self.K,)):
+            raise ValueError(f"perm must be int64 [{self.K}], not {self.perm.dtype} {tuple(self.perm.shape)}")
+
+    @property
+    def N(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.codes.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def shape(self) -> torch.Size:
+        """(N, K): the dense weight's shape, as a torch.Tensor's."""
+        return torch.Size((self.N, self.K))
+
+    def nbytes(self) -> int:
+        """Bytes a kernel reads for the weight: codes, scales, mins."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def int_codes(self) -> torch.Tensor:
+        """The codes as int32 [N, K] in the stored (permuted) input order."""
+        if self.bits == 8:
+            return self.codes.to(torch.int32)
+        c = self.codes.view(self.N, -1, PACK // 2).to(torch.int32)
+        return torch.cat([c & 0xF, c >> 4], dim=2).reshape(self.N, self.K)
+
+    def dequantize(self) -> torch.Tensor:
+        """The reference: fp32 [N, K] in the original input order (module docstring)."""
+        g = self.group_size
+        scale = self.scales.float().repeat_interleave(g, dim=1)[:, :self.K]
+        w = self.int_codes().float() * scale
+        if self.mins is not None:
+            w = w + self.mins.float().repeat_interleave(g, dim=1)[:, :self.K]
+        if self.perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.perm] = w
+            w = out
+        return w
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output rows start..stop (a fused tensor's part), sharing nothing mutable."""
+        return dataclasses.replace(self, codes=self.codes[start:stop].contiguous(),
+                                   scales=self.scales[start:stop].contiguous(),
+                                   mins=None if self.mins is None else self.mins[start:stop].contiguous())
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
+        """Output rows reordered (row i of the result is row order[i])."""
+        return dataclasses.replace(self, codes=self.codes[order].contiguous(), scales=self.scales[order].contiguous(),
+                                   mins=None if self.mins is None else self.mins[order].contiguous())
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return dataclasses.replace(self, codes=self.codes.to(device), scales=self.scales.to(device),
+                                   mins=None if self.mins is None else self.mins.to(device),
+                                   perm=None if self.perm is None else self.perm.to(device))
+
+
+def same_form(parts: list[QuantizedWeight]) -> bool:
+    """Whether these weights can be one matmul (rows stacked): same bits, group, scale dtype,
+    mins present alike, same input permutation."""
+    a = parts[0]
+    return all(p.bits == a.bits and p.group_size == a.group_size and p.scales.dtype == a.scales.dtype
+               and (p.mins is None) == (a.mins is None) and p.K == a.K
+               and ((p.perm is None and a.perm is None)
+                    or (p.perm is not None and a.perm is not None and torch.equal(p.perm, a.perm)))
+               for p in parts[1:])
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Row-stacked weights of one form (`same_form`), as torch.cat of their dense forms would be."""
+    if not same_form(parts):
+        raise ValueError("only weights of one form stack: " + ", ".join(p.source or f"{p.bits}-bit" for p in parts))
+    a = parts[0]
+    return dataclasses.replace(a, codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                               mins=None if a.mins is None else torch.cat([p.mins for p in parts]),
+                               source=a.source if all(p.source == a.source for p in parts) else
+                               "+".join(dict.fromkeys(p.source for p in parts)))
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int codes 0..15 [N, K] (K % 32 == 0) -> the 4-bit `codes` layout uint8 [N, K/2]."""
+    n, k = q.shape
+    b = q.to(torch.uint8).view(n, k // PACK, 2, PACK // 2)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def dense(weight) -> torch.Tensor:
+    """A loader tensor as a dense fp32/float tensor: QuantizedWeight dequantized, a tensor as is."""
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
