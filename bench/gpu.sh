@@ -16,6 +16,9 @@
 #   multi_lora_llama3_8b.json  bench/multi_lora.py --requests 64 on the synthetic Llama-3-8B (4-bit)
 #   engine_llama3_1_8b.json    bench/engine.py on a synthetic Llama-3.1-8B (llama3 RoPE scaling, 4-bit)
 #   engine_qwen2_5_7b.json     bench/engine.py on a synthetic Qwen2.5-7B (q/k/v biases, 28/4 heads, 4-bit)
+#   quant_kernels.json     bench/kernels.py --device cuda --only quant (JSON lines: every quantized
+#                          checkpoint format's linears at Llama-3.1-8B shapes, M 1/4/16/64, vs dense bf16)
+#   engine_llama3_1_8b_q4_k_m.json  bench/engine.py on a synthetic Llama-3.1-8B in llama.cpp's Q4_K_M mix
 # The synthetic checkpoints are written here by the script itself, to /tmp/synthetic (the
 # machine's local disk), with `python -m engine.loader.synthetic` (--shape for the Llama GGUF
 # shapes, --family for the model families: Q4_0 layers, Q8_0 embeddings, the family's metadata
@@ -25,6 +28,9 @@
 #   STEPS_ONLY="pytest kernels synthetic_smollm2 engine_smollm2 multi_lora" bash bench/gpu.sh
 #   STEPS_ONLY="synthetic_llama3_8b engine_llama3_8b multi_lora_llama3_8b" bash bench/gpu.sh
 #   STEPS_ONLY="synthetic_llama3_1_8b engine_llama3_1_8b synthetic_qwen2_5_7b engine_qwen2_5_7b" bash bench/gpu.sh
+#   STEPS_ONLY="quant_kernels synthetic_llama3_1_8b_q4_k_m engine_llama3_1_8b_q4_k_m" bash bench/gpu.sh
+# (the last: the Q4_K_M writer runs on the host in the background while quant_kernels uses the
+# GPU, overlapping its 150 s within its own 420 s; the engine gets what remains of TOTAL_S, up to 240 s).
 # A failing or timed-out step is logged and the next one runs; the whole script stays within
 # TOTAL_S seconds (default 530, inside the device's 10-minute command limit): each step gets its
 # own budget, cut to what is left. ENGINE_FORMAT (default w4a16: 4-bit weights) is the --formats/--format given to
@@ -46,32 +52,73 @@ unset TRITON_INTERPRET  # the benchmarks run the kernels compiled for the GPU
 
 log() { echo "$(date -u +%H:%M:%S) $*" >>"$STEPS"; }
 
-# step NAME BUDGET_S STDOUT_FILE CMD...: runs CMD with stdout to STDOUT_FILE ("-": into
-# steps.log), at most BUDGET_S seconds (or what is left of TOTAL_S); records the exit code, the
-# time, and the stderr's tail.
-step() {
-  local name=$1 budget=$2 out=$3
-  shift 3
+# budget_for NAME BUDGET_S: prints the seconds step NAME may run (BUDGET_S, cut to what is left
+# of TOTAL_S), or nothing when it does not run (not in STEPS_ONLY, or under 10 s left; logged).
+budget_for() {
+  local name=$1 budget=$2
   if [[ -n ${STEPS_ONLY:-} && " $STEPS_ONLY " != *" $name "* ]]; then
     log "== $name: not in STEPS_ONLY"
     return
   fi
-  [[ $out == - ]] && out=/tmp/gpu_step.out
   local left=$((START + TOTAL_S - $(date +%s)))
   if ((left < 10)); then
     log "== $name: skipped, ${left}s left of ${TOTAL_S}s"
     return
   fi
   ((budget > left)) && budget=$left
+  echo "$budget"
+}
+
+# step_done NAME RC T0 ERR OUT: logs a finished step's exit code, time and stderr's tail (and its
+# stdout when that went to OUT under /tmp, i.e. the step's STDOUT_FILE was "-").
+step_done() {
+  local name=$1 rc=$2 t0=$3 err=$4 out=$5
+  ((rc == 124 || rc == 137)) && log "   $name timed out"
+  log "   $name rc=$rc in $(($(date +%s) - t0))s; stderr's last lines:"
+  tail -n 25 "$err" | sed 's/^/   | /' >>"$STEPS"
+  [[ $out == /tmp/gpu_* ]] && sed 's/^/   > /' "$out" >>"$STEPS"
+  return 0
+}
+
+# step NAME BUDGET_S STDOUT_FILE CMD...: runs CMD with stdout to STDOUT_FILE ("-": into
+# steps.log), at most BUDGET_S seconds (or what is left of TOTAL_S); records the exit code, the
+# time, and the stderr's tail.
+step() {
+  local name=$1 budget=$2 out=$3
+  shift 3
+  budget=$(budget_for "$name" "$budget")
+  [[ -z $budget ]] && return 0
+  [[ $out == - ]] && out=/tmp/gpu_step.out
   log "== $name (budget ${budget}s): $*"
   local t0=$(date +%s) rc
   timeout --kill-after=10 "$budget" "$@" >"$out" 2>/tmp/gpu_step.err
   rc=$?
-  ((rc == 124 || rc == 137)) && log "   timed out"
-  log "   rc=$rc in $(($(date +%s) - t0))s; stderr's last lines:"
-  tail -n 25 /tmp/gpu_step.err | sed 's/^/   | /' >>"$STEPS"
-  [[ $out == /tmp/gpu_step.out ]] && sed 's/^/   > /' /tmp/gpu_step.out >>"$STEPS"
-  return 0
+  step_done "$name" "$rc" "$t0" /tmp/gpu_step.err "$out"
+}
+
+# bg_step NAME BUDGET_S STDOUT_FILE CMD...: step's rules, but CMD runs in the background (a
+# host-only step, such as writing a checkpoint, beside a GPU step); bg_wait NAME waits for it and
+# logs it as step does. A step not started (not selected, no time left) is not waited for.
+declare -A BG_PID BG_T0 BG_OUT
+bg_step() {
+  local name=$1 budget=$2 out=$3
+  shift 3
+  budget=$(budget_for "$name" "$budget")
+  [[ -z $budget ]] && return 0
+  [[ $out == - ]] && out="/tmp/gpu_bg_$name.out"
+  log "== $name (background, budget ${budget}s): $*"
+  BG_T0[$name]=$(date +%s)
+  BG_OUT[$name]=$out
+  timeout --kill-after=10 "$budget" "$@" >"$out" 2>"/tmp/gpu_bg_$name.err" &
+  BG_PID[$name]=$!
+}
+bg_wait() {
+  local name=$1 rc
+  [[ -z ${BG_PID[$name]:-} ]] && return 0
+  wait "${BG_PID[$name]}"
+  rc=$?
+  step_done "$name" "$rc" "${BG_T0[$name]}" "/tmp/gpu_bg_$name.err" "${BG_OUT[$name]}"
+  unset "BG_PID[$name]"
 }
 
 # The carried wheels (bench/device_wheels.sh), installed beside the image's packages.
@@ -118,7 +165,8 @@ log "env.txt written"
 # may not match the carried pytest.
 step pytest 150 "$OUT/pytest.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-  tests/punica_kernels tests/engine/test_w4a16.py tests/engine/test_paged_attention.py tests/engine/test_fused_norms.py
+  tests/punica_kernels tests/engine/test_w4a16.py tests/engine/test_w8a16.py tests/engine/test_paged_attention.py \
+  tests/engine/test_fused_norms.py
 cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
 
 # The whole engine on the Triton backend, compiled for the GPU, against the CPU backend (a mixed
@@ -162,6 +210,22 @@ step engine_llama3_1_8b 240 "$OUT/engine_llama3_1_8b.json" "$PY" bench/engine.py
   --concurrency 1,8 --new-tokens 32 --kv-cache-mb 1024 --skip-hf
 step engine_qwen2_5_7b 240 "$OUT/engine_qwen2_5_7b.json" "$PY" bench/engine.py \
   --model /tmp/synthetic/qwen2.5-7b.gguf --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" \
+  --concurrency 1,8 --new-tokens 32 --kv-cache-mb 1024 --skip-hf
+
+# Issue 34: the quantized checkpoint formats. First every format's linears at Llama-3.1-8B's
+# shapes (bench/kernels.py --only quant: W4A16Linear / W8A16Linear on random codes, dense bf16
+# beside them), while the host writes a Q4_K_M Llama-3.1-8B (llama.cpp's mix: Q4_K layers on the
+# 4-bit kernels, Q6_K attn_v / ffn_down on the 8-bit ones, a Q4_K embedding, a Q6_K lm_head). The
+# writer quantizes every one of the 8.0B weights with numpy on one core, minutes of host work that
+# needs no GPU, so it runs in the background beside the GPU step; then the engine runs the file at
+# batch 1 and 8. Budgets: the writer's 420 s spans quant_kernels' 150 s, leaving the engine what
+# remains of TOTAL_S (up to its 240 s).
+bg_step synthetic_llama3_1_8b_q4_k_m 420 - "$PY" -m engine.loader.synthetic --family llama3.1-8b --format gguf \
+  --quant q4_k_m --out /tmp/synthetic/llama3.1-8b.q4_k_m.gguf
+step quant_kernels 150 "$OUT/quant_kernels.json" "$PY" bench/kernels.py --device cuda --only quant
+bg_wait synthetic_llama3_1_8b_q4_k_m
+step engine_llama3_1_8b_q4_k_m 240 "$OUT/engine_llama3_1_8b_q4_k_m.json" "$PY" bench/engine.py \
+  --model /tmp/synthetic/llama3.1-8b.q4_k_m.gguf --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" \
   --concurrency 1,8 --new-tokens 32 --kv-cache-mb 1024 --skip-hf
 
 log "done in $(($(date +%s) - START))s"

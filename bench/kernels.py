@@ -7,6 +7,8 @@
     python bench/kernels.py --cuda     # CUDA: the Triton kernels (default when a GPU is present)
     python bench/kernels.py --device cuda [--quick]   # the same; --quick: hidden 4096, rank 16, fewer batches
     python bench/kernels.py --device cuda --only w4a16 # the W4A16 GEMV (4-bit base weights) alone
+    python bench/kernels.py --device cuda --only quant # every quantized checkpoint format's linears
+                                       # (W4A16Linear / W8A16Linear) at Llama-3.1-8B shapes, M 1-64
 
 Workloads (Punica's): distinct (every token its own adapter), uniform (ceil(sqrt(n)) adapters),
 skewed (Zipf 1.5 over adapters), identical (one adapter).
@@ -19,13 +21,19 @@ to a measured device-to-device copy bandwidth, and the speedup over torch gather
 a Python loop of one matmul per adapter. BGMV (decode: one token per row, any slot) at Punica's
 batch sizes 1-256 over the four workloads; SGMV (prefill: 512 tokens in 1, 4, 16 or 64 segments,
 each segment its own adapter) against the same gather+bmm baseline on the segments' tokens.
-Then the Triton backend's W4A16 matmul at decode widths (run_cuda_w4a16).
+Then the Triton backend's W4A16 matmul at decode widths (run_cuda_w4a16), and (not with --quick)
+the quantized formats' linears (run_quant): for each form a checkpoint's layer weights take
+(QUANT_FORMS: GGUF Q4_0/Q4_1, Q4_K, Q8_0, Q6_K, Q5_K, GPTQ act-order, compressed-tensors W8A16,
+load-time 4-bit), random codes and scales built as a QuantizedWeight and run through the
+backend's own module, at Llama-3.1-8B's qkv / o / gate_up / down shapes: microseconds, GB/s of
+weight bytes and its ratio to the copy bandwidth, and dense bf16 matmul as the peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -467,7 +475,7 @@ def run_cuda_w4a16(args, copy_gbps: float) -> None:
     """The Triton backend's W4A16 matmul (engine/backends/triton/w4a16.py) at decode widths: M 1..16
     rows of bf16 activations, K 4096, N 4096 and 14336, for GGUF-block weights (group 32) and
     load-time quantized ones (group 128). Reported per shape: microseconds (a CUDA-graph replay over
-    `rotate` weight copies, so L2 does not hold the previous call's weights), GB/s on the bytes the
+    enough weight copies that L2 does not hold the call's weights, rotation_copies), GB/s on the bytes the
     kernel must read (4-bit nibbles, fp16 scales and mins, x, y written) and its ratio to the
     device-to-device copy bandwidth, the path and config taken, torch's dense bf16 matmul of the
     same (dequantized) weights for comparison, and the largest error of each against the fp32
@@ -482,13 +490,15 @@ def run_cuda_w4a16(args, copy_gbps: float) -> None:
         dense = torch.randn(N, K, generator=gen) * 0.02
         for fmt in ("g32", "g128"):
             base = w4a16.quantize(dense, 32 if fmt == "g32" else 128)
-            ws = [base.to(dev) for _ in range(args.rotate)]  # the same weights, in distinct memory
+            copies = rotation_copies(base.nbytes(), args.rotate)
+            dense_copies = rotation_copies(N * K * 2, args.rotate)
+            ws = [base.to(dev) for _ in range(copies)]  # the same weights, in distinct memory
             w_ref = w4a16.dequantize(ws[0])  # fp32 [N, K] on the device
-            w_bf16 = [w_ref.bfloat16() for _ in range(args.rotate)]
+            w_bf16 = [w_ref.bfloat16() for _ in range(dense_copies)]
             for M in rows:
-                x = [torch.randn(M, K, device=dev).bfloat16() for _ in range(args.rotate)]
-                us = cuda_time(lambda i: w4a16.w4a16_matmul(x[i], ws[i]), args.rotate, args.iters)
-                us_dense = cuda_time(lambda i: x[i] @ w_bf16[i].T, args.rotate, args.iters)
+                x = [torch.randn(M, K, device=dev).bfloat16() for _ in range(copies)]
+                us = cuda_time(lambda i: w4a16.w4a16_matmul(x[i], ws[i]), copies, max(args.iters, copies))
+                us_dense = cuda_time(lambda i: x[i] @ w_bf16[i].T, dense_copies, max(args.iters, dense_copies))
                 ref = x[0].float() @ w_ref.T
                 scale = ref.abs().max().item()
                 err = (w4a16.w4a16_matmul(x[0], ws[0]).float() - ref).abs().max().item() / scale
@@ -504,6 +514,203 @@ def run_cuda_w4a16(args, copy_gbps: float) -> None:
                     "speedup_vs_dense_bf16": round(us_dense / us, 2), "rel_err": float(f"{err:.3g}"),
                     "dense_bf16_rel_err": float(f"{err_dense:.3g}"),
                 }), flush=True)
+
+
+# ----------------------------------------------------------------------------- quantized formats
+
+
+#: Bytes one rotation of weight copies spans: a call's weights were last read this many bytes of
+#: other weights ago, several times an H100's or H200's 50 MB L2, so no call finds them there.
+ROTATE_BYTES = 256 << 20
+#: Most weight copies one rotation holds (a small weight would otherwise need hundreds).
+ROTATE_MAX_COPIES = 64
+
+
+def rotation_copies(nbytes: int, least: int, most: int = ROTATE_MAX_COPIES) -> int:
+    """Copies of an `nbytes` weight to cycle over so together they span ROTATE_BYTES: at least
+    `least` (the --rotate given), at most `most`."""
+    return max(least, min(most, -(-ROTATE_BYTES // max(1, nbytes))))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantForm:
+    """The QuantizedWeight one kind of checkpoint loads into (engine/loader/gguf_quants.py,
+    hf_quantized.py and w4a16.quantize are what produce each): what the kernels read for it."""
+
+    name: str  # the rows' "format"
+    checkpoints: str  # the checkpoints whose layer weights take this form
+    bits: int  # 4: W4A16Linear; 8: W8A16Linear
+    group_size: int | None  # inputs per scale; None: per output channel (one group of all K)
+    scale_dtype: torch.dtype  # scales' (and mins') dtype
+    mins: bool  # whether the form has per-group mins (asymmetric formats)
+    act_order: bool = False  # an input permutation (GPTQ desc_act): one gather of x a call
+
+
+QUANT_FORMS = (
+    QuantForm("w4_fp16_g32", "gguf q4_0 / q4_1", 4, 32, torch.float16, True),
+    QuantForm("w4_fp16_g128", "dense checkpoint quantized at load", 4, 128, torch.float16, True),
+    QuantForm("w4_fp32_g32_mins", "gguf q4_k", 4, 32, torch.float32, True),
+    QuantForm("w4_fp32_g128_perm", "gptq 4-bit g128 act-order", 4, 128, torch.float32, True, act_order=True),
+    QuantForm("w8_fp16_g32", "gguf q8_0", 8, 32, torch.float16, False),
+    QuantForm("w8_fp32_g16", "gguf q6_k", 8, 16, torch.float32, False),
+    QuantForm("w8_fp32_g32_mins", "gguf q5_k", 8, 32, torch.float32, True),
+    QuantForm("w8_fp32_channel", "compressed-tensors w8a16 channel (bf16 scales)", 8, None, torch.float32, False),
+)
+
+#: Llama-3.1-8B's decode linears as the decoder fuses them: (site, N outputs, K inputs).
+LLAMA31_8B_LINEARS = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
+                      ("down_proj", 4096, 14336))
+LLAMA31_8B_LAYERS = 32
+#: --tiny: the same four sites at widths the interpreter runs in seconds (K 160: a last group of
+#: 32 inputs at g128, and per-channel groups of two widths, as at the real shape).
+TINY_LINEARS = (("qkv_proj", 96, 64), ("o_proj", 64, 64), ("gate_up_proj", 320, 64), ("down_proj", 64, 160))
+#: Activation rows: the GEMV path (up to w4a16.GEMV_MAX_M) and one GEMM width.
+QUANT_ROWS = (1, 4, 16, 64)
+TINY_ROWS = (1, 64)
+
+
+def random_quantized(form: QuantForm, n: int, k: int, device: torch.device, gen: torch.Generator):
+    """A QuantizedWeight of `form`, N x K, with uniformly random codes and scales on `device`
+    (no checkpoint needed: the kernels' time does not depend on the values). Scales are set so
+    the weights have standard deviation ~1/sqrt(K) and mean ~0, as a trained layer's, so y stays
+    O(|x|) and the error figure is relative to a typical output."""
+    from engine.loader.quantized import QuantizedWeight
+
+    g = k if form.group_size is None else form.group_size
+    groups = -(-k // g)
+    if form.bits == 4:
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+        code_mean, code_std = 7.5, math.sqrt((16 ** 2 - 1) / 12)
+    else:
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
+        code_mean, code_std = -0.5, math.sqrt((256 ** 2 - 1) / 12)
+    scales = (torch.rand(n, groups, device=device, generator=gen) + 0.5) / (code_std * math.sqrt(k))
+    mins = (-code_mean * scales).to(form.scale_dtype) if form.mins else None
+    # One permutation per K (drawn on the host: a checkpoint's g_idx order is read at load).
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)).to(device) if form.act_order else None
+    return QuantizedWeight(form.bits, codes, scales.to(form.scale_dtype), mins, g, perm, form.checkpoints)
+
+
+def quantized_linear(qw, device: torch.device) -> torch.nn.Module:
+    """The Triton backend's module for a checkpoint's QuantizedWeight, chosen as
+    TritonBackend._quantized_linear chooses it (by bit width), with bf16 activations."""
+    from engine.backends.triton import w4a16, w8a16
+
+    if qw.bits == 4:
+        return w4a16.W4A16Linear(qw, device=device, dtype=torch.bfloat16)
+    return w8a16.W8A16Linear(qw, device=device, dtype=torch.bfloat16)
+
+
+def kernel_weight(lin: torch.nn.Module):
+    """The weight a quantized linear's kernel reads (W4Weight or QuantizedWeight), whose nbytes()
+    are the bytes each call must read."""
+    return lin.weight4 if hasattr(lin, "weight4") else lin.weight8
+
+
+def launch_of(lin: torch.nn.Module, m: int, device: torch.device):
+    """The LaunchPlan a call of `lin` on m rows takes."""
+    from engine.backends.triton import w4a16, w8a16
+
+    if hasattr(lin, "weight4"):
+        return w4a16.launch_plan(m, lin.out_features, lin.in_features, device)
+    return w8a16.plan(m, lin.out_features, lin.in_features, device)
+
+
+def time_per_call(fn_per_buffer, copies: int, iters: int, device: torch.device) -> float:
+    """us per call: on CUDA cuda_time (a graph replay cycling over the copies); on CPU (the
+    interpreter, --tiny: nothing to compile or warm) `iters` calls timed, a figure that only
+    shows the code ran."""
+    if device.type == "cuda":
+        return cuda_time(fn_per_buffer, copies, iters)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        fn_per_buffer(i % copies)
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy GB/s (read + write counted): cuda_copy_bandwidth on CUDA, a 16 MB
+    host copy on CPU."""
+    if device.type == "cuda":
+        return cuda_copy_bandwidth()
+    src = torch.empty(1 << 24, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 2 * src.numel() * 5 / (time.perf_counter() - t0) / 1e9
+
+
+def run_quant(args, device: torch.device, copy_gbps: float) -> None:
+    """The Triton backend's quantized linears (W4A16Linear, W8A16Linear) for every QuantForm at
+    Llama-3.1-8B's decode shapes (--tiny: TINY_LINEARS, on CPU under the interpreter), M = 1, 4,
+    16 (GEMV) and 64 (GEMM) rows of bf16 activations. One JSON line per (format, site, M):
+    microseconds per call (each a replay over enough weight copies that L2 never holds the
+    call's weights, rotation_copies), the bytes its kernel reads for the weight (codes, scales,
+    mins), those bytes per second and their ratio to the device copy bandwidth, the launch taken,
+    torch's dense bf16 matmul at the same shape (weights 2 bytes each) as the peer, and the
+    largest error against the fp32 product with QuantizedWeight.dequantize(), relative to that
+    product's largest element. Then one line per (format, M) for the four linears of a decoder
+    layer together, with the 32 layers' linears per decode step."""
+    sites = TINY_LINEARS if args.tiny else LLAMA31_8B_LINEARS
+    # --tiny: one GEMV and one GEMM width, one copy, each call timed once (the interpreter's
+    # figures mean nothing; the point is that every form's rows come out).
+    rows = TINY_ROWS if args.tiny else QUANT_ROWS
+    least, most = (1, 1) if args.tiny else (args.rotate, ROTATE_MAX_COPIES)
+    where = "interpreter" if device.type == "cpu" else "cuda"
+    gen = torch.Generator(device=device).manual_seed(5)
+    layer = {}  # (format, M) -> [us, weight bytes, dense us] summed over the sites
+    for site, n, k in sites:
+        copies = rotation_copies(n * k * 2, least, most)
+        iters = copies if args.tiny else max(args.iters, copies)
+        xs = {m: [torch.randn(m, k, device=device, generator=gen).bfloat16() for _ in range(copies)]
+              for m in rows}
+        dense = [(torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).bfloat16() for _ in range(copies)]
+        dense_us = {m: time_per_call(lambda i, x=xs[m], w=dense: x[i] @ w[i].T, copies, iters, device) for m in rows}
+        del dense
+        for form in QUANT_FORMS:
+            first = random_quantized(form, n, k, device, gen)
+            probe = quantized_linear(first, device)
+            nbytes = kernel_weight(probe).nbytes()
+            copies_q = rotation_copies(nbytes, least, most)
+            qws = [random_quantized(form, n, k, device, gen) for _ in range(copies_q - 1)]
+            lins = [probe] + [quantized_linear(qw, device) for qw in qws]
+            del qws
+            ref_w = first.dequantize()  # fp32 [N, K], original input order: the format's reference
+            iters_q = copies_q if args.tiny else max(args.iters, copies_q)
+            for m in rows:
+                x = [xs[m][i % copies] for i in range(copies_q)]
+                us = time_per_call(lambda i, x=x, lins=lins: lins[i](x[i]), copies_q, iters_q, device)
+                ref = x[0].float() @ ref_w.T
+                err = (lins[0](x[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+                gbps = nbytes / (us * 1e-6) / 1e9
+                row = {
+                    "device": where, "op": "quant_linear", "format": form.name, "checkpoints": form.checkpoints,
+                    "site": site, "M": m, "N": n, "K": k, "bits": form.bits, "group_size": probe.group_size,
+                    "scales": str(probe.scales.dtype).removeprefix("torch."), "mins": form.mins,
+                    "act_order": form.act_order, "activations": "bfloat16",
+                    "launch": dataclasses.asdict(launch_of(probe, m, device)), "rotated_copies": copies_q,
+                    "us": round(us, 2), "weight_bytes": nbytes, "weight_GBps": round(gbps, 1),
+                    "frac_of_copy_bw": round(gbps / copy_gbps, 3), "dense_bf16_us": round(dense_us[m], 2),
+                    "dense_bf16_bytes": n * k * 2, "speedup_vs_dense_bf16": round(dense_us[m] / us, 2),
+                    "rel_err": float(f"{err:.3g}"),
+                }
+                print(json.dumps(row), flush=True)
+                acc = layer.setdefault((form.name, m), [0.0, 0, 0.0])
+                acc[0] += us
+                acc[1] += nbytes
+                acc[2] += dense_us[m]
+            del lins, probe, first, ref_w
+    for (name, m), (us, nbytes, dense_us) in layer.items():
+        gbps = nbytes / (us * 1e-6) / 1e9
+        print(json.dumps({
+            "device": where, "op": "quant_layer_linears", "format": name, "M": m,
+            "sites": [s for s, _, _ in sites], "us": round(us, 2), "weight_bytes": nbytes,
+            "weight_GBps": round(gbps, 1), "frac_of_copy_bw": round(gbps / copy_gbps, 3),
+            "dense_bf16_us": round(dense_us, 2), "speedup_vs_dense_bf16": round(dense_us / us, 2),
+            "layers": LLAMA31_8B_LAYERS, "step_linears_ms": round(us * LLAMA31_8B_LAYERS / 1e3, 3),
+        }), flush=True)
 
 
 def _triton_version() -> str | None:
@@ -524,9 +731,26 @@ def main() -> None:
                    help="CUDA: hidden 4096, rank 16, batches 1/8/32/64/256 only (minutes, not tens of minutes)")
     p.add_argument("--rotate", type=int, default=4, help="input buffer copies cycled to defeat L2")
     p.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
-    p.add_argument("--only", choices=("lora", "w4a16"), default=None,
-                   help="CUDA: only the LoRA kernels (BGMV, SGMV) or only the W4A16 matmul")
+    p.add_argument("--only", choices=("lora", "w4a16", "quant"), default=None,
+                   help="CUDA: only the LoRA kernels (BGMV, SGMV), only the W4A16 matmul, or only the "
+                        "quantized formats' linears at Llama-3.1-8B shapes (W4A16Linear / W8A16Linear)")
+    # The quantized formats' section at tiny shapes on CPU tensors under the Triton interpreter
+    # (TRITON_INTERPRET=1): a check that it runs (tests/engine/test_bench_quant_kernels.py), no figures.
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.tiny:
+        from engine.backends.triton import w4a16
+
+        if args.only != "quant":
+            p.error("--tiny runs only the quantized formats' section: add --only quant")
+        if not w4a16.INTERPRETED:
+            p.error("--tiny runs the kernels on CPU tensors under the Triton interpreter: set TRITON_INTERPRET=1")
+        device = torch.device("cpu")
+        copy_gbps = copy_bandwidth(device)
+        print(json.dumps({"device": "interpreter", "host_copy_GBps": round(copy_gbps, 1),
+                          "torch": torch.__version__, "triton": _triton_version()}), flush=True)
+        run_quant(args, device, copy_gbps)
+        return
     if args.device == "cpu":
         args.cpu = True
     elif args.device == "cuda":
@@ -535,15 +759,18 @@ def main() -> None:
     if args.cpu or not use_cuda:
         run_cpu(args)
     if use_cuda and not args.cpu:
-        if args.only == "w4a16":
+        if args.only in ("w4a16", "quant"):
             copy_gbps = cuda_copy_bandwidth()
             print(json.dumps({"device": torch.cuda.get_device_name(), "d2d_copy_GBps": round(copy_gbps, 1),
                               "torch": torch.__version__, "triton": _triton_version()}), flush=True)
         else:
             copy_gbps = run_cuda(args)
             run_cuda_sgmv(args, copy_gbps)
-        if args.only != "lora":
+        if args.only in (None, "w4a16"):
             run_cuda_w4a16(args, copy_gbps)
+        # The quantized formats' section: with --only quant, or in the full (not --quick) run.
+        if args.only == "quant" or (args.only is None and not args.quick):
+            run_quant(args, torch.device("cuda"), copy_gbps)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,8 @@ def _reference(checkpoint, family: str):
 
 #: (format, family, also on the Triton backend): every format on the CPU backend; the Triton
 #: backend (slow under the interpreter) on the Q4_K_M mix (4-bit codes with fp32 scales and mins,
-#: Q6_K's 8-bit codes in groups of 16, a q/k/v of two forms) and on AWQ (4-bit, zero points);
+#: Q6_K's 8-bit codes in groups of 16, a q/k/v of two forms), on AWQ (4-bit, zero points) and on
+#: GPTQ act-order (the activations gathered through the permutation);
 #: tests/engine/test_w4a16.py and test_w8a16.py check every weight form's kernels.
 CASES = [
     ("gguf:q4_k_m", "llama3.1", True),
@@ -118,7 +119,7 @@ CASES = [
     ("gguf:q6_k", "qwen2.5", False),
     ("gguf:q8_0", "llama3.1", False),
     ("awq:128", "qwen2.5", True),
-    ("gptq:4-64-sym-act", "llama3.1", False),
+    ("gptq:4-64-sym-act", "llama3.1", True),
     ("gptq:4-128-asym-noact", "qwen2.5", False),
     ("gptq:8-128-sym-noact", "llama3.1", False),
     ("ct:4-group-128-sym", "llama3.1", False),
