@@ -27,7 +27,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeConfig
 from engine.loader import gguf_quants
@@ -340,11 +339,9 @@ def _tensor_to_numpy(t) -> np.ndarray:
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedQuantizationError(f"tensor {t.name}: GGUF type {qtype.name} is not supported "
                                            f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
-    # gguf's dequantize is vectorized numpy over all blocks; shape comes back in row-major
-    # (rows, cols) order, i.e. the reverse of GGUF's ne[] listing.
-    arr = dequantize(t.data, qtype)
+    # Shape in row-major (rows, cols) order, i.e. the reverse of GGUF's ne[] listing.
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-    return np.asarray(arr, dtype=np.float32).reshape(shape)
+    return gguf_quants.dense(t.data, qtype, shape)
 
 
 def config_of_file(reader: GGUFReader, meta: dict, name: str) -> ModelConfig:
@@ -450,7 +447,9 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         else:
             parts = [arr]
         for hf, part in zip(targets, parts):
-            tensors[hf] = torch.from_numpy(np.array(part, dtype=np.float32, order="C", copy=True))
+            # A fresh fp32 array (a dequantized matrix) is taken as it is; views of the mapped
+            # file or of a split are copied.
+            tensors[hf] = torch.from_numpy(np.require(part, np.float32, ["C", "W", "O"]))
 
     missing = [n for n in contract_tensor_names(cfg) if n not in tensors]
     if missing:

@@ -250,11 +250,22 @@ def quantized_weight(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
 
 
 def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """A GGUF tensor of any type gguf-py dequantizes as fp32 of `shape` (gguf.quants.dequantize):
-    dense layer weights, and the tensors that are never QuantizedWeight (token embedding, norms).
-    UnsupportedQuantizationError for a type gguf-py cannot read; ValueError for a size that does
-    not fit `shape`."""
+    """A GGUF tensor of any type gguf-py dequantizes as fp32 of `shape` (equal to
+    gguf.quants.dequantize): dense layer weights, and the tensors that are never QuantizedWeight
+    (token embedding, llama.cpp's quantized output, norms). A matrix of a served quantized type is
+    dequantized a few million weights at a time through quantized_weight (torch, every core),
+    so the host holds the fp32 result and one chunk's temporaries, not several full-size fp32
+    arrays. UnsupportedQuantizationError for a type gguf-py cannot read; ValueError for a size
+    that does not fit `shape`."""
     qtype = GGMLQuantizationType(qtype)
+    if qtype in _CONVERTERS and len(shape) == 2:
+        rows = np.asarray(raw).reshape(shape[0], -1)
+        out = np.empty(shape, dtype=np.float32)
+        step = max(1, (1 << 22) // shape[1])
+        for start in range(0, shape[0], step):
+            part = rows[start:start + step]
+            out[start:start + len(part)] = quantized_weight(part, qtype, (len(part), shape[1])).dequantize().numpy()
+        return out
     try:
         values = dequantize(np.asarray(raw), qtype)
     except NotImplementedError:
