@@ -9,32 +9,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 from gguf import GGUFReader
 
 from .demo_process import Demo
-
-
-def _peft_adapter(model_dir: Path, out: Path) -> Path:
-    """A LoRA adapter made with PEFT on the checkpoint directory (its B matrices random, so it
-    changes the outputs); its base_model_name_or_path is that local directory."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(out)
-    return out
+from .peft_adapters import peft_adapter
 
 
 @pytest.mark.parametrize("family", ["llama3.1-wide-tiny", "qwen2.5-wide-tiny"])
@@ -49,7 +31,7 @@ def test_a_q4_k_m_gguf_is_served_with_its_adapter(tmp_path, family):
     hf_dir = tmp_path / family
     subprocess.run([*synthetic, "--format", "safetensors", "--out", str(hf_dir)], check=True, capture_output=True,
                    timeout=300)
-    adapter = _peft_adapter(hf_dir, tmp_path / "my-lora")
+    adapter = peft_adapter(hf_dir, tmp_path / "my-lora")
 
     demo = Demo(tmp_path, args=["--model", str(gguf)])
     try:

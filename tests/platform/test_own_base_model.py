@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
-from .demo_process import ADAPTERS, TESSERA, Demo
+from .demo_process import ADAPTERS, Demo
+from .peft_adapters import peft_adapter
 
 QWEN = "tessera-synthetic/qwen2.5-tiny"
 
@@ -31,23 +31,6 @@ def qwen_demo(tmp_path_factory):
     out = demo.wait_ready()
     yield root, model, demo, out
     demo.stop()
-
-
-def _peft_adapter(model_dir: Path, out: Path) -> Path:
-    """A LoRA adapter trained (here: randomly initialized) on the checkpoint with PEFT, saved as
-    PEFT saves it: its base_model_name_or_path is the local directory it was loaded from."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(out)
-    return out
 
 
 def _upload(url: str, token: str, name: str, adapter_dir: Path) -> httpx.Response:
@@ -69,7 +52,7 @@ def test_own_base_model_serves_its_adapters_and_refuses_others(qwen_demo):
     assert ids[0] == QWEN and not any("SmolLM2" in i for i in ids)
 
     # An adapter made with PEFT for this base uploads, validates and is served by name.
-    adapter = _peft_adapter(model, root / "my-qwen-lora")
+    adapter = peft_adapter(model, root / "my-qwen-lora")
     r = _upload(url, token, "qwen-lora", adapter)
     assert r.status_code in (200, 201) and r.json()["status"] == "ready", r.text
     messages = [{"role": "user", "content": "Tell me about the water cycle."}]
