@@ -166,14 +166,14 @@ CASES = [  # (format, M, N, K): odd M, N past a block, K at the packing and grou
 def test_matmul_fp32_equals_dequantize_then_matmul(device, fmt, m, n, k):
     w = weights(fmt, n, k, seed=m + n + k).to(device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(device)
-    paths = ["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]
     check_product(w4a16_matmul(x, w), x, w, 0.0)  # path and config picked by shape
-    for path in paths:  # forced, with tiles smaller than the shape and K split over programs
+    for path in ["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]:
+        # tiles smaller than the shape (one 32-input run a tile) and K split over programs
         check_product(w4a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt,m,n,k", [("q4_1", 3, 40, 96), ("g128", 17, 33, 160), ("q4_k", 3, 24, 64)])
+@pytest.mark.parametrize("fmt,m,n,k", [("q4_1", 3, 40, 96), ("g128", 17, 33, 160), ("q4_k", 1, 24, 64)])
 def test_matmul_16bit_activations(device, dtype, fmt, m, n, k):
     # scales >= 1e-3: fp16 weight tiles (the GEMM's, on a GPU) stay normal numbers, so their
     # rounding is relative as the bound assumes (dense fp16 weights would lose the same way)
@@ -183,7 +183,7 @@ def test_matmul_16bit_activations(device, dtype, fmt, m, n, k):
     # The result's rounding: the interpreter casts fp32 to bf16 by truncation (twice the error of
     # the GPU's round-to-nearest).
     result = 2 * unit if dtype == torch.bfloat16 and w4a16.INTERPRETED else unit
-    for path in (["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]):
+    for path in ["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]:
         # the result's rounding; the GEMM also rounds each weight to x's dtype on the tensor cores
         check_product(w4a16_matmul(x, w, path=path, config=SMALL), x, w, 2 * unit)
     # exact: fp32 tiles and IEEE products, so only the result's rounding remains
@@ -199,27 +199,35 @@ def test_matmul_empty_and_refused(device):
     with pytest.raises(ValueError, match="powers of two"):
         w4a16_matmul(torch.randn(2, 64, device=device), w, config=KernelConfig(block_n=24, block_k=64))
     with pytest.raises(ValueError, match="GEMV"):
-        w4a16_matmul(torch.randn(17, 64, device=device), w, path="gemv")
+        w4a16_matmul(torch.randn(2, 64, device=device), w, path="gemv")
 
 
 def test_pick_config_falls_back_to_the_untuned_default(monkeypatch):
     tuned = KernelConfig(block_n=64, block_k=128, split_k=4)
-    monkeypatch.setitem(w4a16.CONFIGS, ("NVIDIA H100 80GB HBM3", "gemv", 4096, 4096), tuned)
-    assert w4a16.pick_config("NVIDIA H100 80GB HBM3", "gemv", 4096, 4096) is tuned
-    assert w4a16.pick_config("NVIDIA H100 80GB HBM3", "gemv", 4096, 14336) == w4a16.CONFIGS[("default", "gemv", 0, 0)]
+    monkeypatch.setitem(w4a16.CONFIGS, ("NVIDIA H100 80GB HBM3", "gemm", 4096, 4096), tuned)
+    assert w4a16.pick_config("NVIDIA H100 80GB HBM3", "gemm", 4096, 4096) is tuned
+    assert w4a16.pick_config("NVIDIA H100 80GB HBM3", "gemm", 4096, 14336) == w4a16.CONFIGS[("default", "gemm", 0, 0)]
     assert w4a16.pick_config("some GPU", "gemm", 1, 32) == w4a16.CONFIGS[("default", "gemm", 0, 0)]
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 256])
 @pytest.mark.parametrize("k", [4096, 14336, 96])
 def test_launch_plan_splits_k_into_whole_nonempty_chunks(m, k):
+    """One row takes the GEMV; wider, the tensor-core kernel with the narrowest M tile (>= 16)
+    that holds the rows (up to the config's). K is split into whole, non-empty chunks of tiles
+    until a decode step's N blocks fill an H100 (about 264 programs)."""
     plan = w4a16.launch_plan(m, 4096, k, torch.device("cpu"))
-    assert plan.path == "gemv" and plan.block_m >= m
-    assert plan.block_m * plan.block_n * plan.block_k // 2 <= w4a16.GEMV_TILE_BUDGET
+    if m <= w4a16.GEMV_MAX_M:
+        assert plan.path == "gemv" and plan.block_m == 1
+        assert plan.block_n * plan.block_k // 2 <= w4a16.GEMV_TILE_BUDGET
+    else:
+        assert plan.path == "gemm"
+        assert plan.block_m == min(64, max(16, 1 << (m - 1).bit_length()))
     assert plan.k_chunk % plan.block_k == 0
     assert (plan.split_k - 1) * plan.k_chunk < k <= plan.split_k * plan.k_chunk
-    wide = w4a16.launch_plan(40, 4096, k, torch.device("cpu"))
-    assert wide.path == "gemm" and min(wide.block_m, wide.block_n) >= 16
+    n_programs = (4096 // plan.block_n) * -(-m // max(plan.block_m, 16))
+    if k >= 4096 and m <= 16:
+        assert plan.split_k > 1 and n_programs * plan.split_k >= 264
 
 
 SM90_BUILD = r"""
@@ -254,7 +262,9 @@ def build(name, fn, codes, scales, consts, **opts):
                                  check=True).stdout
         usage = {key: int(v) for key, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)}
     ptx = k.asm["ptx"]
-    print(json.dumps({"name": name, "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+    copies = re.findall(r"cp\.async\.\w+\.shared\.global(?:\.[\w:]+)*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\w+)", ptx)
+    print(json.dumps({"name": name, "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))
+                                                  | {f"cp.async.{int(c, 0)}" for c in copies}),
                       "mma": len(re.findall(r"\bmma\.|wgmma", ptx)), "registers": usage.get("REG"),
                       "local_bytes": usage.get("LOCAL")}))
 """
@@ -263,12 +273,11 @@ COMPILE_W4_FOR_SM90 = SM90_BUILD + r"""
 from engine.backends.triton import w4a16 as W
 
 for scales in ("*fp16", "*fp32"):
-    build(f"gemv {scales}", W._w4_gemv_kernel, "*u8", scales, {"G": 128, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 256},
-          num_warps=4)
-    build(f"gemv m16 {scales}", W._w4_gemv_kernel, "*u8", scales,
-          {"G": 32, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4)
-    build(f"gemm {scales}", W._w4_gemm_kernel, "*u8", scales,
-          {"G": 32, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False}, num_warps=4, num_stages=3)
+    build(f"gemv {scales}", W._w4_gemv_kernel, "*u8", scales, {"G": 32, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256},
+          num_warps=2, num_stages=2)
+    for bm in (16, 64):  # decode's M tile, prefill's
+        build(f"gemm m{bm} {scales}", W._w4_gemm_kernel, "*u8", scales,
+              {"G": 32, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False}, num_warps=4, num_stages=3)
 src = ASTSource(fn=W._split_k_sum_kernel, signature={"ws_ptr": "*fp32", "y_ptr": "*bf16", "MN": "i32",
                 "SPLIT_K": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 1024})
 triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -306,12 +315,14 @@ def check_no_spills(variants: dict[str, dict]) -> None:
 def test_kernels_compile_for_the_gpu_with_16_byte_weight_loads(tmp_path):
     """The interpreter accepts what a GPU build may refuse (tile shapes, dtypes, ops) and hides
     alignment: build the kernels for sm_90 (no GPU needed), with fp16 and fp32 scales, and read
-    the GEMV's weight loads, the GEMM's tensor-core instructions and every variant's registers."""
+    the weight loads (16 bytes at once, direct or as asynchronous copies to shared memory), the
+    tensor-core instructions and every variant's registers."""
     variants = compile_for_sm90(COMPILE_W4_FOR_SM90, tmp_path)
     assert len(variants) == 6, variants
-    for scales in ("*fp16", "*fp32"):
-        assert "ld.global.v4.b32" in variants[f"gemv {scales}"]["loads"], variants  # a block's 16 bytes in one load
-        assert variants[f"gemm {scales}"]["mma"] > 0, variants  # the GEMM is on the tensor cores
+    for name, v in variants.items():
+        assert {"ld.global.v4.b32", "ld.global.v4.u32", "cp.async.16"} & set(v["loads"]), (name, v)
+        if name.startswith("gemm"):
+            assert v["mma"] > 0, (name, v)  # on the tensor cores
     check_no_spills(variants)
 
 
@@ -321,7 +332,8 @@ def test_kernels_compile_for_the_gpu_with_16_byte_weight_loads(tmp_path):
 def test_linear_from_a_checkpoints_quantized_weight(device):
     raw = random_gguf_rows("q4_0", 64, 128, seed=4)
     packed = pack_gguf(raw, "q4_0")
-    qw = QuantizedWeight(4, packed.qweight, packed.scales, packed.mins, 32, source="gguf q4_0")
+    codes = raw.reshape(64, -1, 18)[..., 2:].reshape(64, -1).contiguous()  # the file's nibbles, block order
+    qw = QuantizedWeight(4, codes, packed.scales, packed.mins, 32, source="gguf q4_0")
     lin = W4A16Linear(qw, device=device, dtype=torch.float32)
     assert {b.dtype for b in lin.buffers()} == {torch.uint8, torch.float16}  # nothing dense kept
     assert all(b.device.type == device.type for b in lin.buffers())

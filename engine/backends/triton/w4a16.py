@@ -7,14 +7,15 @@ Semantics:
     y[m, :] = x[m, :] @ W.T                                      # fp32 accumulation, y in x's dtype
 
 The format (`W4Weight`):
-- `qweight` uint8 [N, K/2], K % 32 == 0. Inputs are packed in blocks of 32, as in GGUF's Q4_0 and
-  Q4_1 blocks: byte j (0..15) of a block holds input j in its low nibble and input j + 16 in its
-  high nibble. A file's blocks therefore become this layout by dropping their scale bytes, no
-  nibble is moved, and the kernels read both nibbles of a byte against two 16-wide runs of x.
-  Each row is K/2 bytes, a multiple of 16, so every row starts 16-byte aligned when the tensor
-  does (the launchers check it) and a tile's bytes load as whole 16-byte vectors. This is
-  engine.loader.quantized.QuantizedWeight's 4-bit `codes` layout, so a checkpoint's codes come
-  to the device as they are.
+- `qweight` uint8 [N, K/2], K % 32 == 0, nibbles in input order: byte j holds input 2j in its low
+  nibble and input 2j + 1 in its high one, so each little-endian 32-bit word holds 8 consecutive
+  inputs (input 8c + p in bits 4p..4p+3 of word c) and a kernel turns a word into 8 weights in
+  input order with bit operations alone (below). Each row is K/2 bytes, a multiple of 16, so every
+  row starts 16-byte aligned when the tensor does (the launchers check it) and a tile's words
+  load as whole 16-byte vectors. A checkpoint's codes (engine.loader.quantized.QuantizedWeight's
+  layout, GGUF's Q4_0/Q4_1 block order: byte j of a 32-input block holds inputs j and j + 16) are
+  reordered into this layout once, at load (`from_quantized`, `pack_gguf`): the same bytes,
+  nibbles moved, nothing dequantized.
 - `scales`, `mins` [N, ceil(K / G)], both fp16 or both fp32, G a multiple of 32 (a byte's two
   nibbles then always share a group). The kernels load them in their stored dtype and widen to
   fp32. fp16 where the checkpoint's values are fp16 (GGUF Q4_0/Q4_1, AWQ/GPTQ scales; Q4_0's min
@@ -26,21 +27,33 @@ The format (`W4Weight`):
   price is a step set by a wider range (each weight is within half its group's step,
   `quantize`); `W4A16Linear(group_size=32)` takes the other side.
 
-Kernels (`w4a16_matmul`), chosen by the number of rows M:
-- M <= GEMV_MAX_M: split-K GEMV. Each program dequantizes a BLOCK_N x BLOCK_K tile once (16-byte
-  loads of nibbles, one scale and min a 32-input block) and multiplies it by all M rows on the
-  CUDA cores (fp32 products), over one of SPLIT_K chunks of K.
+The kernels (`w4a16_matmul`), both split-K where a layer's N blocks alone would leave SMs idle:
+- M <= GEMV_MAX_M (one row): a GEMV on the CUDA cores. Each thread multiplies its weights by x
+  as it dequantizes them and keeps the products in registers; the block reduces once, after the
+  K loop, and nothing passes through shared memory but x.
+- wider: a tiled product on the tensor cores. Each program streams BLOCK_N x BLOCK_K tiles of
+weights (16-byte loads of 4 words a row, pipelined through shared memory by Triton) and
+multiplies them by all its rows of x with one `tl.dot`, weights as the left operand
+(acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile.T), so a decode step of 2 to 16 rows costs what one
+tile costs: the dequantization, once per weight, is the work, and the tensor cores' products are
+almost free.
+Dequantization (both kernels) has no integer-to-float conversion: nibble p of a word, masked in
+place (for p < 5; the top three after one shift by 20) and OR-ed into the mantissa of 2^23, is
+the float 2^23 + q * 16^p, exactly; subtracting 2^23 leaves q * 16^p, and the group's scale
+divided by 16^p (exact: a power of two) with its min gives the weight in one FMA. The GEMV
+multiplies each plane by the matching plane of x; the tensor-core kernel interleaves the 8 planes
+back into input order in registers (`tl.join`) and rounds them to x's dtype for the product
+(fp32 tiles with IEEE products for fp32 activations, for `exact=True`, and under the
+interpreter, whose bf16 tl.dot is wrong). Neither reduces across threads inside the K loop.
   With SPLIT_K > 1 each program writes its partial sums to its own slice of an fp32 workspace
   [SPLIT_K, M, N] and a second small kernel adds the slices in a fixed order and casts: no program
   writes what another writes, no atomics, no zeroing launch, and the same input gives the same
   bits on every run (atomic adds would sum in arrival order). The workspace is SPLIT_K x M x N x 4
   bytes, written and read back at once, so it stays in L2.
-- wider: tiled GEMM on the tensor cores (tl.dot, BLOCK_M/N >= 16): tiles dequantized to x's dtype
-  (fp32 tiles with IEEE products for fp32 activations, for `exact=True`, and for bf16 under the
-  interpreter, whose bf16 tl.dot is wrong).
-Block sizes come from `CONFIGS` (data, keyed by device name, path, N, K; `pick_config`). The
-launch plan, the split-K sum and the activation checks are shared with the 8-bit kernels
-(w8a16.py).
+Block sizes come from `CONFIGS` (data, keyed by device name, path, N, K; `pick_config`): BLOCK_M
+is the rows' next power of two from 16 up to the config's. The launch plan, the split-K sum and
+the activation checks are shared with the 8-bit kernels (w8a16.py, whose CUDA-core GEMV takes
+up to 16 rows: `launch_plan(gemv_max_m=...)`).
 
 `W4A16Linear` takes a float weight (quantized at load) or a checkpoint's 4-bit QuantizedWeight
 (its codes, scales and mins to the device as they are). A QuantizedWeight with an input
@@ -64,7 +77,8 @@ from torch import nn
 from engine.loader.quantized import QuantizedWeight
 from punica_kernels.kernels import _common
 
-#: Inputs per packing block (byte j: input j low nibble, input j + 16 high nibble).
+#: K must be a multiple of this (and the group size: a tile's 4-word runs share a group); a
+#: checkpoint's 4-bit blocks are this wide too.
 PACK = 32
 #: Group size of load-time quantization (see the module docstring).
 DEFAULT_GROUP_SIZE = 128
@@ -72,10 +86,12 @@ DEFAULT_GROUP_SIZE = 128
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20}
 #: The dtypes scales and mins may have (both the same): the kernels widen them to fp32 as loaded.
 SCALE_DTYPES = (torch.float16, torch.float32)
-#: Widest M the split-K GEMV path takes; wider goes to the tensor-core GEMM.
-GEMV_MAX_M = 16
-#: Most products one GEMV program holds at once (BLOCK_M x BLOCK_N x BLOCK_K / 2 per nibble);
-#: past it the tile shrinks so the fp32 products fit in registers (128 threads x 64 each).
+#: Widest M the CUDA-core GEMV takes (one row: a decode step of one sequence); wider goes to the
+#: tensor-core kernel, whose time does not grow with M up to its 16-row tile.
+GEMV_MAX_M = 1
+#: Most products one GEMV program holds at once (BLOCK_M x BLOCK_N x BLOCK_K / inputs per
+#: product); past it the tile shrinks so the fp32 products fit in registers (128 threads x 64
+#: each).
 GEMV_TILE_BUDGET = 8192
 
 
@@ -96,7 +112,7 @@ def check_runnable(device: torch.device, what: str = "the W4A16") -> None:
 class W4Weight:
     """N x K 4-bit weights (see the module docstring for the layout)."""
 
-    qweight: torch.Tensor  # uint8 [N, K/2]: per 32 inputs, byte j = input j | input j + 16 << 4
+    qweight: torch.Tensor  # uint8 [N, K/2]: byte j = input 2j | input 2j + 1 << 4
     scales: torch.Tensor  # fp16 or fp32 [N, ceil(K / group_size)]
     mins: torch.Tensor  # scales' dtype [N, ceil(K / group_size)]: W = q * scale + min
     group_size: int  # inputs per (scale, min), a multiple of 32
@@ -148,13 +164,15 @@ def supported(weight: torch.Tensor) -> bool:
 
 def from_quantized(qw: QuantizedWeight) -> W4Weight:
     """A checkpoint's 4-bit QuantizedWeight as a W4Weight, without its input permutation (the
-    caller gathers x through `qw.perm`): the codes as they are (the same layout), mins None ->
-    zeros in the scales' dtype. ValueError for another bit width."""
+    caller gathers x through `qw.perm`): the codes' nibbles reordered into this module's layout
+    (`sequential_from_blocked`), scales as they are, mins None -> zeros in the scales' dtype.
+    ValueError for another bit width."""
     if not isinstance(qw, QuantizedWeight) or qw.bits != 4:
         what = f"{qw.bits}-bit QuantizedWeight" if isinstance(qw, QuantizedWeight) else type(qw).__name__
         raise ValueError(f"the W4A16 format takes 4-bit QuantizedWeights, not a {what}")
     mins = torch.zeros_like(qw.scales) if qw.mins is None else qw.mins
-    return W4Weight(qw.codes.contiguous(), qw.scales.contiguous(), mins.contiguous(), qw.group_size)
+    return W4Weight(sequential_from_blocked(qw.codes.contiguous()), qw.scales.contiguous(), mins.contiguous(),
+                    qw.group_size)
 
 
 def pack_gguf(raw: torch.Tensor, qtype: str) -> W4Weight:
@@ -175,22 +193,33 @@ def pack_gguf(raw: torch.Tensor, qtype: str) -> W4Weight:
         mins = (d.float() * -8.0).half()
         if not torch.isfinite(mins[torch.isfinite(d)]).all():
             raise ValueError("a Q4_0 scale is too large for -8 x scale to fit in float16")
-    qweight = blocks[..., bb - PACK // 2:].reshape(n, -1).contiguous()
+    qweight = sequential_from_blocked(blocks[..., bb - PACK // 2:].reshape(n, -1))
     return W4Weight(qweight, d.contiguous(), mins.contiguous(), PACK)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] values 0..15 -> uint8 [N, K/2] in the packing-block order."""
-    n, k = q.shape
-    blocks = q.reshape(n, k // PACK, 2, PACK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    """uint8 [N, K] values 0..15 -> uint8 [N, K/2] in input order (byte j: inputs 2j, 2j + 1)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
 def _unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> the values 0..15 as uint8 [N, K] in input order."""
-    n = qweight.shape[0]
-    blocks = qweight.reshape(n, -1, 1, PACK // 2)
-    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(n, -1)
+    return torch.stack([qweight & 0x0F, qweight >> 4], dim=2).reshape(qweight.shape[0], -1)
+
+
+def sequential_from_blocked(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in 32-input blocks (byte j of a block: inputs j and j + 16; GGUF's order and
+    QuantizedWeight's) -> this module's layout, on codes' device, row chunk by row chunk so a
+    large matrix needs little more than its own size."""
+    n, kb = codes.shape
+    out = torch.empty_like(codes)
+    step = max(1, (1 << 24) // max(kb, 1))
+    for r in range(0, n, step):
+        blocks = codes[r:r + step].reshape(-1, kb // (PACK // 2), PACK // 2)
+        lo, hi = blocks & 0x0F, blocks >> 4  # inputs j and j + 16 of each block
+        values = torch.cat([lo, hi], dim=2).reshape(blocks.shape[0], -1)
+        out[r:r + step] = _pack_nibbles(values)
+    return out
 
 
 def _fp16_down(t: torch.Tensor) -> torch.Tensor:
@@ -256,7 +285,7 @@ class KernelConfig:
     block_n: int
     block_k: int
     split_k: int = 0  # K chunks, one program each; 0: enough programs for a large GPU (_auto_split)
-    block_m: int = 16  # GEMM only: the GEMV takes all M rows in one tile
+    block_m: int = 16  # GEMM: the widest M tile (narrower for fewer rows, >= 16); the GEMV takes all M rows
     num_warps: int = 4
     num_stages: int = 2
 
@@ -265,9 +294,11 @@ class KernelConfig:
 #: device "default" serves devices never tuned. Tuning on a GPU is editing this table
 #: (bench/kernels.py --device cuda prints each shape's figures).
 CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
-    # GEMV: 32 rows x 256 inputs a tile: 128 bytes of each row, i.e. eight 16-byte loads.
-    ("default", "gemv", 0, 0): KernelConfig(block_n=32, block_k=256, split_k=0, num_warps=4, num_stages=2),
-    ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=64, split_k=1, block_m=64, num_warps=4, num_stages=3),
+    # GEMV: 16 weight rows x 256 inputs a tile (eight 16-byte loads a row), two warps.
+    ("default", "gemv", 0, 0): KernelConfig(block_n=16, block_k=256, split_k=0, num_warps=2, num_stages=2),
+    # 64 weight rows x 128 inputs a tile (64 bytes of each row: four 16-byte loads), up to 64
+    # rows of x; K split until the grid fills the GPU.
+    ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=128, split_k=0, block_m=64, num_warps=4, num_stages=3),
 }
 
 #: Programs the automatic split-K aims at: two per SM of an H100 (132 SMs).
@@ -281,6 +312,8 @@ def pick_config(device_name: str, path: str, n: int, k: int,
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
     table = CONFIGS if configs is None else configs
+    if ("default", path, 0, 0) not in table:
+        raise ValueError(f"no {path!r} kernel configs in this table")
     for key in ((device_name, path, n, k), (device_name, path, 0, 0), ("default", path, n, k)):
         if key in table:
             return table[key]
@@ -295,32 +328,60 @@ def _auto_split(n_programs: int, k_tiles: int) -> int:
 
 
 @triton.jit
-def _dequant_blocks(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, KB, stride_q, stride_s,
-                    G: tl.constexpr, NB: tl.constexpr):
-    """fp32 weights of one K tile of NB packing blocks, each nibble as [BLOCK_N, NB, 16]:
-    (low, high, input index of each low nibble [NB, 16], mask of whole blocks [NB]). Block b of
-    the tile holds inputs k0 + 32 b + j (low nibbles) and k0 + 32 b + 16 + j (high), j < 16.
-    Scales and mins load once a block ([BLOCK_N, NB]), not once a weight."""
+def _nibble_plane(words, P: tl.constexpr):
+    """Nibble P (0..7) of each uint32 word as the fp32 value q * 16**(P if P < 5 else P - 5),
+    exactly, with bit operations and one subtraction (no integer-to-float conversion): the
+    nibble, left in place (or shifted down 20 bits for the top three, whose bits would reach the
+    exponent), is OR-ed into the mantissa of 2^23, and 2^23 is subtracted."""
+    if P < 5:
+        v = words & (0xF << (4 * P))
+    else:
+        v = (words >> 20) & (0xF << (4 * (P - 5)))
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G: tl.constexpr, NB: tl.constexpr):
+    """One K tile's codes and group parameters for `rows`: (uint32 words [BLOCK_N, NB, 4], fp32
+    scales and mins [BLOCK_N, NB, 1], mask of the tile's 32-input runs [NB]). Run b holds inputs
+    k0 + 32 b .. + 31 of each row: 4 words of one 16-byte load, one group's scale and min (loaded
+    once a run, not once a weight); 0 past K and for masked rows."""
     b = tl.arange(0, NB)
-    j = tl.arange(0, 16)
-    # Alignment of the weight loads: k0 % 32 == 0 (chunks and steps are whole tiles of a multiple
-    # of 32 inputs), so kb0 is a multiple of 16; rows are K/2 bytes apart, a multiple of 16, from
-    # a 16-byte aligned base (checked by the launcher). Each block's 16 bytes are therefore one
-    # aligned 16-byte run, which the compiler loads as one vector (mask constant over it).
-    kb0 = tl.multiple_of(k0 // 2, 16)
-    byte = kb0 + b[:, None] * 16 + j[None, :]  # [NB, 16]
-    mask_b = (kb0 + b * 16) < KB  # KB = K/2, a multiple of 16: a block is wholly in or out
-    q = tl.load(q_ptr + rows[:, None, None] * stride_q + byte[None, :, :],
-                mask=mask_n[:, None, None] & mask_b[None, :, None], other=0)
-    g = (k0 + b * 32) // G  # G % 32 == 0: a block's 32 inputs share one group
+    i = tl.arange(0, 4)
+    # Alignment: k0 % 32 == 0 (chunks and steps are whole tiles), so the first word is a multiple
+    # of 4; rows are K/8 words apart, a multiple of 4, from a 16-byte aligned base (checked by the
+    # launcher). Each run's 4 words are therefore one aligned 16-byte vector.
+    kw0 = tl.multiple_of(k0 // 8, 4)
+    mask_b = (k0 + b * 32) < K  # K % 32 == 0: a run is wholly in or out
+    words = tl.load(words_ptr + rows[:, None, None] * stride_w + (kw0 + b[:, None] * 4 + i[None, :])[None, :, :],
+                    mask=mask_n[:, None, None] & mask_b[None, :, None], other=0)
+    g = (k0 + b * 32) // G  # G % 32 == 0: a run shares one group
     s_off = rows[:, None] * stride_s + g[None, :]
     mask_s = mask_n[:, None] & mask_b[None, :]
     sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     mn = tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
-    w_lo = (q & 0xF).to(tl.float32) * sc + mn
-    w_hi = (q >> 4).to(tl.float32) * sc + mn
-    e = k0 + b[:, None] * 32 + j[None, :]
-    return w_lo, w_hi, e, mask_b
+    return words, sc, mn, mask_b
+
+
+@triton.jit
+def _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s,
+                  G: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr):
+    """One K tile of weights, [BLOCK_N, NB * 32] in input order and DTYPE (see _load_words)."""
+    words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, NB)
+    # Plane P holds q * 16**p (p = P, or P - 5 from P = 5): its scale is divided by 16**p, exact.
+    p0 = (_nibble_plane(words, 0) * sc + mn).to(DTYPE)
+    p1 = (_nibble_plane(words, 1) * (sc * 0.0625) + mn).to(DTYPE)
+    p2 = (_nibble_plane(words, 2) * (sc * 0.00390625) + mn).to(DTYPE)
+    p3 = (_nibble_plane(words, 3) * (sc * 0.000244140625) + mn).to(DTYPE)
+    p4 = (_nibble_plane(words, 4) * (sc * 0.0000152587890625) + mn).to(DTYPE)
+    p5 = (_nibble_plane(words, 5) * sc + mn).to(DTYPE)
+    p6 = (_nibble_plane(words, 6) * (sc * 0.0625) + mn).to(DTYPE)
+    p7 = (_nibble_plane(words, 7) * (sc * 0.00390625) + mn).to(DTYPE)
+    # Interleave the planes into input order: join appends a last axis of 2, so the outermost
+    # join picks P's lowest bit; flattened, [.., word, 2, 2, 2] reads p0, p1, ..., p7 a word.
+    even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
+    odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
+    return tl.reshape(tl.join(even, odd), (rows.shape[0], NB * 32))
 
 
 @triton.jit
@@ -329,30 +390,46 @@ def _w4_gemv_kernel(
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) alone writes out[s, :, n-block].
+    # One row of x (M == 1). grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) alone writes
+    # out[s, 0, n-block]. Each thread keeps its products in registers, [BLOCK_N, NB, 4] fp32 (a
+    # word's 8 products summed into one), and the block reduces once, after the K loop.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    NB: tl.constexpr = BLOCK_K // 32
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)  # row * stride must not wrap at 2^31 bytes
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
+    rows = offs_n.to(tl.int64)
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 4)
+    j = tl.arange(0, 8)
+    words_ptr = q_ptr.to(tl.pointer_type(tl.uint32))
+    stride_w = tl.multiple_of(stride_q // 4, 4)
+    acc = tl.zeros([BLOCK_N, NB, 4], dtype=tl.float32)
+    k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w_lo, w_hi, e, mask_b = _dequant_blocks(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K // 2, stride_q, stride_s,
-                                                G, BLOCK_K // 32)
-        # x: 16-input runs from multiples of 32; nothing is assumed of x's row stride (Triton
-        # vectorizes only what it can prove), and x is small and shared by all programs (L2).
-        x_mask = mask_m[:, None, None] & mask_b[None, :, None]
-        x_off = offs_m[:, None, None] * stride_xm + e[None, :, :]
-        x_lo = tl.load(x_ptr + x_off, mask=x_mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + x_off + 16, mask=x_mask, other=0.0).to(tl.float32)
-        prod = x_lo[:, None, :, :] * w_lo[None, :, :, :] + x_hi[:, None, :, :] * w_hi[None, :, :, :]
-        acc += tl.sum(tl.sum(prod, axis=3), axis=2)
-    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, NB)
+        # x of word (b, i): inputs k0 + 32 b + 8 i + P, as [NB, 4, 8] split into its 8 planes P
+        # (the same halving as the weights' joins: the last axis of 2 is P's lowest bit).
+        xv = tl.load(x_ptr + k0 + b[:, None, None] * 32 + i[None, :, None] * 8 + j[None, None, :],
+                     mask=mask_b[:, None, None], other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(xv, (NB, 4, 4, 2)))
+        x04, x26 = tl.split(tl.reshape(x_even, (NB, 4, 2, 2)))
+        x15, x37 = tl.split(tl.reshape(x_odd, (NB, 4, 2, 2)))
+        x0, x4 = tl.split(x04)
+        x2, x6 = tl.split(x26)
+        x1, x5 = tl.split(x15)
+        x3, x7 = tl.split(x37)
+        acc += x0[None] * (_nibble_plane(words, 0) * sc + mn)
+        acc += x1[None] * (_nibble_plane(words, 1) * (sc * 0.0625) + mn)
+        acc += x2[None] * (_nibble_plane(words, 2) * (sc * 0.00390625) + mn)
+        acc += x3[None] * (_nibble_plane(words, 3) * (sc * 0.000244140625) + mn)
+        acc += x4[None] * (_nibble_plane(words, 4) * (sc * 0.0000152587890625) + mn)
+        acc += x5[None] * (_nibble_plane(words, 5) * sc + mn)
+        acc += x6[None] * (_nibble_plane(words, 6) * (sc * 0.0625) + mn)
+        acc += x7[None] * (_nibble_plane(words, 7) * (sc * 0.00390625) + mn)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + pid_k.to(tl.int64) * stride_ok + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -371,30 +448,28 @@ def _w4_gemm_kernel(
     mask_m = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
-    p = tl.arange(0, BLOCK_K // 2)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_k * K_CHUNK
+    rows = offs_n.to(tl.int64)  # row * stride must not wrap at 2^31 bytes
+    kk = tl.arange(0, BLOCK_K)
+    words_ptr = q_ptr.to(tl.pointer_type(tl.uint32))
+    stride_w = tl.multiple_of(stride_q // 4, 4)  # rows are K/2 bytes, a multiple of 16
+    if IEEE:
+        dtype = tl.float32
+    else:
+        dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w_lo3, w_hi3, _, _ = _dequant_blocks(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K // 2, stride_q, stride_s,
-                                             G, BLOCK_K // 32)
-        # [BLOCK_N, NB, 16] -> [BLOCK_K/2, BLOCK_N]: flattened in the same order, transposed for tl.dot;
-        # column p of the flat tile is low-nibble input k0 + (p // 16) * 32 + p % 16.
-        w_lo = tl.trans(tl.reshape(w_lo3, (BLOCK_N, BLOCK_K // 2)))
-        w_hi = tl.trans(tl.reshape(w_hi3, (BLOCK_N, BLOCK_K // 2)))
-        e = k0 + (p // 16) * 32 + p % 16
-        x_mask = mask_m[:, None] & (k0 // 2 + p < K // 2)[None, :]
-        x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=x_mask, other=0.0)
-        x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (e + 16)[None, :], mask=x_mask, other=0.0)
+        w = _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, BLOCK_K // 32, dtype)
+        e = k0 + kk
+        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + e[:, None], mask=mask_m[None, :] & (e < K)[:, None],
+                    other=0.0).to(dtype)
         if IEEE:
-            acc += tl.dot(x_lo.to(tl.float32), w_lo, input_precision="ieee")
-            acc += tl.dot(x_hi.to(tl.float32), w_hi, input_precision="ieee")
+            acc += tl.dot(w, x, input_precision="ieee")
         else:
-            acc += tl.dot(x_lo, w_lo.to(x_lo.dtype))
-            acc += tl.dot(x_hi, w_hi.to(x_hi.dtype))
-    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            acc += tl.dot(w, x)
+    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
 
 
 @triton.jit
@@ -430,16 +505,18 @@ class LaunchPlan:
 def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = None,
                 config: KernelConfig | None = None,
                 configs: dict[tuple[str, str, int, int], KernelConfig] | None = None,
-                min_block_k: int = PACK, inputs_per_product: int = 2) -> LaunchPlan:
+                min_block_k: int = PACK, inputs_per_product: int = 2,
+                gemv_max_m: int = GEMV_MAX_M) -> LaunchPlan:
     """The launch for an [m, k] x [n, k].T product on `device`: the path (None: GEMV up to
-    GEMV_MAX_M rows), the config (None: pick_config's from `configs`, None: CONFIGS), its GEMV
+    `gemv_max_m` rows (the 4-bit GEMV's GEMV_MAX_M; the 8-bit kernels pass their 16), else GEMM),
+    the GEMM's M tile the rows' next power of two from 16 up to the config's, the config (None: pick_config's from `configs`, None: CONFIGS), its GEMV
     tile shrunk to the register budget for m rows, and split_k resolved so every K chunk is whole
     tiles and none is empty. `min_block_k` is the kernels' smallest K tile (the 4-bit packing
     block, 32; the 8-bit kernels' 16-input run); `inputs_per_product` how many of a tile's inputs
     one live fp32 product covers (the 4-bit GEMV sums a byte's two nibbles into one: 2; 8-bit: 1),
     so a GEMV tile holds BLOCK_M x BLOCK_N x BLOCK_K / inputs_per_product <= GEMV_TILE_BUDGET.
     Raises ValueError on a bad path or block size."""
-    path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
+    path = path or ("gemv" if m <= gemv_max_m else "gemm")
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be 'gemv' or 'gemm', not {path!r}")
     cfg = config or pick_config(_common.device_name(device), path, n, k, configs)
@@ -447,8 +524,8 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
     _common.check_blocks(minimum=min_block_k, block_k=block_k)
     if path == "gemv":
         _common.check_blocks(minimum=1, block_n=block_n)
-        if m > GEMV_MAX_M:
-            raise ValueError(f"the GEMV path takes up to {GEMV_MAX_M} rows, not {m}")
+        if m > gemv_max_m:
+            raise ValueError(f"the GEMV path takes up to {gemv_max_m} rows, not {m}")
         block_m = _common.next_pow2(m)
 
         def products() -> int:
@@ -461,8 +538,8 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
             block_n //= 2
         m_blocks = 1
     else:
-        block_m = cfg.block_m
-        _common.check_blocks(minimum=16, block_m=block_m, block_n=block_n)
+        _common.check_blocks(minimum=16, block_m=cfg.block_m, block_n=block_n)
+        block_m = min(cfg.block_m, max(16, _common.next_pow2(m)))
         m_blocks = triton.cdiv(m, block_m)
     k_tiles = max(1, triton.cdiv(k, block_k))
     split = cfg.split_k or _auto_split(triton.cdiv(n, block_n) * m_blocks, k_tiles)
@@ -508,8 +585,9 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     Args:
         x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
         w: the 4-bit weights (fp16 or fp32 scales and mins).
-        exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
-        path: "gemv" or "gemm"; None picks by M (GEMV up to GEMV_MAX_M rows).
+        exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (fp32 x always is; the
+            GEMV's products are always fp32).
+        path: "gemv" or "gemm"; None picks by M (the GEMV for GEMV_MAX_M rows).
         config: launch parameters; None takes pick_config's for the device and shape.
     Returns:
         [M, N] in x's dtype, a new tensor.
@@ -571,7 +649,7 @@ class W4A16Linear(nn.Module):
         super().__init__()
         perm = None
         if isinstance(weight, QuantizedWeight):
-            packed = from_quantized(weight)
+            packed = from_quantized(weight.to(device))  # the nibbles reordered where they will live
             perm = weight.perm
             self.source = weight.source or "4-bit"
         else:

@@ -49,6 +49,8 @@ from punica_kernels.kernels import _common
 
 #: Inputs per run: one 16-byte vector of codes, one scale (G % 16 == 0).
 RUN = 16
+#: Widest M the split-K GEMV path takes; wider goes to the tensor-core GEMM.
+GEMV_MAX_M = 16
 
 #: (device name, path, N, K) -> config, as w4a16.CONFIGS.
 CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
@@ -69,7 +71,7 @@ def plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = Non
     """The launch for an [m, k] x [n, k].T product of 8-bit weights (w4a16.launch_plan with this
     module's configs, 16-input runs, one input per live product)."""
     return launch_plan(m, n, k, device, path=path, config=config, configs=CONFIGS, min_block_k=RUN,
-                       inputs_per_product=1)
+                       inputs_per_product=1, gemv_max_m=GEMV_MAX_M)
 
 
 # ----------------------------------------------------------------------------- kernels
