@@ -564,7 +564,7 @@ LLAMA31_8B_LAYERS = 32
 #: --tiny: the same four sites at widths the interpreter runs in seconds (K 160: a last group of
 #: 32 inputs at g128, and per-channel groups of two widths, as at the real shape).
 TINY_LINEARS = (("qkv_proj", 96, 64), ("o_proj", 64, 64), ("gate_up_proj", 320, 64), ("down_proj", 64, 160))
-#: Activation rows: the GEMV paths (4-bit: one row, w4a16.GEMV_MAX_M; 8-bit: up to w8a16.GEMV_MAX_M) and one GEMM width.
+#: Activation rows: the GEMV path (one row: w4a16.GEMV_MAX_M, w8a16.GEMV_MAX_M) and the GEMM.
 QUANT_ROWS = (1, 4, 16, 64)
 TINY_ROWS = (1, 64)
 

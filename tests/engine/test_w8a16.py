@@ -51,7 +51,7 @@ def test_matmul_fp32_equals_dequantize_then_matmul(device, m, n, k, group, scale
     w = random_w8(n, k, group, scale_dtype, mins, seed=m + n + k).to(device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(device)
     check(w8a16_matmul(x, w), x, w, 0.0)  # path and config picked by shape
-    for path in (["gemv", "gemm"] if m <= w8a16.GEMV_MAX_M else ["gemm"]):
+    for path in (["gemv", "gemm"] if m <= w8a16.GEMV_KERNEL_MAX_M else ["gemm"]):
         # forced, with tiles smaller than the shape and K split over programs
         check(w8a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
 
@@ -68,7 +68,7 @@ def test_matmul_16bit_activations(device, dtype, m, n, k, group, scale_dtype, mi
     # The result's rounding: the interpreter casts fp32 to bf16 by truncation (twice the error of
     # the GPU's round-to-nearest).
     result = 2 * unit if dtype == torch.bfloat16 and w4a16.INTERPRETED else unit
-    for path in (["gemv", "gemm"] if m <= w8a16.GEMV_MAX_M else ["gemm"]):
+    for path in (["gemv", "gemm"] if m <= w8a16.GEMV_KERNEL_MAX_M else ["gemm"]):
         # the result's rounding; the GEMM on a GPU also rounds each weight to x's dtype for the
         # tensor cores (under the interpreter a bf16 GEMM runs on fp32 tiles instead)
         check(w8a16_matmul(x, w, path=path, config=SMALL), x, w, 2 * unit)
@@ -121,7 +121,10 @@ def test_refused_inputs_are_clear_errors(device):
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("k", [4096, 14336, 80])
 def test_launch_plan_fits_the_register_budget_in_whole_chunks(m, k):
-    plan = w8a16.plan(m, 4096, k, torch.device("cpu"))
+    """One row takes the GEMV by default, more the tensor-core GEMM; the GEMV asked for by name
+    takes up to 16 rows within the register budget, K in whole non-empty chunks."""
+    assert w8a16.plan(m, 4096, k, torch.device("cpu")).path == ("gemv" if m <= w8a16.GEMV_MAX_M else "gemm")
+    plan = w8a16.plan(m, 4096, k, torch.device("cpu"), path="gemv")
     assert plan.path == "gemv" and plan.block_m >= m and plan.block_k >= w8a16.RUN
     assert plan.block_m * plan.block_n * plan.block_k <= w4a16.GEMV_TILE_BUDGET  # one input a product
     assert plan.k_chunk % plan.block_k == 0

@@ -24,12 +24,14 @@ Kernels (`w8a16_matmul`), the two paths of w4a16.py with 8-bit tiles, sharing it
 whole nonempty chunks), its split-K sum (`w4a16.run_split_k`: each K chunk's partial sums in
 its own slice of an fp32 workspace, added in a fixed order by one more kernel, no atomics, the
 same bits on every run) and its activation checks:
-- M <= GEMV_MAX_M: split-K GEMV on the CUDA cores. Each program dequantizes a BLOCK_N x BLOCK_K
-  tile once (16-byte loads of codes, one scale a 16-input run) and multiplies it by all M rows
-  (fp32 products and accumulation).
-- wider: tiled GEMM on the tensor cores (tl.dot): tiles dequantized to x's dtype (fp32 tiles
-  with IEEE products for fp32 activations, for `exact=True`, and for bf16 under the interpreter,
-  whose bf16 tl.dot is wrong).
+- M <= GEMV_MAX_M (one row): split-K GEMV on the CUDA cores. Each program dequantizes a
+  BLOCK_N x BLOCK_K tile once (16-byte loads of codes, one scale a 16-input run) and multiplies
+  it by the row (fp32 products and accumulation). The kernel takes up to 16 rows, but its cost
+  grows with each row (every product is a CUDA-core FMA), so wider goes to the GEMM.
+- wider: tiled GEMM on the tensor cores (tl.dot), the M tile the rows' next power of two from
+  16, K split while the grid is small: tiles dequantized to x's dtype (fp32 tiles with IEEE
+  products for fp32 activations, for `exact=True`, and for bf16 under the interpreter, whose
+  bf16 tl.dot is wrong).
 Block sizes come from this module's `CONFIGS` (same keys as w4a16's).
 
 Where the kernels run: as w4a16's (TRITON_INTERPRET at import; `w4a16.check_runnable`).
@@ -49,15 +51,18 @@ from punica_kernels.kernels import _common
 
 #: Inputs per run: one 16-byte vector of codes, one scale (G % 16 == 0).
 RUN = 16
-#: Widest M the split-K GEMV path takes; wider goes to the tensor-core GEMM.
-GEMV_MAX_M = 16
+#: Widest M the split-K GEMV path takes by default (a decode step of one sequence); wider goes to
+#: the tensor-core GEMM, whose time barely grows up to its 16-row tile. The kernel itself takes
+#: up to GEMV_KERNEL_MAX_M rows (`path="gemv"`).
+GEMV_MAX_M = 1
+GEMV_KERNEL_MAX_M = 16
 
 #: (device name, path, N, K) -> config, as w4a16.CONFIGS.
 CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
     # GEMV: 32 rows x 128 inputs a tile: 128 bytes of each row (eight 16-byte loads), as the
     # 4-bit GEMV's default tile reads, with the same 8192 live fp32 products.
     ("default", "gemv", 0, 0): KernelConfig(block_n=32, block_k=128, split_k=0, num_warps=4, num_stages=2),
-    ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=64, split_k=1, block_m=64, num_warps=4, num_stages=3),
+    ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=64, split_k=0, block_m=64, num_warps=4, num_stages=3),
 }
 
 
@@ -70,8 +75,9 @@ def plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = Non
          config: KernelConfig | None = None) -> LaunchPlan:
     """The launch for an [m, k] x [n, k].T product of 8-bit weights (w4a16.launch_plan with this
     module's configs, 16-input runs, one input per live product)."""
+    path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
     return launch_plan(m, n, k, device, path=path, config=config, configs=CONFIGS, min_block_k=RUN,
-                       inputs_per_product=1, gemv_max_m=GEMV_MAX_M)
+                       inputs_per_product=1, gemv_max_m=GEMV_KERNEL_MAX_M)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -198,7 +204,8 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
         x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
         w: an 8-bit QuantizedWeight (contiguous tensors on one device; mins and perm optional).
         exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
-        path: "gemv" or "gemm"; None picks by M (GEMV up to GEMV_MAX_M rows).
+        path: "gemv" (up to GEMV_KERNEL_MAX_M rows) or "gemm"; None picks by M (GEMV up to
+            GEMV_MAX_M rows).
         config: launch parameters; None takes this module's CONFIGS for the device and shape.
     Returns:
         [M, N] in x's dtype, a new tensor.
