@@ -387,7 +387,9 @@ def _compressed_scheme(q: dict) -> CompressedScheme:
         gfmt = str(group.get("format") or fmt)
         formats.add(gfmt)
         if gfmt == "float-quantized":
-            raise _refuse("compressed-tensors float-quantized (FP8 e4m3) weights")
+            raise UnsupportedQuantizationError(
+                "compressed-tensors float-quantized (FP8 e4m3) weights are not served on any device: neither the "
+                f"CPU nor the Triton backend has an FP8 kernel (a GPU's FP8 tensor cores included); {_SERVED}")
         if gfmt not in ("pack-quantized", "naive-quantized"):
             raise _refuse(f"compressed-tensors format {gfmt!r}")
         if group.get("input_activations") or group.get("output_activations"):

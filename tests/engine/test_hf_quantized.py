@@ -257,7 +257,8 @@ def test_module_split_across_shards_loads_the_same(dense_dirs, tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "GPTQ group_size 48"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
-     "compressed-tensors float-quantized (FP8 e4m3) weights are not served"),
+     "compressed-tensors float-quantized (FP8 e4m3) weights are not served on any device: neither the CPU nor "
+     "the Triton backend"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
                                                                          "group_size": 128},
