@@ -78,11 +78,16 @@ class DecoderLayer(nn.Module):
             part = qkv[:, start:start + heads * D].reshape(T * heads, D)
             qkv[:, start:start + heads * D] = be.rms_norm(part, norm.weight, norm.eps).view(T, heads * D)
 
-    def forward(self, x, ropes, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
-        """x: [T, H] the residual stream (updated in place and returned); ropes: the model's
-        (rope, cos_sin) pairs, global first then local."""
+    def forward(self, x, pending, ropes, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
+        """x: [T, H] the residual stream (updated in place); pending: the previous layer's output
+        still to be added to it (None for the first layer), added here by the input norm's fused
+        add + norm, one launch for both; ropes: the model's (rope, cos_sin) pairs, global first
+        then local. Returns (x, this layer's output: the pending of the next layer or the final norm)."""
         cfg, be = self.cfg, self.backend
-        h = be.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        if pending is None:
+            h = be.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        else:
+            x, h = be.add_rms_norm(x, pending, self.input_norm.weight, self.input_norm.eps)
         qkv = self.qkv_proj(h, exact)
         if lora is not None:
             lora.apply(self.idx, "qkv", h, qkv)
@@ -107,7 +112,7 @@ class DecoderLayer(nn.Module):
             lora.apply(self.idx, "down", m, d)
         if self.mlp_out_norm is not None:
             d = be.rms_norm(d, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
-        return x.add_(d)
+        return x, d
 
 
 class DecoderModel(nn.Module):
@@ -144,9 +149,12 @@ class DecoderModel(nn.Module):
         if self.local_rope is not None:
             ropes.append((self.local_rope, self.local_rope.cos_sin(positions)))
         exact = self.backend.exact_step(attn)
+        pending = None
         for layer in self.layers:
-            x = layer(x, ropes, kv, attn, lora, exact)
-        return self.backend.rms_norm(x, self.norm.weight, self.norm.eps)
+            x, pending = layer(x, pending, ropes, kv, attn, lora, exact)
+        if pending is None:  # no layers
+            return self.backend.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.backend.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:

@@ -156,13 +156,14 @@ class TritonBackend(Backend):
         q = tk.rope_kv_write(qkv, rope.cos, rope.sin, paged.positions, k_cache, v_cache, meta.slot_mapping, H, Hkv, D)
         out = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         extra = {"sliding_window": spec.sliding_window, "softcap": spec.softcap}
+        # Each kernel writes its rows of `out` in place (no copy launch).
         if nd:
-            out[:nd] = tk.paged_decode_attention(q[:nd], k_cache, v_cache, paged.decode_block_tables,
-                                                 paged.decode_seq_lens, bs, spec.scale, **extra)
+            tk.paged_decode_attention(q[:nd], k_cache, v_cache, paged.decode_block_tables, paged.decode_seq_lens, bs,
+                                      spec.scale, out=out[:nd], **extra)
         if nd < T:
-            out[nd:] = tk.paged_prefill_attention(q[nd:], k_cache, v_cache, paged.prefill_block_tables,
-                                                  paged.prefill_query_start, paged.prefill_context_lens, bs,
-                                                  spec.scale, paged.prefill_max_query_len, **extra)
+            tk.paged_prefill_attention(q[nd:], k_cache, v_cache, paged.prefill_block_tables,
+                                       paged.prefill_query_start, paged.prefill_context_lens, bs, spec.scale,
+                                       paged.prefill_max_query_len, out=out[nd:], **extra)
         return out.view(T, H * D)
 
     # -- LoRA ---------------------------------------------------------------------------------

@@ -444,11 +444,22 @@ def _check_q(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int, in
     return n, hq, d
 
 
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The attention kernels' output: `out` checked against what they write (shape, dtype,
+    device, unit stride along the head dimension; rows and heads at any stride), or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device or (out.numel() and out.stride(2) != 1):
+        raise ValueError(f"out must be {dtype} {list(shape)} on {device} with a unit stride along its last "
+                         f"dimension, not {out.dtype} {list(out.shape)} on {out.device} strides {out.stride()}")
+    return out
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, *, num_splits: int | None = None,
                            max_seq_len: int | None = None, sliding_window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged cache: each sequence's query attends to its first
     seq_lens[b] cached tokens (the new token's K/V already written), or with a sliding window to
     the last min(seq_lens[b], sliding_window) of them. Semantics: see the module docstring.
@@ -468,6 +479,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             The splits partition only those keys, so num_splits=None sizes them by the window.
         softcap: scores become softcap * tanh(scores / softcap) (HF's
             `attn_logit_softcapping`); None: unchanged.
+        out: where to write the result ([B, Hq, D] in q's dtype on its device, unit stride
+            along D: a caller's rows of a larger output, written in place); None: a new tensor.
     Returns:
         out: [B, Hq, D] in q's dtype.
     """
@@ -476,7 +489,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_tables(block_tables, B, seq_lens, "seq_lens")
     device = common_device(q, k_cache, v_cache, block_tables, seq_lens, what=_KERNELS)
     Hkv = k_cache.shape[1]
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=device)
+    out = _output(out, (B, Hq, D), q.dtype, device)
     if B == 0:
         return out
     cfg = kernel_config(device, "decode", D)
@@ -587,7 +600,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start: torch.Tensor,
                             context_lens: torch.Tensor, block_size: int, scale: float,
                             max_query_len: int, *, sliding_window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of prefill chunks over the paged cache (the chunks' own K/V already
     written by rope_kv_write): query i of sequence s sits at position
     p = context_lens[s] - q_len_s + i and attends keys 0 .. p, or with a sliding window keys
@@ -605,6 +618,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         sliding_window: keys a query sees, itself included (HF's `sliding_window`); None: all.
         softcap: scores become softcap * tanh(scores / softcap) (HF's
             `attn_logit_softcapping`); None: unchanged.
+        out: where to write the result ([Tp, Hq, D], as paged_decode_attention's); None: new.
     Returns:
         out: [Tp, Hq, D] in q's dtype.
     """
@@ -616,7 +630,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"query_start must be int32 [{S + 1}]")
     device = common_device(q, k_cache, v_cache, block_tables, query_start, context_lens, what=_KERNELS)
     variant = _variant_args(sliding_window, softcap, block_tables.shape[1] * block_size)
-    out = torch.empty(Tp, Hq, D, dtype=q.dtype, device=device)
+    out = _output(out, (Tp, Hq, D), q.dtype, device)
     if Tp == 0 or S == 0 or max_query_len <= 0:
         return out
     cfg = kernel_config(device, "prefill", D)
