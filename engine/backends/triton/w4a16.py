@@ -32,11 +32,11 @@ The kernels (`w4a16_matmul`), both split-K where a layer's N blocks alone would 
   as it dequantizes them and keeps the products in registers; the block reduces once, after the
   K loop, and nothing passes through shared memory but x.
 - wider: a tiled product on the tensor cores. Each program streams BLOCK_N x BLOCK_K tiles of
-weights (16-byte loads of 4 words a row, pipelined through shared memory by Triton) and
-multiplies them by all its rows of x with one `tl.dot`, weights as the left operand
-(acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile.T), so a decode step of 2 to 16 rows costs what one
-tile costs: the dequantization, once per weight, is the work, and the tensor cores' products are
-almost free.
+  weights (16-byte loads of 4 words a row, pipelined through shared memory by Triton) and
+  multiplies them by all its rows of x with one `tl.dot`, weights as the left operand
+  (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile.T), so a decode step of 2 to 16 rows costs what one
+  tile costs: the dequantization, once per weight, is the work, and the tensor cores' products
+  are almost free.
 Dequantization (both kernels) has no integer-to-float conversion: nibble p of a word, masked in
 place (for p < 5; the top three after one shift by 20) and OR-ed into the mantissa of 2^23, is
 the float 2^23 + q * 16^p, exactly; subtracting 2^23 leaves q * 16^p, and the group's scale
@@ -56,7 +56,7 @@ the activation checks are shared with the 8-bit kernels (w8a16.py, whose CUDA-co
 up to 16 rows: `launch_plan(gemv_max_m=...)`).
 
 `W4A16Linear` takes a float weight (quantized at load) or a checkpoint's 4-bit QuantizedWeight
-(its codes, scales and mins to the device as they are). A QuantizedWeight with an input
+(its codes, scales and mins to the device as they are, the codes' nibbles reordered there). A QuantizedWeight with an input
 permutation (GPTQ act-order) keeps `perm` on the device and multiplies x[:, perm]: one gather of
 the activations a call (T x K elements, against the N x K / 2 weight bytes the kernel reads).
 
