@@ -51,9 +51,9 @@ _SERVED = ("served are AWQ gemm 4-bit with zero point; GPTQ 4/8-bit (gptq, gptq_
            "compressed-tensors pack-quantized / naive-quantized int 4/8-bit group or channel weights")
 
 
-def _refuse(what: str) -> UnsupportedQuantizationError:
+def _refuse(what: str, where: str = "") -> UnsupportedQuantizationError:
     verb = "are" if what.endswith("weights") else "is"
-    return UnsupportedQuantizationError(f"{what} {verb} not served: {_SERVED}")
+    return UnsupportedQuantizationError(f"{what} {verb} not served{where}: {_SERVED}")
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -387,9 +387,8 @@ def _compressed_scheme(q: dict) -> CompressedScheme:
         gfmt = str(group.get("format") or fmt)
         formats.add(gfmt)
         if gfmt == "float-quantized":
-            raise UnsupportedQuantizationError(
-                "compressed-tensors float-quantized (FP8 e4m3) weights are not served on any device: neither the "
-                f"CPU nor the Triton backend has an FP8 kernel (a GPU's FP8 tensor cores included); {_SERVED}")
+            raise _refuse("compressed-tensors float-quantized (FP8 e4m3) weights",
+                          where=" on any device: neither the CPU nor the Triton backend has an FP8 kernel")
         if gfmt not in ("pack-quantized", "naive-quantized"):
             raise _refuse(f"compressed-tensors format {gfmt!r}")
         if group.get("input_activations") or group.get("output_activations"):

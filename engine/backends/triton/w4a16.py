@@ -328,16 +328,20 @@ def _auto_split(n_programs: int, k_tiles: int) -> int:
 
 
 @triton.jit
-def _nibble_plane(words, P: tl.constexpr):
-    """Nibble P (0..7) of each uint32 word as the fp32 value q * 16**(P if P < 5 else P - 5),
-    exactly, with bit operations and one subtraction (no integer-to-float conversion): the
-    nibble, left in place (or shifted down 20 bits for the top three, whose bits would reach the
-    exponent), is OR-ed into the mantissa of 2^23, and 2^23 is subtracted."""
+def _weight_plane(words, sc, mn, P: tl.constexpr):
+    """fp32 weights of nibble P (0..7) of each uint32 word: q * sc + mn, with no integer-to-float
+    conversion. The nibble, left in place (or shifted down 20 bits for the top three, whose bits
+    would reach the exponent), OR-ed into the mantissa of 2^23, is the float 2^23 + q * 16^p
+    (p = P, or P - 5), exactly; 2^23 is subtracted, and the scale divided by 16^p (exact: a power
+    of two) gives the weight in one FMA."""
     if P < 5:
         v = words & (0xF << (4 * P))
     else:
         v = (words >> 20) & (0xF << (4 * (P - 5)))
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q = (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    if P % 5 == 0:
+        return q * sc + mn
+    return q * (sc * (1.0 / (16 ** (P % 5)))) + mn
 
 
 @triton.jit
@@ -368,15 +372,14 @@ def _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride
                   G: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr):
     """One K tile of weights, [BLOCK_N, NB * 32] in input order and DTYPE (see _load_words)."""
     words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, NB)
-    # Plane P holds q * 16**p (p = P, or P - 5 from P = 5): its scale is divided by 16**p, exact.
-    p0 = (_nibble_plane(words, 0) * sc + mn).to(DTYPE)
-    p1 = (_nibble_plane(words, 1) * (sc * 0.0625) + mn).to(DTYPE)
-    p2 = (_nibble_plane(words, 2) * (sc * 0.00390625) + mn).to(DTYPE)
-    p3 = (_nibble_plane(words, 3) * (sc * 0.000244140625) + mn).to(DTYPE)
-    p4 = (_nibble_plane(words, 4) * (sc * 0.0000152587890625) + mn).to(DTYPE)
-    p5 = (_nibble_plane(words, 5) * sc + mn).to(DTYPE)
-    p6 = (_nibble_plane(words, 6) * (sc * 0.0625) + mn).to(DTYPE)
-    p7 = (_nibble_plane(words, 7) * (sc * 0.00390625) + mn).to(DTYPE)
+    p0 = _weight_plane(words, sc, mn, 0).to(DTYPE)
+    p1 = _weight_plane(words, sc, mn, 1).to(DTYPE)
+    p2 = _weight_plane(words, sc, mn, 2).to(DTYPE)
+    p3 = _weight_plane(words, sc, mn, 3).to(DTYPE)
+    p4 = _weight_plane(words, sc, mn, 4).to(DTYPE)
+    p5 = _weight_plane(words, sc, mn, 5).to(DTYPE)
+    p6 = _weight_plane(words, sc, mn, 6).to(DTYPE)
+    p7 = _weight_plane(words, sc, mn, 7).to(DTYPE)
     # Interleave the planes into input order: join appends a last axis of 2, so the outermost
     # join picks P's lowest bit; flattened, [.., word, 2, 2, 2] reads p0, p1, ..., p7 a word.
     even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
@@ -420,14 +423,14 @@ def _w4_gemv_kernel(
         x2, x6 = tl.split(x26)
         x1, x5 = tl.split(x15)
         x3, x7 = tl.split(x37)
-        acc += x0[None] * (_nibble_plane(words, 0) * sc + mn)
-        acc += x1[None] * (_nibble_plane(words, 1) * (sc * 0.0625) + mn)
-        acc += x2[None] * (_nibble_plane(words, 2) * (sc * 0.00390625) + mn)
-        acc += x3[None] * (_nibble_plane(words, 3) * (sc * 0.000244140625) + mn)
-        acc += x4[None] * (_nibble_plane(words, 4) * (sc * 0.0000152587890625) + mn)
-        acc += x5[None] * (_nibble_plane(words, 5) * sc + mn)
-        acc += x6[None] * (_nibble_plane(words, 6) * (sc * 0.0625) + mn)
-        acc += x7[None] * (_nibble_plane(words, 7) * (sc * 0.00390625) + mn)
+        acc += x0[None] * _weight_plane(words, sc, mn, 0)
+        acc += x1[None] * _weight_plane(words, sc, mn, 1)
+        acc += x2[None] * _weight_plane(words, sc, mn, 2)
+        acc += x3[None] * _weight_plane(words, sc, mn, 3)
+        acc += x4[None] * _weight_plane(words, sc, mn, 4)
+        acc += x5[None] * _weight_plane(words, sc, mn, 5)
+        acc += x6[None] * _weight_plane(words, sc, mn, 6)
+        acc += x7[None] * _weight_plane(words, sc, mn, 7)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + pid_k.to(tl.int64) * stride_ok + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -508,8 +511,9 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
                 min_block_k: int = PACK, inputs_per_product: int = 2,
                 gemv_max_m: int = GEMV_MAX_M) -> LaunchPlan:
     """The launch for an [m, k] x [n, k].T product on `device`: the path (None: GEMV up to
-    `gemv_max_m` rows (the 4-bit GEMV's GEMV_MAX_M; the 8-bit kernels pass their 16), else GEMM),
-    the GEMM's M tile the rows' next power of two from 16 up to the config's, the config (None: pick_config's from `configs`, None: CONFIGS), its GEMV
+    `gemv_max_m` rows, the 4-bit GEMV's GEMV_MAX_M unless the caller passes its own; else GEMM),
+    the config (None: pick_config's from `configs`, None: CONFIGS), the GEMM's M tile the rows'
+    next power of two from 16 up to the config's, the GEMV's
     tile shrunk to the register budget for m rows, and split_k resolved so every K chunk is whole
     tiles and none is empty. `min_block_k` is the kernels' smallest K tile (the 4-bit packing
     block, 32; the 8-bit kernels' 16-input run); `inputs_per_product` how many of a tile's inputs
