@@ -3,11 +3,13 @@ the engine freeing an abandoned request, and usage summing to what the engine pr
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 
 from tessera.app import create_app
+from tessera.engine_client import EngineUnavailable
 from tessera.engine_client.inprocess import InProcessEngineClient
 from tessera.metering import Usage
 
@@ -41,6 +43,23 @@ class CountingEngineClient:
 
     async def close(self):
         await self.inner.close()
+
+
+class DyingEngineClient(CountingEngineClient):
+    """The real in-process client whose engine goes away (as a killed worker's HTTP client
+    reports it) after handing the gateway `deltas` deltas of a request."""
+
+    def __init__(self, inner, deltas: int):
+        super().__init__(inner)
+        self.deltas = deltas
+
+    async def generate(self, request):
+        n = 0
+        async for out in super().generate(request):
+            yield out
+            n += 1
+            if n == self.deltas:
+                raise EngineUnavailable("the engine worker went away")
 
 
 def free_blocks(aengine) -> int:
@@ -162,3 +181,37 @@ def test_admin_usage_totals(platform):
     got = platform.admin.get(f"/admin/v1/tenants/{t.name}/usage").json()
     assert got["by_status"]["completed"] == {"requests": 1, "prompt_tokens": r.usage.prompt_tokens,
                                              "completion_tokens": r.usage.completion_tokens}
+
+
+def test_a_stream_the_engine_fails_is_billed_the_tokens_its_chunks_showed(platform, aengine):
+    # A long stop string holds the text back (it could be the stop string's start), so the first
+    # deltas carry tokens but no text; the engine then goes away. The client saw no token.
+    stop = "a stop string far longer than anything these few tokens can spell out"
+    for deltas in (4, 40):
+        dying = DyingEngineClient(InProcessEngineClient(aengine), deltas=deltas)
+        app = create_app(platform.settings, engine_client=dying)
+        with ServerThread(app) as server:
+            p = Platform(server.url, platform.settings, app)
+            t = p.tenant()
+            body = {"model": BASE, "messages": LONG, "max_tokens": 64, "temperature": 0, "stream": True,
+                    "stop": [stop], "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            shown, error = 0, None
+            with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=body,
+                              headers={"authorization": f"Bearer {t.key}"}, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        data = json.loads(line.removeprefix("data: "))
+                        if "error" in data:
+                            error = data["error"]
+                        elif data["choices"] and data["choices"][0]["delta"].get("content"):
+                            shown = data["usage"]["completion_tokens"]
+            wait_engine_idle(aengine)
+            [event] = wait_events(p, t.name, 1)
+            assert error["code"] == "engine_unavailable" and event.status == "error"
+            assert dying.completion_tokens == deltas  # the gateway got them all
+            assert event.completion_tokens == shown
+            if deltas == 4:
+                assert shown == 0  # every token's text was still held back
+            else:
+                assert 0 < shown <= deltas

@@ -436,14 +436,20 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
     arguments, each its own chunk); the last deltas, the usage chunk (with include_usage) in the
     last group. The usage event is durable before the last group is yielded; a mid-stream engine
     failure ends with the error body. Closed early (the client went away), the engine requests
-    are aborted and the completion tokens already yielded are billed (status "aborted")."""
+    are aborted and the completion tokens its chunks showed are billed (status "aborted"), as on
+    a failure."""
     job = gen.job
     turns = _Turns(gen.choices)
     replies = [_Reply(job, c) for c in gen.choices]
     completion, done, failed, finish_reason = 0, False, None, None
     prompt = len(job.prompt_ids)
+    # Per choice: the tokens forwarded, and how many of them a chunk has shown (a token whose text
+    # is held back, an incomplete character or a tool call's prefix, shows with a later one).
+    # A stream that ends early bills the shown tokens: what its client received.
+    counted, shown = [0] * len(gen.choices), [0] * len(gen.choices)
 
     def chunk(index: int, delta: dict | None, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        shown[index] = counted[index]
         usage = _usage_dict(prompt, completion, gen.cached_tokens) if job.continuous_usage else None
         return _chunk(job, index, delta, finish, logprobs, usage=usage)
 
@@ -455,7 +461,8 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
             c, out = item
             if out is not c.first:
                 gen.seen(c, out)
-            completion += len(out.token_ids)  # counted as forwarded: the chunk is written next
+            completion += len(out.token_ids)
+            counted[c.index] += len(out.token_ids)
             if out.finish_reason == "error":
                 failed = out
                 break
@@ -479,7 +486,7 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
         done = True
         if failed is not None:
             await gen.close()  # the other choices
-            await gen.finish(status=failure_status(failed), finish_reason="error", completion_tokens=completion)
+            await gen.finish(status=failure_status(failed), finish_reason="error", completion_tokens=sum(shown))
             pending.append(gen.failed(failed).body())
             pending.last = pending.failed = True
             yield pending
@@ -495,7 +502,7 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
         if not done:
             done = True
             await gen.close()
-            await gen.finish(status="error", finish_reason=None, completion_tokens=completion)
+            await gen.finish(status="error", finish_reason=None, completion_tokens=sum(shown))
             error = _Group([unavailable(job.request_id, "the engine failed mid-request", e,
                                         code="engine_unavailable").body()])
             error.last = error.failed = True
@@ -503,7 +510,7 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
     finally:
         await gen.close()  # aborts the engine requests still running (shielded)
         if not done:
-            await gen.finish(status="aborted", finish_reason="abort", completion_tokens=completion)
+            await gen.finish(status="aborted", finish_reason="abort", completion_tokens=sum(shown))
 
 
 def _usage_dict(prompt: int, completion: int, cached: int) -> dict:
