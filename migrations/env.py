@@ -1,7 +1,7 @@
 """Alembic environment: one history for all Tessera tables, Postgres or SQLite.
 
 The URL comes from the registry settings (TESSERA_DATABASE_URL), or from a RegistrySettings
-passed programmatically as config.attributes["settings"] (adapter_registry.db_migrate does).
+passed programmatically as config.attributes["settings"] (adapter_registry.migrate does).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from alembic import context
 from adapter_registry.db import Base, make_engine
 from adapter_registry.settings import get_settings
 
-# Modules defining tables on Base.metadata; the platform appends its own (e.g. "tessera.models").
+# Every module defining tables on Base.metadata: the registry's, the platform's, billing's, the SLOs'.
 MODEL_MODULES = ["adapter_registry.models", "tessera.models", "tessera.billing.models", "tessera.observability.models"]
 for _module in MODEL_MODULES:
     importlib.import_module(_module)
