@@ -178,7 +178,14 @@ def _settings(request: Request) -> PlatformSettings:
     return request.app.state.gateway.settings
 
 
-@router.get("/session")
+class AdminSession(BaseModel):
+    """GET /admin/session: the signed-in session and the CSRF token its writes send."""
+
+    signed_in: bool
+    csrf: str
+
+
+@router.get("/session", response_model=AdminSession)
 async def get_session(request: Request):
     session = read_session(request, _settings(request))
     if session is None:

@@ -20,6 +20,7 @@ from adapter_registry.services import recover_stuck_versions_at_start
 from tessera import admin_pages, auth
 from tessera.api import (admin, admin_adapters, admin_billing, admin_slo, admin_tenants, body_text, openai, probes,
                          responses, usage)
+from tessera.api.response_models import ERROR_RESPONSES
 from tessera.billing.embedded import billing_loop
 from tessera.engine_client import EngineClient
 from tessera.epoch import make_epoch
@@ -176,7 +177,8 @@ def create_app(settings: PlatformSettings | None = None, *, engine_client: Engin
     otel = settings.otel_tracing
     app = FastAPI(title="Tessera", version="0.1.0", lifespan=_lifespan(settings, engine_client, quota),
                   telemetry={"tracing": otel, "metrics": otel, "logs": otel, "operation_spans": otel},
-                  dependencies=[Depends(body_text.valid_unicode_body)])  # one check of every JSON body's text
+                  dependencies=[Depends(body_text.valid_unicode_body)],  # one check of every JSON body's text
+                  responses=ERROR_RESPONSES)  # every route's 4xx/5xx: OpenAI's error shape
     app.state.settings = settings
     install_handlers(app)
     for api in (openai, admin, admin_tenants, admin_adapters, admin_slo, admin_billing, usage):

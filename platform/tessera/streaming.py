@@ -59,10 +59,15 @@ async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]
     return result[0]
 
 
+_END = object()
+
+
 class DisconnectAwareStream(Response):
     """Send each bytes chunk of `body` as soon as it is produced (no buffering). A `Final` chunk
     ends the body; the iterator is still run to its end (its cleanup), but nothing after a Final
-    chunk is sent."""
+    chunk is sent. The body is started (its first chunk asked for) before anything is sent: a
+    generator closed before it started would never run its cleanup, so a client gone before the
+    headers went out would leave the engine request running and the usage unrecorded."""
 
     def __init__(self, body: AsyncIterator[bytes], *, media_type: str, headers: dict[str, str] | None = None,
                  status_code: int = 200):
@@ -83,12 +88,14 @@ class DisconnectAwareStream(Response):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_disconnect, tg.cancel_scope)
+                chunk = await anext(self.body_iterator, _END)
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 ended = False
-                async for chunk in self.body_iterator:
+                while chunk is not _END:
                     if not ended:
                         ended = isinstance(chunk, Final)
                         await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                    chunk = await anext(self.body_iterator, _END)
                 if not ended:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()

@@ -1,5 +1,7 @@
 """Schemathesis over the platform's own OpenAPI schema: every tenant and admin operation, with
-generated (valid and invalid) parameters and bodies, must answer without a 5xx and without a hang.
+generated (valid and invalid) parameters and bodies, must answer without a 5xx and without a hang,
+and with a body the document declares for its status code and content type (the response models
+of api/response_models.py for 2xx, OpenAI's error shape for 4xx): the document is the contract.
 The bodies' strings are often Unicode-heavy text (`flatmap_body`): lone surrogates (sent as
 \\uXXXX escapes, valid JSON), combining marks, joiners, bidi controls, astral characters, NUL.
 
@@ -18,6 +20,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from schemathesis.checks import content_type_conformance, response_schema_conformance
 
 from adapter_registry.migrate import upgrade
 from tessera.app import create_app
@@ -121,7 +124,7 @@ def flatmap_body(context, body):
 @schema.parametrize()
 @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None,
           suppress_health_check=list(HealthCheck))
-def test_no_operation_answers_5xx_or_hangs(case, fuzzed):
+def test_every_operation_answers_its_declared_schema_without_5xx_or_hang(case, fuzzed):
     url, key, _ = fuzzed
     path = case.path
     if path.startswith("/admin/session"):
@@ -134,6 +137,9 @@ def test_no_operation_answers_5xx_or_hangs(case, fuzzed):
     assert response.status_code < 500, (
         f"{case.method} {case.formatted_path} answered {response.status_code}: {response.text[:500]}\n"
         f"reproduce: {case.as_curl_command(headers=headers)}")
+    # The body (JSON, or SSE for a stream) is what the document declares for this status.
+    case.validate_response(response, checks=[response_schema_conformance, content_type_conformance],
+                           headers=headers)
 
 
 def test_the_gateway_still_serves_after_the_fuzzing(fuzzed, aengine):

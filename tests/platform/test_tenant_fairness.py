@@ -29,9 +29,14 @@ KV_BLOCKS = 48  # 768 tokens, the context: a heavy request (below) needs all of 
 STEP_TOKENS = 128
 HEAVY_MAX_TOKENS = 40  # a heavy request holds the cache for this many decode steps
 LIGHT_MAX_TOKENS = 16
-# The light tenant's p99 under load is at most this many times its idle latency, or FLOOR_S
-# seconds, whichever is larger (the floor keeps the bound robust on a loaded 2-core machine:
-# the light request shares every step with a heavy prefill chunk).
+# The bound: the light tenant's p99 under load (the largest of 8) is at most
+# max(LATENCY_FACTOR x its idle latency, FLOOR_S). Each of the light request's steps also carries
+# a heavy prefill chunk (up to STEP_TOKENS - 1 tokens), so its steps are longer than alone; the
+# floor is for fast machines, where a few such steps are a large multiple of a short idle
+# latency. Measured on a shared 2-core machine (fp32, load 3.5-6, three runs): idle 1.31,
+# 1.32, 2.15 s; under load at most 2.44 s (1.86x), 3.70 s (2.79x, other tests loading the same
+# cores; bound 3.97 s) and 3.39 s (1.58x). A tighter bound (e.g. 2x idle + a small constant)
+# would not hold there with a margin, so this one stays.
 LATENCY_FACTOR = 3.0
 FLOOR_S = 3.0
 

@@ -8,13 +8,19 @@ runs (ExportTraceServiceRequest protobufs decoded with opentelemetry-proto). Wha
   id and token counts as attributes; the response's `traceparent` names the gateway's span;
   neither the prompt, the output nor the API key is in anything exported;
 - a caller's `traceparent` is continued on a stream (same trace, the gateway's span its child);
-- a refusal (an unknown model) marks the failing step's span, not the 4xx server span."""
+- a refusal (an unknown model) marks the failing step's span, not the 4xx server span;
+- off by default: the embedded form (the engine in the gateway's process) with the exporter's
+  endpoint set but the default settings returns no `traceparent` and exports nothing;
+- the standard sampler variables are honoured: with OTEL_TRACES_SAMPLER=traceidratio at 0, a
+  gateway returns an unsampled `traceparent` (a caller's trace id kept) and nothing of those
+  traces is exported, by it or by the worker that follows its flag."""
 from __future__ import annotations
 
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple
 
 import httpx
 import openai
@@ -24,6 +30,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from tessera import services
+from tessera.app import create_app
+from tessera.engine_client.inprocess import InProcessEngineClient
+from tessera.observability import tracing
 from tessera.settings import PlatformSettings
 
 from adapter_registry import services as registry
@@ -33,10 +42,12 @@ from adapter_registry.migrate import upgrade
 from ..adapter_registry.registry_helpers import write_adapter
 from ..engine.lora_fixtures import SMOLLM2
 from .chaos_helpers import TESSERA, Service, free_port
+from .conftest import Platform, ServerThread
 
 SECRET = "tracing-engine-secret-" + "s" * 16
 BASE = "SmolLM2-135M-Instruct"
 CANARY = "zebra-canary-4417"  # in every prompt; must never be exported
+UNSAMPLED = "tessera-gateway-unsampled"  # the service name of the gateway that samples nothing
 
 
 class Receiver:
@@ -117,11 +128,20 @@ def one(spans, name: str) -> dict:
     return s
 
 
+class Traced(NamedTuple):
+    url: str  # the gateway's
+    key: str
+    tenant: str
+    sha: str  # the adapter version's
+    receiver: Receiver
+    unsampled_url: str  # the gateway sampled by OTEL_TRACES_SAMPLER=traceidratio, ARG=0
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """A receiver, an engine worker and a gateway exporting to it; a tenant with an adapter "bot"
-    (a ready version the worker has not loaded yet). Yields (gateway URL, key, tenant, version
-    sha256, receiver)."""
+    """A receiver, an engine worker and a gateway exporting to it, a second gateway that samples
+    nothing (below); a tenant with an adapter "bot" (a ready version the worker has not loaded
+    yet)."""
     root = tmp_path_factory.mktemp("tracing")
     receiver = Receiver()
     db = f"sqlite:///{root / 'tessera.db'}"
@@ -142,29 +162,39 @@ def traced(tmp_path_factory):
     ctx.engine.dispose()
     shared = {"database_url": db, "object_store_root": root / "objects", "tracing": "true"}
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    wport, gport = free_port(), free_port()
+    wport, gport, uport = free_port(), free_port(), free_port()
+    worker_url = f"http://127.0.0.1:{wport}"
     worker = Service("worker", [TESSERA, "engine-worker", "--port", str(wport), "--secret", SECRET], cwd=root,
                      settings=shared | {"engine_threads": 1, "engine_kv_cache_mib": 64,
                                         "adapter_cache_dir": root / "wcache"})
     gateway = Service("gateway", [TESSERA, "serve"], cwd=root, settings=shared | {
-        "port": gport, "engine_mode": "http", "engine_urls": json.dumps([f"http://127.0.0.1:{wport}"]),
+        "port": gport, "engine_mode": "http", "engine_urls": json.dumps([worker_url]),
         "engine_secret": SECRET, "adapter_cache_dir": root / "gcache", "usage_outbox_dir": root / "outbox"})
-    for svc in (worker, gateway):
+    # A second gateway over the same worker whose sampler the standard variables set to sample
+    # nothing: traceidratio at 0, which (not parent-based) a caller's sampled flag does not override.
+    unsampled = Service(UNSAMPLED, [TESSERA, "serve"], cwd=root, settings=shared | {
+        "port": uport, "engine_mode": "http", "engine_urls": json.dumps([worker_url]),
+        "engine_secret": SECRET, "adapter_cache_dir": root / "ucache", "usage_outbox_dir": root / "uoutbox"})
+    for svc in (worker, gateway, unsampled):
         svc.env = {k: v for k, v in svc.env.items() if not k.startswith("OTEL_")} | otel
+    unsampled.env |= {"OTEL_SERVICE_NAME": UNSAMPLED, "OTEL_TRACES_SAMPLER": "traceidratio",
+                      "OTEL_TRACES_SAMPLER_ARG": "0"}
+    processes = (worker, gateway, unsampled)
     try:
-        worker.start()
-        gateway.start()
-        worker.wait_until_answers(f"http://127.0.0.1:{wport}/ready")
+        for svc in processes:  # all load at once
+            svc.start()
+        worker.wait_until_answers(f"{worker_url}/ready")
         gateway.wait_until_answers(f"http://127.0.0.1:{gport}/ready")
-        yield f"http://127.0.0.1:{gport}", key, tenant.name, sha, receiver
+        unsampled.wait_until_answers(f"http://127.0.0.1:{uport}/ready")
+        yield Traced(f"http://127.0.0.1:{gport}", key, tenant.name, sha, receiver, f"http://127.0.0.1:{uport}")
     finally:
-        gateway.stop()
-        worker.stop()
+        for svc in processes:
+            svc.stop()
         receiver.server.shutdown()
 
 
 def test_one_request_is_one_trace_from_the_gateway_through_the_worker(traced):
-    url, key, tenant, sha, receiver = traced
+    url, key, tenant, sha, receiver, *_ = traced
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
         model="bot", messages=[{"role": "user", "content": f"Say {CANARY} twice."}], max_tokens=4, temperature=0)
@@ -231,7 +261,7 @@ def test_one_request_is_one_trace_from_the_gateway_through_the_worker(traced):
 
 
 def test_a_callers_traceparent_is_continued_and_returned_on_a_stream(traced):
-    url, key, _, _, receiver = traced
+    url, key, _, _, receiver, *_ = traced
     caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     body = {"model": BASE, "messages": [{"role": "user", "content": f"Hi {CANARY}"}], "max_tokens": 3,
             "temperature": 0, "stream": True}
@@ -252,7 +282,7 @@ def test_a_callers_traceparent_is_continued_and_returned_on_a_stream(traced):
 
 
 def test_a_refusal_marks_the_step_that_refused(traced):
-    url, key, _, _, receiver = traced
+    url, key, _, _, receiver, *_ = traced
     r = httpx.post(f"{url}/v1/chat/completions", timeout=30, headers={"authorization": f"Bearer {key}"},
                    json={"model": "no-such-adapter", "messages": [{"role": "user", "content": CANARY}]})
     assert r.status_code == 404
@@ -264,3 +294,62 @@ def test_a_refusal_marks_the_step_that_refused(traced):
     assert resolve["status"] == 2 and resolve["attrs"]["error.type"] == r.json()["error"]["code"]
     assert resolve["parent"] == span_id
     assert "engine.generate" not in names(spans)
+
+
+CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CALLER = f"00-{CALLER_TRACE}-00f067aa0ba902b7-01"  # a caller that sampled its trace
+
+
+def _chat(url: str, key: str, traceparent: str | None, stream: bool = False) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} | ({"traceparent": traceparent} if traceparent else {})
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, headers=headers, json={
+        "model": BASE, "messages": [{"role": "user", "content": f"Hi {CANARY}"}], "max_tokens": 2, "temperature": 0,
+        "stream": stream})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_tracing_is_off_by_default_in_the_embedded_form(platform_settings, aengine, monkeypatch):
+    """The embedded form (the engine in the gateway's process) with the default settings, the
+    exporter's endpoint pointing at a receiver: no `traceparent` returned, whatever the caller
+    sent, and nothing exported."""
+    receiver = Receiver()
+    monkeypatch.delenv("TESSERA_TRACING", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    assert PlatformSettings.model_fields["tracing"].default is False and not platform_settings.tracing
+    app = create_app(platform_settings, engine_client=InProcessEngineClient(aengine))
+    try:
+        with ServerThread(app) as server:
+            p = Platform(server.url, platform_settings, app)
+            key = p.tenant().key
+            for traceparent in (None, CALLER):
+                for stream in (False, True):
+                    assert "traceparent" not in _chat(p.url, key, traceparent, stream).headers
+            assert not tracing.enabled()
+            tracing.flush()  # (a no-op unless something set tracing up)
+            time.sleep(0.3)
+            assert receiver.payloads == []
+    finally:
+        receiver.server.shutdown()
+
+
+def test_the_standard_sampler_variables_are_honoured(traced):
+    """The gateway sampled by OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0: its
+    `traceparent` says "not sampled" (a caller's trace id continued, its sampled flag overridden),
+    and nothing of those traces is exported, by it or by the worker, which follows the flag."""
+    receiver, url = traced.receiver, traced.unsampled_url
+    version, trace_id, _, flags = _chat(url, traced.key, None).headers["traceparent"].split("-")
+    assert (version, flags) == ("00", "00")
+    _, caller_trace, _, flags = _chat(url, traced.key, CALLER, stream=True).headers["traceparent"].split("-")
+    assert (caller_trace, flags) == (CALLER_TRACE, "00")
+    # Then a sampled request through the other gateway: once its trace (the worker's spans too)
+    # has arrived, the worker's spans of the requests above would have as well; the unsampled
+    # gateway's exporter sends within its 50 ms schedule.
+    r = _chat(traced.url, traced.key, None)
+    receiver.trace(r.headers["traceparent"].split("-")[1], lambda s: TREE <= names(s))
+    time.sleep(0.3)
+    with receiver.lock:
+        leaked = [(s["service"], s["name"]) for s in receiver.spans
+                  if s["service"] == UNSAMPLED or s["trace"] in (trace_id, CALLER_TRACE)]
+    assert leaked == []

@@ -6,6 +6,8 @@
   DELETE /admin/v1/tenants/{tenant}/keys/{key_id}    revoke a key (effective on the next request)
   PATCH  /admin/v1/tenants/{tenant}/quotas           change the plan / override limits (null clears)
   GET    /admin/v1/tenants/{tenant}/usage            usage totals by status
+
+Every answer's shape is declared in api/response_models.py (the OpenAPI document shows it).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from sqlalchemy import func, select
 
 from engine.scheduler import MAX_TENANT_WEIGHT
 from tessera import services
+from tessera.api import response_models as out
+from tessera.api.admin_views import plan_dict, policy_dict
 from tessera.api.bounds import Int32, Int64, RowId
 from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
@@ -54,36 +58,27 @@ class QuotasIn(Limits):
     plan: str | None = None
 
 
-def _policy_dict(p: services.Policy) -> dict:
-    return {"plan": p.plan, **p.limits.__dict__, "allowed_priorities": list(p.allowed_priorities),
-            "default_priority": p.default_priority}
-
-
-@router.put("/plans/{name}")
+@router.put("/plans/{name}", response_model=out.Plan)
 async def put_plan(name: str, body: PlanIn, _: AdminDep, gw: GatewayDep):
     fields = body.model_dump(exclude_unset=True)
 
     def run(session):
-        plan = services.upsert_plan(session=session, name=name, **fields)
-        return {"name": plan.name, **{f: getattr(plan, f) for f in services.LIMIT_FIELDS},
-                "allowed_priorities": plan.allowed_priorities, "default_priority": plan.default_priority,
-                "monthly_included_tokens": plan.monthly_included_tokens,
-                "scheduling_weight": plan.scheduling_weight}
+        return plan_dict(services.upsert_plan(session=session, name=name, **fields))
 
     return await run_db(gw, run)
 
 
-@router.post("/tenants", status_code=201)
+@router.post("/tenants", status_code=201, response_model=out.TenantCreated)
 async def create_tenant(body: TenantIn, _: AdminDep, gw: GatewayDep):
     def run(session):
         t = services.create_tenant(session=session, name=body.name, plan=body.plan or gw.settings.default_plan)
         return {"id": t.id, "name": t.name,
-                "policy": _policy_dict(services.policy_for(session=session, tenant_id=t.id))}
+                "policy": policy_dict(services.policy_for(session=session, tenant_id=t.id))}
 
     return await run_db(gw, run)
 
 
-@router.post("/tenants/{tenant}/keys", status_code=201)
+@router.post("/tenants/{tenant}/keys", status_code=201, response_model=out.ApiKeyIssued)
 async def issue_key(_: AdminDep, tenant: PathTenant, body: KeyIn, gw: GatewayDep):
     def run(session):
         t = attach(session, tenant)
@@ -93,7 +88,7 @@ async def issue_key(_: AdminDep, tenant: PathTenant, body: KeyIn, gw: GatewayDep
     return await run_db(gw, run)
 
 
-@router.delete("/tenants/{tenant}/keys/{key_id}")
+@router.delete("/tenants/{tenant}/keys/{key_id}", response_model=out.ApiKeyRevoked)
 async def revoke_key(_: AdminDep, tenant: PathTenant, key_id: RowId, gw: GatewayDep):
     def run(session):
         row = services.revoke_key(session=session, tenant=attach(session, tenant), key_id=key_id)
@@ -102,19 +97,19 @@ async def revoke_key(_: AdminDep, tenant: PathTenant, key_id: RowId, gw: Gateway
     return await run_db(gw, run)
 
 
-@router.patch("/tenants/{tenant}/quotas")
+@router.patch("/tenants/{tenant}/quotas", response_model=out.Policy)
 async def set_quotas(_: AdminDep, tenant: PathTenant, body: QuotasIn, gw: GatewayDep):
     values = body.model_dump(exclude_unset=True)
     plan = values.pop("plan", None)
 
     def run(session):
-        return _policy_dict(services.set_policy(session=session, tenant=attach(session, tenant), plan=plan,
-                                                values=values))
+        return policy_dict(services.set_policy(session=session, tenant=attach(session, tenant), plan=plan,
+                                               values=values))
 
     return await run_db(gw, run)
 
 
-@router.get("/tenants/{tenant}/usage")
+@router.get("/tenants/{tenant}/usage", response_model=out.TenantUsageTotals)
 async def usage(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         rows = session.execute(

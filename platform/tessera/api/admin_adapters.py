@@ -39,6 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapter_registry import services as registry
 from adapter_registry.errors import AdapterDoesNotFitBase, BaseModelRefused
+from tessera.api import response_models as out
+from tessera.api.admin_views import iso
 from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.errors import ApiError
@@ -56,21 +58,17 @@ class CurrentIn(BaseModel):
     version: int = Field(ge=1)
 
 
-def _iso(dt) -> str | None:
-    return dt.isoformat() if dt is not None else None
-
-
 def version_dict(v, current_id: int | None) -> dict:
     return {"version": v.version, "ref": v.ref, "status": v.status, "rejection_reason": v.rejection_reason,
             "current": v.id == current_id, "sha256": v.sha256, "size_bytes": v.size_bytes,
             "base_model": v.base_model, "rank": v.rank, "alpha": v.alpha, "target_modules": v.target_modules,
-            "dtype": v.dtype, "created_at": _iso(v.created_at), "validated_at": _iso(v.validated_at)}
+            "dtype": v.dtype, "created_at": iso(v.created_at), "validated_at": iso(v.validated_at)}
 
 
 def _adapter_dict(session, tenant, adapter) -> dict:
     versions = registry.list_versions(session=session, tenant=tenant, name=adapter.name)
     current = next((v.version for v in versions if v.id == adapter.current_version_id), None)
-    return {"name": adapter.name, "current_version": current, "created_at": _iso(adapter.created_at),
+    return {"name": adapter.name, "current_version": current, "created_at": iso(adapter.created_at),
             "versions": [version_dict(v, adapter.current_version_id) for v in reversed(versions)]}
 
 
@@ -84,7 +82,7 @@ def served_base_models(gw) -> dict:
                                            "modules": list(m.module_names)} for m in described]}
 
 
-@router.get("/tenants/{tenant}/adapters")
+@router.get("/tenants/{tenant}/adapters", response_model=out.AdapterList)
 async def list_adapters(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         t = attach(session, tenant)
@@ -94,7 +92,7 @@ async def list_adapters(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     return await run_db(gw, run, changes=False)
 
 
-@router.get("/tenants/{tenant}/adapters/{name}")
+@router.get("/tenants/{tenant}/adapters/{name}", response_model=out.Adapter)
 async def get_adapter(_: AdminDep, tenant: PathTenant, name: str, gw: GatewayDep):
     def run(session):
         t = attach(session, tenant)
@@ -122,7 +120,7 @@ def _save_upload(files: list[UploadFile], work: Path) -> Path:
     return folder
 
 
-@router.post("/tenants/{tenant}/adapters/{name}/versions", status_code=201)
+@router.post("/tenants/{tenant}/adapters/{name}/versions", status_code=201, response_model=out.AdapterVersion)
 async def upload_version(_: AdminDep, tenant: PathTenant, name: str, gw: GatewayDep,
                          files: list[UploadFile] = File(default_factory=list),
                          base_model: str | None = Form(None)):
@@ -142,12 +140,12 @@ async def upload_version(_: AdminDep, tenant: PathTenant, name: str, gw: Gateway
         return await run_db(gw, run, changes=False)
 
 
-@router.put("/tenants/{tenant}/adapters/{name}/current")
+@router.put("/tenants/{tenant}/adapters/{name}/current", response_model=out.Adapter)
 async def set_current(_: AdminDep, tenant: PathTenant, name: str, body: CurrentIn, gw: GatewayDep):
     return await _change_version(gw, tenant, name, body.version, registry.set_current_version)
 
 
-@router.delete("/tenants/{tenant}/adapters/{name}")
+@router.delete("/tenants/{tenant}/adapters/{name}", response_model=out.AdapterDeleted)
 async def delete_adapter(_: AdminDep, tenant: PathTenant, name: str, gw: GatewayDep):
     if "@" in name:
         raise ApiError(400, "to delete one version use DELETE .../adapters/{name}/versions/{N}")
@@ -159,7 +157,7 @@ async def delete_adapter(_: AdminDep, tenant: PathTenant, name: str, gw: Gateway
     return await run_db(gw, run)
 
 
-@router.delete("/tenants/{tenant}/adapters/{name}/versions/{version}")
+@router.delete("/tenants/{tenant}/adapters/{name}/versions/{version}", response_model=out.Adapter)
 async def delete_version(_: AdminDep, tenant: PathTenant, name: str, version: int, gw: GatewayDep):
     return await _change_version(gw, tenant, name, version, registry.delete_adapter)
 

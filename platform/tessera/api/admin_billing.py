@@ -37,6 +37,7 @@ from adapter_registry.context import RegistryContext
 from adapter_registry.errors import NotFound
 from adapter_registry.models import Tenant
 from engine.sampling_params import PRIORITY_NAMES
+from tessera.api import response_models as out
 from tessera.api.bounds import MAX_PRICE_MICROS, RowId
 from tessera.api.deps import PathTenant, run_db
 from tessera.auth import AdminDep, GatewayDep
@@ -120,7 +121,7 @@ def _export(e: Export, tenant: str) -> dict:
             "download_url": f"/admin/v1/billing/exports/{e.id}/download"}
 
 
-@router.get("/billing/prices")
+@router.get("/billing/prices", response_model=out.PriceBook)
 async def get_prices(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
     def run(session):
         tid = registry.get_tenant(session=session, name=tenant).id if tenant else None
@@ -131,7 +132,7 @@ async def get_prices(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
     return await run_db(gw, run, changes=False)
 
 
-@router.put("/billing/prices")
+@router.put("/billing/prices", response_model=out.Price)
 async def put_price(body: PriceIn, _: AdminDep, gw: GatewayDep):
     def run(session):
         t = registry.get_tenant(session=session, name=body.tenant) if body.tenant else None
@@ -143,12 +144,12 @@ async def put_price(body: PriceIn, _: AdminDep, gw: GatewayDep):
     return await run_db(gw, run, changes=False)
 
 
-@router.post("/billing/rollup")
+@router.post("/billing/rollup", response_model=out.RollupReport)
 async def post_rollup(_: AdminDep, gw: GatewayDep):
     return await run_db(gw, lambda _s: jobs.rollup_job(_ctx(gw)).as_dict(), changes=False)
 
 
-@router.get("/billing/held")
+@router.get("/billing/held", response_model=out.HeldUsageList)
 async def get_held(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
     def run(session):
         tid = registry.get_tenant(session=session, name=tenant).id if tenant else None
@@ -157,23 +158,23 @@ async def get_held(_: AdminDep, gw: GatewayDep, tenant: str | None = None):
     return await run_db(gw, run, changes=False)
 
 
-@router.get("/tenants/{tenant}/billing/periods")
+@router.get("/tenants/{tenant}/billing/periods", response_model=out.BillingPeriodList)
 async def get_periods(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
-        out = []
+        rows = []
         for p in list_periods(session, tenant_id=tenant.id):
             pending = p["pending"]
             if pending is not None:
                 pending = {**pending, "amount_micros": round_picos(pending.pop("amount_picos"))}
-            out.append({"period": p["period"].name, "status": "closed" if p["invoice"] else "open",
-                        "invoice": _invoice(p["invoice"], tenant.name) if p["invoice"] else None,
-                        "pending": pending})
-        return {"tenant": tenant.name, "currency": gw.settings.billing_currency, "data": out}
+            rows.append({"period": p["period"].name, "status": "closed" if p["invoice"] else "open",
+                         "invoice": _invoice(p["invoice"], tenant.name) if p["invoice"] else None,
+                         "pending": pending})
+        return {"tenant": tenant.name, "currency": gw.settings.billing_currency, "data": rows}
 
     return await run_db(gw, run, changes=False)
 
 
-@router.get("/tenants/{tenant}/billing/periods/{period}")
+@router.get("/tenants/{tenant}/billing/periods/{period}", response_model=out.BillingPeriod)
 async def get_period(_: AdminDep, tenant: PathTenant, period: str, gw: GatewayDep):
     p = _period(period)
 
@@ -188,14 +189,15 @@ async def get_period(_: AdminDep, tenant: PathTenant, period: str, gw: GatewayDe
     return await run_db(gw, run, changes=False)
 
 
-@router.post("/tenants/{tenant}/billing/periods/{period}/close")
+@router.post("/tenants/{tenant}/billing/periods/{period}/close", response_model=out.Invoice)
 async def close(_: AdminDep, tenant: PathTenant, period: str, gw: GatewayDep):
     p = _period(period)
     return await run_db(gw, lambda _s: _invoice(jobs.close_period_job(_ctx(gw), tenant_id=tenant.id, period=p),
                                                 tenant.name), changes=False)
 
 
-@router.post("/tenants/{tenant}/billing/periods/{period}/exports")
+@router.post("/tenants/{tenant}/billing/periods/{period}/exports", status_code=201, response_model=out.BillingExport,
+             responses={202: {"model": out.BillingExportQueued, "description": "Queued for a Celery worker"}})
 async def create_export(_: AdminDep, tenant: PathTenant, period: str, body: ExportIn, gw: GatewayDep):
     p, tid = _period(period), tenant.id
     if not gw.settings.celery_eager:
@@ -211,7 +213,7 @@ async def create_export(_: AdminDep, tenant: PathTenant, period: str, body: Expo
     return JSONResponse(_export(e, tenant.name), status_code=201)
 
 
-@router.get("/tenants/{tenant}/billing/exports")
+@router.get("/tenants/{tenant}/billing/exports", response_model=out.BillingExportList)
 async def get_exports(_: AdminDep, tenant: PathTenant, gw: GatewayDep, period: str | None = None):
     p = _period(period) if period else None
 
@@ -222,7 +224,9 @@ async def get_exports(_: AdminDep, tenant: PathTenant, gw: GatewayDep, period: s
     return await run_db(gw, run, changes=False)
 
 
-@router.get("/billing/exports/{export_id}/download")
+@router.get("/billing/exports/{export_id}/download", response_class=FileResponse, responses={200: {
+    "description": "The export's file (x-content-sha256: its sha256)",
+    "content": {media: {"schema": {"type": "string", "format": "binary"}} for media in CONTENT_TYPES.values()}}})
 async def download(export_id: RowId, _: AdminDep, gw: GatewayDep):
     def run(session):
         e = session.get(Export, export_id)

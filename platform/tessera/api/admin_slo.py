@@ -44,6 +44,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from tessera import services
+from tessera.api import response_models as out
 from tessera.api.bounds import Int32
 from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
@@ -93,7 +94,7 @@ async def _documents(gw, targets: list[slo.TenantObjectives]) -> tuple[list[dict
     return docs, error
 
 
-@router.get("/slo")
+@router.get("/slo", response_model=out.SloList, response_model_exclude_unset=True)
 async def all_slos(_: AdminDep, gw: GatewayDep):
     targets = await run_db(gw, lambda s: slo.all_objectives(session=s), changes=False)
     docs, _err = await _documents(gw, targets)
@@ -101,7 +102,7 @@ async def all_slos(_: AdminDep, gw: GatewayDep):
             "tenants": docs}
 
 
-@router.get("/tenants/{tenant}/slo")
+@router.get("/tenants/{tenant}/slo", response_model=out.SloDocument, response_model_exclude_unset=True)
 async def tenant_slo(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         return slo.objectives_for(session=session, tenant=attach(session, tenant))
@@ -110,7 +111,7 @@ async def tenant_slo(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     return docs[0]
 
 
-@router.patch("/tenants/{tenant}/slo")
+@router.patch("/tenants/{tenant}/slo", response_model=out.SloDocument, response_model_exclude_unset=True)
 async def set_tenant_slo(_: AdminDep, tenant: PathTenant, body: ObjectivesIn, gw: GatewayDep):
     values = body.model_dump(exclude_unset=True)
 
@@ -125,7 +126,7 @@ def _plan_doc(plan, objectives: slo.Objectives, own: dict) -> dict:
     return {"plan": plan.name, "objectives": objectives.as_api(), "values": own}
 
 
-@router.get("/plans/{plan}/slo")
+@router.get("/plans/{plan}/slo", response_model=out.PlanSlo)
 async def plan_slo(plan: str, _: AdminDep, gw: GatewayDep):
     def run(session):
         p = services.get_plan(session=session, name=plan)
@@ -134,7 +135,7 @@ async def plan_slo(plan: str, _: AdminDep, gw: GatewayDep):
     return await run_db(gw, run, changes=False)
 
 
-@router.put("/plans/{plan}/slo")
+@router.put("/plans/{plan}/slo", response_model=out.PlanSlo)
 async def set_plan_slo(plan: str, body: ObjectivesIn, _: AdminDep, gw: GatewayDep):
     values = body.model_dump(exclude_unset=True)
 

@@ -22,7 +22,8 @@ from sqlalchemy import func, select
 from adapter_registry.errors import NotFound
 from adapter_registry.models import Adapter
 from tessera import services
-from tessera.api.admin import _policy_dict
+from tessera.api import response_models as out
+from tessera.api.admin_views import iso, plan_dict, policy_dict
 from tessera.api.deps import PathTenant, attach, run_db
 from tessera.auth import AdminDep, GatewayDep
 from tessera.models import PRIORITIES, ApiKey
@@ -35,53 +36,43 @@ class TenantPatch(BaseModel):
     status: Literal["active", "suspended"]
 
 
-def _iso(dt) -> str | None:
-    return dt.isoformat() if dt is not None else None
-
-
-def _plan_dict(plan) -> dict:
-    return {"name": plan.name, **{f: getattr(plan, f) for f in services.LIMIT_FIELDS},
-            "allowed_priorities": list(plan.allowed_priorities), "default_priority": plan.default_priority,
-            "monthly_included_tokens": plan.monthly_included_tokens, "scheduling_weight": plan.scheduling_weight}
-
-
 def _tenant_dict(session, tenant) -> dict:
     active_keys = session.scalar(select(func.count(ApiKey.id)).where(
         ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None)))
     adapters = session.scalar(select(func.count(Adapter.id)).where(
         Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)))
-    return {"id": tenant.id, "name": tenant.name, "status": tenant.status, "created_at": _iso(tenant.created_at),
-            "policy": _policy_dict(services.policy_for(session=session, tenant_id=tenant.id)),
+    return {"id": tenant.id, "name": tenant.name, "status": tenant.status, "created_at": iso(tenant.created_at),
+            "policy": policy_dict(services.policy_for(session=session, tenant_id=tenant.id)),
             "overrides": services.tenant_overrides(session=session, tenant=tenant),
             "active_keys": active_keys, "adapters": adapters}
 
 
-@router.get("/plans")
+@router.get("/plans", response_model=out.PlanList)
 async def list_plans(_: AdminDep, gw: GatewayDep):
     def run(session):
-        return {"data": [_plan_dict(p) for p in services.list_plans(session=session)],
+        return {"data": [plan_dict(p) for p in services.list_plans(session=session)],
                 "priority_classes": list(PRIORITIES), "default_plan": gw.settings.default_plan}
 
     return await run_db(gw, run, changes=False)
 
 
-@router.get("/tenants")
+@router.get("/tenants", response_model=out.TenantList)
 async def list_tenants(_: AdminDep, gw: GatewayDep):
     def run(session):
         # A tenant made by the registry alone (CLI upload) has no plan yet: list it without one.
-        out = []
+        rows = []
         for t in services.list_tenants(session=session):
             try:
-                out.append(_tenant_dict(session, t))
+                rows.append(_tenant_dict(session, t))
             except NotFound:
-                out.append({"id": t.id, "name": t.name, "status": t.status, "created_at": _iso(t.created_at),
-                            "policy": None, "overrides": None, "active_keys": 0, "adapters": 0})
-        return {"data": out}
+                rows.append({"id": t.id, "name": t.name, "status": t.status, "created_at": iso(t.created_at),
+                             "policy": None, "overrides": None, "active_keys": 0, "adapters": 0})
+        return {"data": rows}
 
     return await run_db(gw, run, changes=False)
 
 
-@router.get("/tenants/{tenant}")
+@router.get("/tenants/{tenant}", response_model=out.Tenant)
 async def get_tenant(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         return _tenant_dict(session, tenant)
@@ -89,7 +80,7 @@ async def get_tenant(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     return await run_db(gw, run, changes=False)
 
 
-@router.patch("/tenants/{tenant}")
+@router.patch("/tenants/{tenant}", response_model=out.Tenant)
 async def patch_tenant(_: AdminDep, tenant: PathTenant, body: TenantPatch, gw: GatewayDep):
     def run(session):
         t = attach(session, tenant)
@@ -99,11 +90,11 @@ async def patch_tenant(_: AdminDep, tenant: PathTenant, body: TenantPatch, gw: G
     return await run_db(gw, run)
 
 
-@router.get("/tenants/{tenant}/keys")
+@router.get("/tenants/{tenant}/keys", response_model=out.ApiKeyList)
 async def list_keys(_: AdminDep, tenant: PathTenant, gw: GatewayDep):
     def run(session):
         return {"tenant": tenant.name, "data": [
-            {"id": k.id, "name": k.name, "prefix": k.prefix, "created_at": _iso(k.created_at),
-             "revoked_at": _iso(k.revoked_at)} for k in services.list_keys(session=session, tenant=tenant)]}
+            {"id": k.id, "name": k.name, "prefix": k.prefix, "created_at": iso(k.created_at),
+             "revoked_at": iso(k.revoked_at)} for k in services.list_keys(session=session, tenant=tenant)]}
 
     return await run_db(gw, run, changes=False)

@@ -2,6 +2,21 @@
 one JSON answer; every way it ends records one usage event and settles the quota reservation to
 the tokens really used (`Generation.finish`, exactly once).
 
+One consumer reads a started generation's deltas, `_Fold.steps`, and folds them into the
+request's result (each choice's reply, finish reason and tokens read and shown, the failure);
+the JSON answer (`collect`) and the SSE stream (`chunk_groups`) are two renderers over it.
+Usage is recorded once per request, by one rule, in one of two places:
+- `start`, when the request ends before its answer begins: the engine refused it (no event; the
+  reservation is released), no engine or a choice failed before any token (status "error", the
+  engine's error), or it was cancelled meanwhile (status "aborted");
+- otherwise the consumer, in its `finally` (after aborting the choices still running): every
+  choice finished: status "completed", choice 0's finish_reason, every completion token; an
+  engine failure (a choice's error delta: "error", or "aborted" when the client's input caused it,
+  finish_reason "error"; EngineUnavailable: "error", none); ended any other way (closed early,
+  cancelled: the client went away): "aborted" (finish_reason "abort" for a stream, none for a
+  JSON answer). A stream that ended early bills, per choice, the completion tokens its chunks
+  showed; a JSON answer, never sent, none, but every token generated on a server error ("error").
+
 The first delta is awaited before answering (`start`), so a refusal or a failure before any
 token is a 4xx/503, not a broken stream. A client that disconnects at any moment (while the
 request waits for a seat or is prefilled too: the routes await `start` listening for the
@@ -12,8 +27,8 @@ seats freed), and the usage event (status "aborted") bills what was computed and
   once any choice produced a token; 0 when the engine never scheduled it. Without a report
   (none came in time) the count is what the deltas read show (the whole prompt after a token,
   else 0). Cached tokens: of those, the ones choice 0 found in the prefix cache.
-- completion tokens: those the client was sent (a stream's forwarded tokens; a JSON answer's
-  none).
+- completion tokens: those the client was sent (the tokens a stream's chunks showed; a JSON
+  answer's none).
 
 `n` choices are `n` engine requests with the same prompt (ids: the job's, then the job's + "-i"):
 choice 0 starts first and its first delta is awaited, by when the engine's prefix cache holds the
@@ -361,54 +376,105 @@ class _Reply:
         return _FINISH.get(finish_reason, "stop")
 
 
-async def collect(gen: Generation) -> dict:
-    """The whole completion as one JSON object (chat.completion or text_completion), n choices;
-    the generation is finished (usage event, settled quota) exactly once. Raises the ApiError of
-    an engine failure; a cancellation (the client went away) aborts and bills nothing."""
-    job = gen.job
-    turns = _Turns(gen.choices)
-    replies = [_Reply(job, c) for c in gen.choices]
-    finals: dict[int, RequestOutput] = {}
-    completion = 0
-    try:
-        while (item := await turns.next()) is not None:
-            c, out = item
-            if out is not c.first:
-                gen.seen(c, out)
-            replies[c.index].push(out)
-            completion += len(out.token_ids)
-            if out.finished:
-                finals[c.index] = out
+class _Fold:
+    """A started generation's result, folded from its engine deltas by the one consumer, `steps`:
+    each choice's reply (text, tool calls, logprobs: `_Reply`) and last delta, the completion
+    tokens read and shown per choice, and the failure that ended it. `collect` renders the result
+    as one JSON body; `chunk_groups` renders each step as SSE chunks."""
+
+    def __init__(self, gen: Generation, *, stream: bool):
+        self.gen = gen
+        self.stream = stream  # answered as SSE chunks (else one JSON body, sent at the end)
+        self.replies = [_Reply(gen.job, c) for c in gen.choices]
+        self.finals: dict[int, RequestOutput] = {}  # each finished choice's last delta
+        # Per choice: the completion tokens read, and how many of them a chunk has shown (`show`;
+        # a token whose text is held back, an incomplete character or a tool call's prefix, shows
+        # with a later one).
+        self.counted = [0] * len(gen.choices)
+        self.shown = [0] * len(gen.choices)
+        self.failure: ApiError | None = None  # the answer to an engine failure that ended it
+        self._turns = _Turns(gen.choices)
+
+    @property
+    def completion(self) -> int:
+        """Completion tokens read so far, every choice."""
+        return sum(self.counted)
+
+    @property
+    def running(self) -> int:
+        """Choices not yet finished."""
+        return self._turns.running
+
+    def show(self, index: int) -> None:
+        """A chunk of choice `index` is sent: every token read of it counts as shown."""
+        self.shown[index] = self.counted[index]
+
+    def billed(self, status: str) -> int:
+        """The completion tokens the usage event of an ending with `status` bills (module
+        docstring): all of them when completed; else a stream's shown ones, and a JSON answer's
+        (never sent) none, but all of them on a server error ("error")."""
+        if status == "completed":
+            return self.completion
+        if self.stream:
+            return sum(self.shown)
+        return self.completion if status == "error" else 0
+
+    async def steps(self) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
+        """Read every choice's deltas (`_Turns` order), fold each in and yield (choice, delta);
+        stop at an engine failure (`failure`: a choice's error delta, which is not yielded, or
+        EngineUnavailable). However it ends (every choice finished, a failure, closed early or
+        cancelled: the client went away), the engine requests still running are aborted and the
+        generation is finished exactly once, in the `finally` (module docstring)."""
+        gen = self.gen
+        status, finish_reason = "aborted", "abort" if self.stream else None
+        try:
+            while (item := await self._turns.next()) is not None:
+                c, out = item
+                if out is not c.first:
+                    gen.seen(c, out)
+                self.counted[c.index] += len(out.token_ids)
+                if out.finished:
+                    self.finals[c.index] = out
                 if out.finish_reason == "error":
-                    break
-    except EngineUnavailable as e:
-        await gen.close()
-        await gen.finish(status="error", finish_reason=None, completion_tokens=completion)
-        raise unavailable(job.request_id, "the engine failed mid-request", e, code="engine_unavailable") from None
-    except BaseException:  # cancelled: the client went away before the answer was ready
-        await gen.close()
-        # Billed for what it was sent, as a stream that disconnects is: here nothing.
-        await gen.finish(status="aborted", finish_reason=None, completion_tokens=0)
-        raise
-    failed = next((o for o in finals.values() if o.finish_reason == "error"), None)
-    if failed is not None:
-        await gen.close()  # the other choices
-        status = failure_status(failed)  # the client's error is billed for what was sent: no completion
-        await gen.finish(status=status, finish_reason="error", completion_tokens=completion if status == "error" else 0)
-        raise gen.failed(failed)
-    await gen.finish(status="completed", finish_reason=finals[0].finish_reason, completion_tokens=completion)
+                    self.failure = gen.failed(out)
+                    status, finish_reason = failure_status(out), "error"
+                    return
+                self.replies[c.index].push(out)
+                yield c, out
+            status, finish_reason = "completed", self.finals[0].finish_reason
+        except EngineUnavailable as e:
+            self.failure = unavailable(gen.job.request_id, "the engine failed mid-request", e,
+                                       code="engine_unavailable")
+            status, finish_reason = "error", None
+        finally:
+            await gen.close()  # aborts the choices still running, collects their reports (shielded)
+            await gen.finish(status=status, finish_reason=finish_reason, completion_tokens=self.billed(status))
+
+
+async def collect(gen: Generation) -> dict:
+    """The whole completion as one JSON object (chat.completion or text_completion), n choices:
+    the folded result (`_Fold`) rendered once every choice finished. Raises the ApiError of an
+    engine failure; a cancellation (the client went away) aborts and bills no completion."""
+    job = gen.job
+    fold = _Fold(gen, stream=False)
+    async with aclosing(fold.steps()) as steps:
+        async for _ in steps:
+            pass  # the answer is the folded result
+    if fold.failure is not None:
+        raise fold.failure
     choices = []
-    for c, reply in zip(gen.choices, replies):
+    for c, reply in zip(gen.choices, fold.replies):
         logprobs = reply.take_logprobs() if c.logprobs is not None else None
+        final = fold.finals[c.index]
         if job.kind == "chat":
-            message, finish = reply.message(finals[c.index].finish_reason)
+            message, finish = reply.message(final.finish_reason)
             choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             choices.append({"index": c.index, "text": "".join(reply.texts), "logprobs": logprobs,
-                            "finish_reason": _FINISH.get(finals[c.index].finish_reason, "stop")})
+                            "finish_reason": _FINISH.get(final.finish_reason, "stop")})
     return {"id": job.request_id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
             "created": job.created, "model": job.model, "choices": choices,
-            "usage": _usage_dict(len(job.prompt_ids), completion, gen.cached_tokens)}
+            "usage": _usage_dict(len(job.prompt_ids), fold.completion, gen.cached_tokens)}
 
 
 async def _events(gen: Generation):
@@ -431,43 +497,28 @@ class _Group(list):
 
 
 async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
-    """The stream's chunk objects, in groups written together: the role chunks with the first
-    delta; a group per engine delta that has something to send (text, or a tool call's start or
-    arguments, each its own chunk); the last deltas, the usage chunk (with include_usage) in the
-    last group. The usage event is durable before the last group is yielded; a mid-stream engine
-    failure ends with the error body. Closed early (the client went away), the engine requests
-    are aborted and the completion tokens its chunks showed are billed (status "aborted"), as on
-    a failure."""
+    """The stream's chunk objects, in groups written together, rendered from the folded steps
+    (`_Fold`): the role chunks with the first delta; a group per engine delta that has something
+    to send (text, or a tool call's start or arguments, each its own chunk); the last deltas, the
+    usage chunk (with include_usage) in the last group. The usage event is durable before the last
+    group is yielded; an engine failure ends the stream with the error body. Closed early (the
+    client went away), the engine requests are aborted and the completion tokens its chunks showed
+    are billed (status "aborted"), as on a failure."""
     job = gen.job
-    turns = _Turns(gen.choices)
-    replies = [_Reply(job, c) for c in gen.choices]
-    completion, done, failed, finish_reason = 0, False, None, None
+    fold = _Fold(gen, stream=True)
     prompt = len(job.prompt_ids)
-    # Per choice: the tokens forwarded, and how many of them a chunk has shown (a token whose text
-    # is held back, an incomplete character or a tool call's prefix, shows with a later one).
-    # A stream that ends early bills the shown tokens: what its client received.
-    counted, shown = [0] * len(gen.choices), [0] * len(gen.choices)
 
     def chunk(index: int, delta: dict | None, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        shown[index] = counted[index]
-        usage = _usage_dict(prompt, completion, gen.cached_tokens) if job.continuous_usage else None
+        fold.show(index)
+        usage = _usage_dict(prompt, fold.completion, gen.cached_tokens) if job.continuous_usage else None
         return _chunk(job, index, delta, finish, logprobs, usage=usage)
 
-    try:
-        usage0 = _usage_dict(prompt, 0, gen.cached_tokens) if job.continuous_usage else None
-        pending = _Group(_chunk(job, c.index, None, None, first=True, usage=usage0) for c in gen.choices) \
-            if job.kind == "chat" else _Group()
-        while (item := await turns.next()) is not None:
-            c, out = item
-            if out is not c.first:
-                gen.seen(c, out)
-            completion += len(out.token_ids)
-            counted[c.index] += len(out.token_ids)
-            if out.finish_reason == "error":
-                failed = out
-                break
-            reply = replies[c.index]
-            reply.push(out)
+    usage0 = _usage_dict(prompt, 0, gen.cached_tokens) if job.continuous_usage else None
+    pending = _Group(_chunk(job, c.index, None, None, first=True, usage=usage0) for c in gen.choices) \
+        if job.kind == "chat" else _Group()
+    async with aclosing(fold.steps()) as steps:
+        async for c, out in steps:
+            reply = fold.replies[c.index]
             if job.kind == "chat":
                 for d in reply.deltas(out.text, out.finished):
                     pending.append(chunk(c.index, d, None, reply.take_logprobs()))
@@ -478,39 +529,20 @@ async def chunk_groups(gen: Generation) -> AsyncGenerator[_Group, None]:
                 finish = _FINISH.get(out.finish_reason, "stop") if out.finished else None
                 if out.text or finish or reply.logprobs:
                     pending.append(chunk(c.index, {"text": out.text}, finish, reply.take_logprobs()))
-            if out.finished and c.index == 0:
-                finish_reason = out.finish_reason
-            if pending and (not out.finished or turns.running):  # the last end goes out with the usage
+            if pending and (not out.finished or fold.running):  # the last end goes out with the usage
                 yield pending
                 pending = _Group()
-        done = True
-        if failed is not None:
-            await gen.close()  # the other choices
-            await gen.finish(status=failure_status(failed), finish_reason="error", completion_tokens=sum(shown))
-            pending.append(gen.failed(failed).body())
-            pending.last = pending.failed = True
-            yield pending
-            return
-        await gen.finish(status="completed", finish_reason=finish_reason, completion_tokens=completion)
-        if job.include_usage:
-            pending.append({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
-                            "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-                            "usage": _usage_dict(prompt, completion, gen.cached_tokens)})
-        pending.last = True
-        yield pending
-    except EngineUnavailable as e:
-        if not done:
-            done = True
-            await gen.close()
-            await gen.finish(status="error", finish_reason=None, completion_tokens=sum(shown))
-            error = _Group([unavailable(job.request_id, "the engine failed mid-request", e,
-                                        code="engine_unavailable").body()])
-            error.last = error.failed = True
-            yield error
-    finally:
-        await gen.close()  # aborts the engine requests still running (shielded)
-        if not done:
-            await gen.finish(status="aborted", finish_reason="abort", completion_tokens=sum(shown))
+    # Finished (the usage event recorded): the held chunks and the usage chunk, or the error body.
+    if fold.failure is not None:
+        # Nothing is held at a failure: a choice still running means every chunk went out.
+        pending = _Group([fold.failure.body()])
+        pending.failed = True
+    elif job.include_usage:
+        pending.append({"id": job.request_id, "created": job.created, "model": job.model, "choices": [],
+                        "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+                        "usage": _usage_dict(prompt, fold.completion, gen.cached_tokens)})
+    pending.last = True
+    yield pending
 
 
 def _usage_dict(prompt: int, completion: int, cached: int) -> dict:

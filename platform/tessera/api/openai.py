@@ -26,6 +26,7 @@ from fastapi.responses import Response
 
 from tessera.api import admission, generation
 from tessera.api import completions_request as checks
+from tessera.api import response_models as out
 from tessera.api.completions_request import Body, Job
 from tessera.api.model_resolution import base_model_card, model_card, models_of, resolve_adapter
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -38,13 +39,13 @@ from tessera.streaming import ClientDisconnected, cancel_on_disconnect
 router = APIRouter(prefix="/v1")
 
 
-@router.get("/models")
+@router.get("/models", response_model=out.ModelList, response_model_exclude_unset=True)
 async def list_models(caller: CallerDep, gw: GatewayDep):
     """The base model and the caller's own adapters that have a ready version."""
     return {"object": "list", "data": await models_of(gw=gw, caller=caller)}
 
 
-@router.get("/models/{model:path}")
+@router.get("/models/{model:path}", response_model=out.Model, response_model_exclude_unset=True)
 async def get_model(model: str, caller: CallerDep, gw: GatewayDep):
     """One model the caller may use (base, adapter name or name@version); 404 otherwise."""
     await resolve_adapter(gw=gw, caller=caller, model=model)
@@ -97,13 +98,13 @@ async def serve_completion(*, gw: Gateway, caller: Caller, body: Body, kind: str
     return await generation.respond(gen, http)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", response_model=out.ChatCompletion, responses={200: {"content": out.SSE_CONTENT}})
 async def chat_completions(body: ChatCompletionRequest, caller: CallerDep, gw: GatewayDep, request: Request):
     """OpenAI chat completions, streaming (SSE) or not."""
     return await serve_completion(gw=gw, caller=caller, body=body, kind="chat", http=request)
 
 
-@router.post("/completions")
+@router.post("/completions", response_model=out.Completion, responses={200: {"content": out.SSE_CONTENT}})
 async def completions(body: CompletionRequest, caller: CallerDep, gw: GatewayDep, request: Request):
     """OpenAI (legacy) text completions, streaming (SSE) or not."""
     return await serve_completion(gw=gw, caller=caller, body=body, kind="text", http=request)

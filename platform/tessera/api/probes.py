@@ -14,6 +14,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from tessera.api import response_models as out
 from tessera.observability import exposure
 from tessera.observability.metrics import render as render_metrics
 
@@ -34,7 +35,7 @@ async def engine_readiness(request: Request) -> dict:
             **({"engines": r.engines} if r.engines else {})}
 
 
-@router.get("/health")
+@router.get("/health", response_model=out.Health, response_model_exclude_unset=True)
 async def health(request: Request):
     """Liveness: 200 whenever the process answers; `engine` says the engine's real state."""
     return {"status": "ok", "engine": await engine_readiness(request)}

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from tessera import responses_store
 from tessera.api import generation
 from tessera.api import openai as chat_api
+from tessera.api import response_models as out
 from tessera.api.deps import run_db
 from tessera.api.responses_schema import (
     ResponsesRequest,
@@ -408,7 +409,7 @@ async def _history(gw: Gateway, caller: Caller, response_id: str) -> list[dict]:
         raise ApiError(400, e.message, param="previous_response_id", code=e.code) from None
 
 
-@router.post("/responses")
+@router.post("/responses", response_model=out.Response, responses={200: {"content": out.SSE_CONTENT}})
 async def create_response(body: ResponsesRequest, caller: CallerDep, gw: GatewayDep, request: Request):
     """OpenAI's Responses API (module docstring): a response object, or its SSE events."""
     refuse_unsupported(body)
@@ -456,7 +457,7 @@ def _not_found(response_id: str) -> ApiError:
                     code="response_not_found")
 
 
-@router.get("/responses/{response_id}")
+@router.get("/responses/{response_id}", response_model=out.Response, response_model_exclude_unset=True)
 async def get_response(response_id: str, caller: CallerDep, gw: GatewayDep, stream: bool = False):
     """A stored response of the caller's tenant, as it was answered; 404 for any other id."""
     if stream:
@@ -465,7 +466,7 @@ async def get_response(response_id: str, caller: CallerDep, gw: GatewayDep, stre
     return stored_object(await _stored(gw, caller, response_id))
 
 
-@router.delete("/responses/{response_id}")
+@router.delete("/responses/{response_id}", response_model=out.ResponseDeleted)
 async def delete_response(response_id: str, caller: CallerDep, gw: GatewayDep):
     """Delete a stored response of the caller's tenant; 404 for any other id."""
     removed = await run_db(gw, lambda s: responses_store.remove(

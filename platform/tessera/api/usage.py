@@ -14,6 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from tessera.api import response_models as out
 from tessera.api.deps import PathTenant, run_db
 from tessera.auth import AdminDep, CallerDep, GatewayDep
 from tessera.errors import ApiError
@@ -38,7 +39,7 @@ def _query(session, tenant_id: int, start_time: int | None, end_time: int | None
 GroupBy = Annotated[list[str] | None, Query()]
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", response_model=out.UsagePage, response_model_exclude_unset=True)
 async def tenant_usage(caller: CallerDep, gw: GatewayDep, start_time: int | None = None, end_time: int | None = None,
                        bucket_width: str = "1d", group_by: GroupBy = None, limit: int | None = None,
                        page: str | None = None):
@@ -48,7 +49,7 @@ async def tenant_usage(caller: CallerDep, gw: GatewayDep, start_time: int | None
                      changes=False)
 
 
-@router.get("/admin/v1/tenants/{tenant}/usage/buckets")
+@router.get("/admin/v1/tenants/{tenant}/usage/buckets", response_model=out.UsagePage, response_model_exclude_unset=True)
 async def admin_usage(_: AdminDep, tenant: PathTenant, gw: GatewayDep, start_time: int | None = None,
                       end_time: int | None = None, bucket_width: str = "1d", group_by: GroupBy = None,
                       limit: int | None = None, page: str | None = None):
