@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import httpx
 import pytest
@@ -68,7 +69,7 @@ def map_body(context, body):
     """Completions name the served base model half of the time, so the generated sampling
     parameters, stops, seeds and prompts reach the engine instead of stopping at a 404."""
     path = context.operation.path if context.operation is not None else ""
-    if path.endswith("completions") and isinstance(body, dict) and hash(repr(body)) % 2 == 0:
+    if path.endswith("completions") and isinstance(body, dict) and zlib.crc32(repr(body).encode()) % 2 == 0:
         body["model"] = BASE_MODEL
     return body
 
@@ -122,7 +123,7 @@ def flatmap_body(context, body):
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None,
+@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_every_operation_answers_its_declared_schema_without_5xx_or_hang(case, fuzzed):
     url, key, _ = fuzzed
