@@ -127,8 +127,9 @@ def main() -> None:
             res[f"{all_key}_over_peft{n_req}"] = round(res[f"{all_key}_tok_s"] / res[f"peft{n_req}_tok_s"], 2)
         except Exception as e:  # no transformers/peft/gguf here, or a model they cannot load
             res["peft_skipped"] = f"{type(e).__name__}: {e}"[:300]
-    if getattr(eng, "int8_max_rows", None) is not None:
-        res["int8_max_rows"] = list(eng.int8_max_rows)
+    int8_rows = getattr(eng.backend, "int8_max_rows", None)  # the CPU backend's int8 crossovers
+    if int8_rows is not None:
+        res["int8_max_rows"] = list(int8_rows)
         res["formats"] = eng.format_timings.get("summary", eng.format_timings)
     res.update({"format": args.format, "lora_dtype": str(eng.lora_manager.dtype).removeprefix("torch."),
                 "rank": RANK, "requests": n_req, "new_tokens": new_tokens})

@@ -194,8 +194,9 @@ class EngineConfig:
     #: Torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
     #: Which kernels run the model (engine.backends): "cpu" (the hand-written C kernels of
-    #: engine/backends/cpu, torch where they cannot take a call) or "triton" (punica_kernels'
-    #: Triton SGMV/BGMV for LoRA, torch ops for the rest; on CPU tensors only under
+    #: engine/backends/cpu, torch where they cannot take a call) or "triton" (Triton kernels for
+    #: the 4- and 8-bit linears, norms, RoPE + KV writes, paged attention and punica_kernels'
+    #: SGMV/BGMV LoRA, decode steps in CUDA graphs; on CPU tensors only under
     #: TRITON_INTERPRET=1, which is how it is tested without a GPU).
     backend: str = "cpu"
     #: Where weights, KV cache, LoRA slots and sampling live: "cpu", "cuda" or "cuda:N".

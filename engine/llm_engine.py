@@ -1,19 +1,24 @@
 """The synchronous engine: add requests, step, abort. One step reads:
 
-    sched = scheduler.schedule(); logits, seqs = runner.execute(sched);
-    tokens = sample(logits, seqs); outputs = self._postprocess(seqs, tokens)
+    sched = scheduler.schedule()          # what runs (never modified after)
+    result = executor.execute(sched)      # forward + the backend's sampling -> StepResult
+    outputs = self._update(result)        # advance, commit, fail, append tokens, deltas
+
+The device-dependent part of a step (input form, upload, graphs, host or device sampling) is the
+backend's (engine.backends.base.Backend, engine.step_executor); this module has no device branch.
 
 Failure model of a step: what can be traced to one request or one adapter version fails only
 those requests (finish_reason "error", a message, KV blocks zeroed and freed), and a version at
-fault is quarantined (LoRAManager.mark_failed):
+fault is quarantined (LoRAManager.mark_failed). Faults are found where they happen and reported
+as the StepResult's RowFailures; `_apply_failure` is the one place they fail requests:
 - logits rows that are not finite (one vectorized check per step) fail their sequences;
-- an exception in per-sequence work (sampling, detokenizing, stop checks) fails that sequence;
+- an exception in sampling a row fails that sequence (engine.backends.step_sampling);
+- an exception in per-sequence output work (detokenizing, stop checks) fails that sequence;
 - an exception in the batched forward (or in giving adapters their slots) is traced by running
-  the step's work again in smaller groups, per adapter version, then per sequence: re-running
-  writes the same K/V to the same slots (each token's slot is fixed by its sequence's block
-  table and position, and attention writes a layer's K/V before it reads them), so it is
-  idempotent. Only the groups that still raise fail; if none of them succeeds the fault is not
-  attributable and the exception propagates (AsyncLLMEngine then resets the engine, `reset`).
+  the step's work again in smaller groups, per adapter version, then per sequence
+  (engine.step_executor): only the groups that still raise fail; if none of them succeeds the
+  fault is not attributable and the exception propagates (AsyncLLMEngine then resets the
+  engine, `reset`).
 The happy path pays one try block and one row-sum over the logits.
 
 The async API (engine.async_engine) drives `step()` from a background thread.
@@ -26,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from engine import logprobs as engine_logprobs
 from engine import metrics as engine_metrics
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -35,13 +39,15 @@ from engine.durations import Durations
 from engine.loader import default_model_path, load_checkpoint, read_model_config
 from engine.memory_plan import check_fits
 from engine.backends import create_backend
+from engine.backends.step_sampling import RowFailure, StepResult
 from engine.model.attention import KVCache
 from engine.model.decoder import DecoderModel
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.request_checks import check_logit_bias, check_prompt
-from engine.sampler import SamplingError, sample, sample_tokens
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
-from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, check_tenant_weight
+from engine.scheduler import Scheduler, SchedulerOutput, check_tenant_weight
+from engine.step_executor import StepExecutor
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output import GrammarRejected, StructuredOutput
 from engine.tokenizer import TextTokenizer
@@ -84,8 +90,6 @@ class LLMEngine:
         del weights
         #: What the backend measured or chose at start (CPU: the weight formats' crossovers).
         self.format_timings: dict = self.backend.prepare_model(self.model)
-        #: (layers, lm_head) rows up to which the CPU int8 kernels serve; None unless int8 on CPU.
-        self.int8_max_rows: tuple[int, int] | None = getattr(self.backend, "int8_max_rows", None)
         ec = self.config
         self.max_model_len = min(ec.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
@@ -111,12 +115,9 @@ class LLMEngine:
                                    max_loras=ec.max_loras, adapter_ready=self._adapter_ready,
                                    big_request_fraction=ec.big_request_kv_fraction)
         self.runner = ModelRunner(self.model, self.kv, ec.block_size, self.backend)
-        if self.backend.uses_cuda_graphs():
-            from engine.backends.triton.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(
-                self.runner, max_batch=ec.max_num_seqs, block_width=-(-self.max_model_len // ec.block_size),
-                sink_block=num_blocks, lora_slots=self.lora_manager.slots if self.lora_manager else None)
+        self.runner.graphs = self.backend.decode_graphs(
+            self.runner, max_batch=ec.max_num_seqs, block_width=-(-self.max_model_len // ec.block_size),
+            sink_block=num_blocks, lora_slots=self.lora_manager.slots if self.lora_manager else None)
         # Every end-of-turn id the checkpoint states: config.json / GGUF, the tokenizer's eos and
         # generation_config.json's list (Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>).
         self.eos_token_ids = set(model_cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
@@ -124,10 +125,11 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         #: response_format grammars: the compile cache and the constrained requests' matchers.
         self.structured = StructuredOutput(tokenizer, model_cfg.vocab_size, self.eos_token_ids)
+        #: SchedulerOutput -> StepResult: the forward (fault-traced) and the backend's sampling.
+        self.executor = StepExecutor(self.runner, self.lora_manager, self.backend.step_sampler(), self.structured)
         self.requests: dict[str, Sequence] = {}
-        #: Logprobs entries of the tokens a request has appended but not yet emitted in a delta
-        #: (requests that asked for logprobs only; `_delta` takes them).
-        self._logprobs: dict[str, list[dict]] = {}
+        #: Detokenizing, end conditions, stop strings and deltas (with their logprobs).
+        self.output = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
         #: How long finished requests held a seat (first scheduled to finished, however they
         #: ended): an engine worker publishes the recent mean for routing.
@@ -206,7 +208,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
         self.requests.clear()
-        self._logprobs.clear()
+        self.output.clear()
         self.structured.clear()
         self.scheduler.reset()
         if self.lora_manager is not None:
@@ -217,110 +219,61 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the deltas it produced (finished ones included).
-
-        Raises only for a fault no request or adapter could be blamed for (module docstring)."""
+        """Run one scheduling step: schedule -> execute -> update. Returns the deltas it produced
+        (finished ones included). Raises only for a fault no request or adapter could be blamed
+        for (module docstring)."""
         t0 = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        outputs.extend(self._fail_broken_adapters())
+        outputs = self._fail_broken_adapters()
+        sched = self._schedule()
+        if sched.is_empty:
+            return outputs
+        result = self.executor.execute(sched)
+        return outputs + self._update(result, t0)
+
+    def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         if sched.preempted:
             engine_metrics.PREEMPTIONS.inc(len(sched.preempted))
-        if sched.is_empty:
-            return outputs
-        try:
-            logits, seqs = self._forward(sched)
-        except Exception as e:  # noqa: BLE001 - traced to its requests, or re-raised
-            logits, seqs = self._forward_isolating(sched, e, outputs)
-        for s in sched.scheduled:
+        return sched
+
+    def _update(self, result: StepResult, t0: float) -> list[RequestOutput]:
+        """Apply one step's result: fail the sequences whose forward raised on its own, advance
+        and commit what ran, fail the rows that could not be sampled, append the tokens (deltas,
+        stop checks, finishes), and record the step. The SchedulerOutput is only read."""
+        outputs = [self._apply_failure(f) for f in result.forward_failures]
+        ran = result.ran
+        for s in ran.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.commit(s.seq)  # its full blocks become prefix-cache hits
-        if sched.prefills:  # each request's prefill chunks, for its trace (Sequence.timings)
+        if ran.prefills:  # each request's prefill chunks, for its trace (Sequence.timings)
             end = time.monotonic()
             start = end - (time.perf_counter() - t0)
-            for s in sched.prefills:
+            for s in ran.prefills:
                 s.seq.prefill_chunks.append((start, end, s.num_tokens))
-        if seqs and self.device.type != "cpu":
-            # Logprobs from the raw logits, before the sampling path scales or masks them.
-            tokens = self._sample_on_device(logits, seqs, outputs, engine_logprobs.compute(logits, seqs))
-            outputs.extend(self._postprocess(seqs, tokens))
-        elif seqs:
-            # A row's sum is finite exactly when every logit is (NaN and inf propagate; finite
-            # logits never come near fp32's range), and one sum per row is far cheaper than an
-            # elementwise isfinite over the whole vocabulary. Flagged rows are checked exactly.
-            if not bool(torch.isfinite(logits.sum(dim=1)).all()):
-                logits, seqs = self._fail_non_finite(logits, seqs, outputs)
-            lp = engine_logprobs.compute(logits, seqs)  # raw logits, before sampling (as above)
-            tokens = self._sample(logits, seqs, outputs)
-            if lp is not None:
-                sampled = torch.tensor([t or 0 for t in tokens], dtype=torch.int64)
-                self._keep_logprobs(lp, seqs, tokens, engine_logprobs.gather(lp, sampled).tolist())
-            outputs.extend(self._postprocess(seqs, tokens))
+        outputs.extend(self._apply_failure(f) for f in result.failures)
+        for row, entry in result.logprobs.items():  # kept until the delta with their tokens
+            if not result.seqs[row].is_finished:
+                self.output.keep_logprobs(result.seqs[row], entry)
+        outputs.extend(self._postprocess(result.seqs, result.tokens))
         self.stats["steps"] += 1
         self.stats["last_step_s"] = time.perf_counter() - t0
-        self.stats["last_batch_tokens"] = sched.num_tokens
-        engine_metrics.observe_step(self.stats["last_step_s"], sched)
+        self.stats["last_batch_tokens"] = ran.num_tokens
+        engine_metrics.observe_step(self.stats["last_step_s"], ran)
         return outputs
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None
-        return self.runner.execute(sched, lora)
-
-    def _forward_isolating(self, sched: SchedulerOutput, error: Exception,
-                           outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Sequence]]:
-        """The batched forward of `sched` raised `error`: run its work again per adapter version
-        (the base model is one group), then each group that still raises per sequence. Sequences
-        that still raise on their own fail (their outputs go to `outputs`); a version all of whose
-        sequences failed while another group ran is quarantined. Returns the logits and sampled
-        sequences of the groups that ran; re-raises `error` if none did."""
-        order = sched.decodes + sched.prefills
-        groups: dict[str | None, list[ScheduledSequence]] = {}
-        for s in order:
-            groups.setdefault(s.seq.adapter, []).append(s)
-        pending = list(groups.values()) if len(groups) > 1 else [[s] for s in order]
-        ran: list[tuple[torch.Tensor, list[Sequence]]] = []
-        failed: list[tuple[ScheduledSequence, Exception]] = []
-        while pending:
-            group = pending.pop(0)
-            ids = {id(s) for s in group}
-            sub = SchedulerOutput(decodes=[s for s in sched.decodes if id(s) in ids],
-                                  prefills=[s for s in sched.prefills if id(s) in ids])
-            try:
-                ran.append(self._forward(sub))
-            except Exception as e:  # noqa: BLE001 - narrowed down below, or reported
-                if len(group) > 1:
-                    pending.extend([s] for s in group)
-                else:
-                    failed.append((group[0], e))
-        if not ran:
-            raise error
-        log.warning("a step's forward raised %s: %d of %d sequences failed on their own",
-                    f"{type(error).__name__}: {error}", len(failed), len(order), exc_info=error)
-        faulty = {v for v, members in groups.items() if v is not None
-                  and all(any(m is f for f, _ in failed) for m in members)}
-        for s, e in failed:
-            seq = s.seq
-            cause = f"the engine failed on a request using it ({type(e).__name__})" if seq.adapter in faulty else None
-            outputs.append(self._fail(seq, f"the engine failed on this request ({type(e).__name__})", "exception",
-                                      adapter_cause=cause))
-        sched.decodes[:] = [s for s in sched.decodes if not s.seq.is_finished]
-        sched.prefills[:] = [s for s in sched.prefills if not s.seq.is_finished]
-        seqs = [q for _, sq in ran for q in sq]
-        logits = (torch.cat([lg for lg, _ in ran]) if seqs
-                  else torch.empty(0, self.model_config.vocab_size, device=self.device))
-        return logits, seqs
-
-    def _fail_non_finite(self, logits: torch.Tensor, seqs: list[Sequence],
-                         outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Fail the sequences whose logits rows are not finite (their adapter versions are
-        quarantined); returns the other rows and sequences, unchanged."""
-        ok = torch.isfinite(logits).all(dim=1)
-        keep = ok.tolist()
-        for seq, good in zip(seqs, keep):
-            if not good:
-                outputs.append(self._fail_non_finite_seq(seq))
-        return logits[ok], [q for q, good in zip(seqs, keep) if good]
+    def _apply_failure(self, f: RowFailure) -> RequestOutput:
+        """Finish the sequence of a failed row as its kind says (the one place a step's faults
+        fail requests; per-sequence output work fails in `_postprocess`)."""
+        if f.kind == "grammar":
+            return self._refuse_grammar(f.seq, f.error)
+        if f.kind == "non_finite":
+            return self._fail_non_finite_seq(f.seq)
+        if f.kind == "sampling":
+            return self._fail_sampling(f.seq, f.error)
+        name = type(f.error).__name__
+        cause = f"the engine failed on a request using it ({name})" if f.adapter_at_fault else None
+        return self._fail(f.seq, f"the engine failed on this request ({name})", "exception", adapter_cause=cause)
 
     def _fail_non_finite_seq(self, seq: Sequence) -> RequestOutput:
         """Fail `seq` whose logits were not finite; its adapter version is quarantined."""
@@ -331,93 +284,6 @@ class LLMEngine:
         """Fail `seq` whose sampling raised `error`."""
         log.warning("sampling failed for request %s", seq.request_id, exc_info=error)
         return self._fail(seq, f"sampling failed for this request ({type(error).__name__})", "exception")
-
-    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> torch.Tensor:
-        """The logits to sample from: the rows of requests with a response_format masked to the
-        tokens their grammar allows (a copy; `logits` stays raw), the others as they are. A
-        request whose grammar cannot go on fails here (its row is sampled, then dropped)."""
-        if not self.structured.active:
-            return logits
-        masked, failures = self.structured.constrain(logits, [q.request_id for q in seqs])
-        for i, e in failures.items():
-            outputs.append(self._refuse_grammar(seqs[i], e))
-        return masked
-
-    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput],
-                          lp: engine_logprobs.StepLogprobs | None = None) -> list[int | None]:
-        """Sampling where the logits live off the host: rows that are not finite (one row sum) are
-        zeroed before sampling (a NaN probability would stop the device, not just raise), the
-        controls and the draw run on the device (engine.sampler.sample_tokens: its host-built
-        parameters go up in one upload), and the tokens, the finite and sampled flags and `lp`'s
-        logprobs (kept for `_delta`) come back in one device-to-host copy. Rows that were not
-        finite, or could not be sampled, fail their sequences (token None)."""
-        finite = torch.isfinite(logits.sum(dim=1))
-        safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-        safe = self._constrain(safe, seqs, outputs)
-        errors: dict[int, Exception] = {}
-        try:
-            tokens_dev, sampled = sample_tokens(safe, seqs, self.backend.upload)
-        except Exception:  # noqa: BLE001 - each row on its own below
-            tokens_dev, sampled = self._sample_rows_alone(safe, seqs, errors)
-        n = len(seqs)
-        packed = torch.cat([tokens_dev, finite.to(torch.int64), sampled.to(torch.int64)])
-        if lp is not None:  # float64 holds token ids exactly
-            packed = torch.cat([packed.double(), engine_logprobs.gather(lp, tokens_dev)])
-        host = self.backend.to_host(packed)
-        tokens: list[int | None] = [int(t) for t in host[:n]]
-        for i, (seq, ok, drawn) in enumerate(zip(seqs, host[n:2 * n], host[2 * n:3 * n])):
-            if not ok:
-                outputs.append(self._fail_non_finite_seq(seq))
-                tokens[i] = None
-            elif not drawn:
-                outputs.append(self._fail_sampling(seq, errors.get(i) or SamplingError(
-                    "no token can be sampled: every token is masked")))
-                tokens[i] = None
-        if lp is not None:
-            self._keep_logprobs(lp, seqs, tokens, host[3 * n:])
-        return tokens
-
-    def _sample_rows_alone(self, logits: torch.Tensor, seqs: list[Sequence],
-                           errors: dict[int, Exception]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sample_tokens` row by row, after it raised for the batch: a row that raises keeps its
-        argmax, is flagged not sampled, and its exception goes to errors[i]."""
-        tokens, sampled = [], []
-        for i, seq in enumerate(seqs):
-            try:
-                t, ok = sample_tokens(logits[i:i + 1], [seq], self.backend.upload)
-            except Exception as e:  # noqa: BLE001 - fails only this request
-                errors[i] = e
-                t, ok = logits[i:i + 1].max(dim=-1).indices, torch.zeros(1, dtype=torch.bool, device=logits.device)
-            tokens.append(t)
-            sampled.append(ok)
-        return torch.cat(tokens), torch.cat(sampled)
-
-    def _keep_logprobs(self, lp: engine_logprobs.StepLogprobs, seqs: list[Sequence], tokens: list[int | None],
-                       host: list[float]) -> None:
-        """Keep the step's logprobs entries (engine.logprobs.gather's `host` values) of the rows
-        whose token will be appended, until `_delta` emits them with their tokens."""
-        for row, entry in engine_logprobs.entries(lp, tokens, host).items():
-            self._logprobs.setdefault(seqs[row].request_id, []).append(entry)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[int | None]:
-        """One token per sequence; a sequence whose sampling raises fails (its token is None).
-        Should sample() raise as a whole, each sequence is sampled on its own."""
-        logits = self._constrain(logits, seqs, outputs)
-        errors: dict[int, Exception] = {}
-        try:
-            tokens = sample(logits, seqs, errors)
-        except Exception:  # noqa: BLE001 - per sequence below
-            errors.clear()
-            tokens = []
-            for i, seq in enumerate(seqs):
-                try:
-                    tokens.append(sample(logits[i:i + 1], [seq])[0])
-                except Exception as e:  # noqa: BLE001 - fails only this request
-                    errors[i] = e
-                    tokens.append(None)
-        for i, e in errors.items():
-            outputs.append(self._fail_sampling(seqs[i], e))
-        return tokens
 
     def _fail(self, seq: Sequence, reason: str, kind: str, *, adapter_cause: str | None = None) -> RequestOutput:
         """Finish `seq` with finish_reason "error" and `reason` after a fault in a step (`kind`
@@ -485,69 +351,11 @@ class LLMEngine:
             complete = self.structured.accept(seq.request_id, tok)
         except GrammarRejected as e:
             return self._refuse_grammar(seq, e)
-        seq.append_token(tok)
-        p = seq.params
-        reason = None
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason = "stop"
-        else:
-            seq.output_text += seq.detokenizer.push(tok)
-            if len(seq.output_token_ids) == p.min_tokens:
-                seq.stop_text_floor = len(seq.output_text)  # a stop string must end after it
-            # Stop strings apply once min_tokens tokens are kept (the sampler masks stop ids until then).
-            if p.stop and len(seq.output_token_ids) > p.min_tokens and self._truncate_at_stop(seq):
-                reason = "stop"
-            elif complete:
-                reason = "stop"  # the response_format grammar is complete: only EOS could follow
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        reason = self.output.append(seq, tok, complete)
         if reason is not None:
             return self._finish(seq, reason)
-        out = self._delta(seq)
+        out = self.output.delta(seq)
         return out if out.text or out.token_ids else None
-
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence) -> bool:
-        longest = max(len(s) for s in seq.params.stop)
-        # A stop string can straddle tokens: search from where a new match could begin, and (with
-        # min_tokens) only for matches that end after the min_tokens-th token's text.
-        begin = max(0, seq.emitted_text_len - longest + 1)
-        floor = seq.stop_text_floor
-        hits = [i for i in (seq.output_text.find(s, max(begin, floor - len(s) + 1)) for s in seq.params.stop)
-                if i != -1]
-        if not hits:
-            return False
-        seq.output_text = seq.output_text[:min(hits)]
-        return True
-
-    def _delta(self, seq: Sequence, final: bool = False) -> RequestOutput:
-        end = len(seq.output_text)
-        if not final and seq.params.stop:
-            # Hold back text that may be the start of a stop string.
-            end = max(seq.emitted_text_len, end - (max(len(s) for s in seq.params.stop) - 1))
-        text = seq.output_text[seq.emitted_text_len:end]
-        toks = seq.output_token_ids[seq.emitted_token_len:]
-        seq.emitted_text_len = end
-        seq.emitted_token_len = len(seq.output_token_ids)
-        out = RequestOutput(seq.request_id, text, toks, prompt_tokens=seq.num_prompt_tokens,
-                            cached_tokens=seq.num_cached_tokens or 0,
-                            completion_tokens=len(seq.output_token_ids),
-                            computed_prompt_tokens=self._computed_prompt_tokens(seq))
-        if seq.params.logprobs is not None:
-            # Every appended token's entry was kept when it was sampled: they match `toks`.
-            out.logprobs = self._logprobs.pop(seq.request_id, [])
-        return out
-
-    @staticmethod
-    def _computed_prompt_tokens(seq: Sequence) -> int:
-        """Prompt tokens whose KV `seq` has now: all of them once it has produced a token, else
-        how far its (chunked) prefill got, prefix-cache hits included. A sequence preempted
-        before its first token holds none until it is scheduled again (from its cache hits)."""
-        if seq.output_token_ids:
-            return seq.num_prompt_tokens
-        return min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         was_finished = seq.is_finished  # a failure while finishing finishes it again, as an error
@@ -560,7 +368,7 @@ class LLMEngine:
             seq.finished_time = time.monotonic()
             if seq.first_scheduled_time is not None:
                 self.seat_times.record(seq.finished_time - seq.first_scheduled_time)
-        out = self._delta(seq, final=True)
+        out = self.output.delta(seq, final=True)
         out.timings = seq.timings(self._adapter_load_of(seq))
         out.finished = True
         out.finish_reason = reason

@@ -1,11 +1,16 @@
-"""The seam between the model and its kernels.
+"""The seam between the engine and its kernels.
 
-The model code (engine/model/decoder.py, engine/lora) calls one `Backend` object, chosen once from
-`EngineConfig.backend` (engine.backends.create_backend), for every op whose implementation
-depends on the hardware: norms, RoPE + KV write + prefill/decode attention, the base linears
-(and their weight formats), SiLU*mul, the LoRA term, and how a step's inputs reach the device.
-It knows nothing of C, AVX or CUDA; backends keep their own state (calibrated weight formats,
-kernel plans) and never put it in the shared types (AttentionMetadata, LoRASlots, LoRAMetadata).
+The model code (engine/model/decoder.py, engine/lora) and the step (engine.model_runner,
+engine.step_executor) call one `Backend` object, chosen once from `EngineConfig.backend`
+(engine.backends.create_backend), for everything whose implementation depends on the hardware:
+norms, RoPE + KV write + prefill/decode attention, the base linears (and their weight formats),
+SiLU*mul, the LoRA term; and a step's execution around the model: its input builder
+(`build_inputs`: slot lists and masks, or block tables), their upload (`upload_inputs`), its
+decode graphs (`decode_graphs`) and its sampling pipeline (`step_sampler`: host or device,
+producing a `StepResult`). Nothing outside engine/backends imports a backend's own modules
+(tests/engine/test_engine_layering.py). The seam knows nothing of C, AVX or CUDA; backends keep
+their own state (calibrated weight formats, kernel plans) and never put it in the shared types
+(AttentionMetadata, LoRASlots, LoRAMetadata).
 
 Contract of every op: the same result as engine.backends.torch_ops within the backend's stated
 tolerance; inputs and outputs on `backend.device`; activations in `backend.dtype`.
@@ -21,6 +26,8 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.loader.quantized import QuantizedWeight, dense
 from engine.backends import torch_ops
+from engine.backends.inputs import StepInputs, slot_inputs, upload_step
+from engine.backends.step_sampling import DeviceSampling, HostSampling
 from engine.model.attention import AttentionMetadata, AttentionSpec
 from engine.model.layers import RotaryEmbedding
 
@@ -42,6 +49,13 @@ class LoRABatch(ABC):
 
     def bind_device_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Take the device copies of `host_tensors()`, in the same order."""
+
+    def layout(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """The step as this batch lays its tokens out (the runner builds the inputs and the
+        logits rows in this order): `sched` (the SchedulerOutput the batch was built for)
+        itself, or a new SchedulerOutput with the decodes in another order. `sched` is never
+        modified."""
+        return sched
 
 
 class RowsLinear(nn.Module):
@@ -72,7 +86,7 @@ class Backend(ABC):
     what the activations live."""
 
     name: str = ""
-    #: Whether the attention kernels read K/V through block tables (ModelRunner then builds
+    #: Whether the attention kernels read K/V through block tables (`build_inputs` gives
     #: PagedMetadata, and the KV cache keeps one extra block no sequence owns: the sink padded
     #: rows of a captured decode graph write into).
     paged_attention: bool = False
@@ -152,7 +166,8 @@ class Backend(ABC):
     @abstractmethod
     def lora_batch(self, slots: LoRASlots, sched: SchedulerOutput, slot_of: dict[str, int]) -> LoRABatch:
         """The step's LoRA batch for `sched` (every adapter already has its slot in `slot_of`).
-        A backend may reorder `sched.decodes` (the runner lays tokens out in that order)."""
+        A backend that wants the decode tokens in another order says so in the batch's
+        `layout`; `sched` is never modified."""
 
     # -- memory and transfers -----------------------------------------------------------------
 
@@ -167,6 +182,31 @@ class Backend(ABC):
             free, _total = torch.cuda.mem_get_info(self.device)
             return max(0, int((free - reserved_bytes) * ec.kv_cache_memory_fraction))
         return 512 << 20
+
+    # -- a step's execution -------------------------------------------------------------------
+
+    def build_inputs(self, sched: SchedulerOutput, block_size: int) -> StepInputs:
+        """The step's host-built model inputs in the form this backend's attention reads: by
+        default slot lists and masks (engine.backends.inputs.slot_inputs, the torch path)."""
+        return slot_inputs(sched, block_size)
+
+    def upload_inputs(self, inputs: StepInputs, lora: LoRABatch | None):
+        """(input ids, positions, metadata, logit rows) on the device: every host tensor of the
+        step, the LoRA batch's included, in one `upload` (engine.backends.inputs.upload_step)."""
+        return upload_step(inputs, lora, self.upload)
+
+    def decode_graphs(self, runner, *, max_batch: int, block_width: int, sink_block: int, lora_slots=None):
+        """The object that runs decode-only steps of `runner` as captured graphs (`takes(sched)`,
+        `run(sched, token_slots)`), or None (every step runs eagerly)."""
+        return None
+
+    def step_sampler(self):
+        """The step's sampling pipeline (engine.backends.step_sampling): `DeviceSampling` where
+        the logits live off the host (one device-to-host copy per step), `HostSampling` where
+        they are host tensors."""
+        if self.device.type == "cpu":
+            return HostSampling()
+        return DeviceSampling(self.upload, self.to_host)
 
     def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host tensors -> the same tensors on the device. On CPU they are returned as they are;
@@ -186,10 +226,6 @@ class Backend(ABC):
         dev = staging.to(self.device, non_blocking=True)
         return [dev[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 for t, off in zip(tensors, offsets)]
-
-    def uses_cuda_graphs(self) -> bool:
-        """Whether decode-only steps replay captured CUDA graphs (engine.backends.triton.cuda_graphs)."""
-        return False
 
     def to_host(self, t: torch.Tensor) -> list:
         """One device-to-host copy of a small tensor, as a Python list."""

@@ -7,7 +7,11 @@ the step. Lifecycle of one version:
                        loaded, a background fetch + parse starts while the request waits;
   is_ready(v)          the scheduler admits the request only once it is loaded;
   batch_for(sched)     each step: every scheduled adapter gets a slot (an idle slot, or the
-                       least recently used slot whose adapter no running sequence uses);
+                       least recently used slot whose adapter is not in this step: it may be
+                       one a running sequence left unscheduled this step uses, which then gets
+                       a slot again, its weights rewritten from the CPU tier, when it is next
+                       scheduled; the scheduler bounds distinct adapters among running
+                       sequences by the slots, so this costs a reload, never correctness);
   release(v)           at finish/abort: -1 reference; unreferenced versions may be evicted.
 A load failure is remembered for the version (versions are immutable) and fails only the
 requests naming it. A version the step traced a fault to (non-finite values, an exception in its
@@ -200,9 +204,11 @@ class LoRAManager:
     # -- per step -----------------------------------------------------------------------------
 
     def batch_for(self, sched):
-        """Slots for this step's adapters and the backend's LoRABatch for the model (which may
-        reorder `sched.decodes`, see Backend.lora_batch); None if no token has one. The
-        scheduler guarantees at most `num_slots` distinct adapters among running sequences.
+        """Slots for this step's adapters and the backend's LoRABatch for the model (whose
+        `layout` may order the decodes otherwise, see Backend.lora_batch; `sched` is only read);
+        None if no token has one. The scheduler guarantees at most `num_slots` distinct adapters
+        among running sequences; a slot taken here may be one whose adapter a running sequence
+        not scheduled this step uses (see the module docstring).
         """
         seqs = [s.seq for s in sched.decodes] + [s.seq for s in sched.prefills]
         if all(seq.adapter is None for seq in seqs):
@@ -223,7 +229,9 @@ class LoRAManager:
             if free:
                 slot = free[0]
             else:
-                # Least recently used slot whose adapter is not in this step.
+                # Least recently used slot whose adapter is not in this step (a running but
+                # unscheduled sequence's adapter may lose its slot: it is written again when
+                # that sequence is next scheduled).
                 candidates = [i for i, o in enumerate(self._slot_owner) if o not in needed]
                 if not candidates:
                     raise RuntimeError("more distinct adapters in one step than LoRA slots")

@@ -27,7 +27,7 @@ def engine_config(*, device: str = "cpu", backend: str | None = None, kv_cache_m
     win over the defaults above). Raises ValueError naming what is wrong."""
     import torch
 
-    from engine.backends.cpu import switches_from_env
+    from engine.backends import switches_from_env
     from engine.config import EngineConfig
 
     backend = backend or ("cpu" if device == "cpu" else "triton")
@@ -35,8 +35,7 @@ def engine_config(*, device: str = "cpu", backend: str | None = None, kv_cache_m
               "dtype": torch.float32 if device == "cpu" else torch.bfloat16,
               "kv_cache_bytes": (kv_cache_mib << 20) if kv_cache_mib is not None
               else (256 << 20 if device == "cpu" else None)}
-    if backend == "cpu":
-        fields.update(switches_from_env(environ))
+    fields.update(switches_from_env(backend, environ))
     if device != "cpu":
         fields["max_loras"] = overrides.get("max_num_seqs", EngineConfig.max_num_seqs)
     fields.update(overrides)

@@ -100,7 +100,7 @@ def test_top_p_and_temperature_shape_what_is_sampled(engine, monkeypatch):
     """Every token sampled with top_p lies in the nucleus computed from that step's logits, and
     sampling really leaves the argmax; a top_p that keeps one token and temperature 0 are
     greedy whatever the seed; a seed reproduces its tokens."""
-    import engine.llm_engine as llm_engine
+    import engine.backends.step_sampling as step_sampling
 
     seen = []  # (request id, logits row, sampled token) of every sampled step
 
@@ -109,8 +109,8 @@ def test_top_p_and_temperature_shape_what_is_sampled(engine, monkeypatch):
         seen.extend((seq.request_id, logits[i].detach().clone(), tokens[i]) for i, seq in enumerate(seqs))
         return tokens
 
-    llm_engine_sample = llm_engine.sample
-    monkeypatch.setattr(llm_engine, "sample", recording_sample)
+    llm_engine_sample = step_sampling.sample
+    monkeypatch.setattr(step_sampling, "sample", recording_sample)
 
     prompt, top_p, temperature = "Once upon a time", 0.6, 1.0
     nucleus_params = {f"n{seed}": SamplingParams(max_tokens=12, temperature=temperature, top_p=top_p, seed=seed,

@@ -79,7 +79,7 @@ def test_every_delta_carries_the_entries_of_its_tokens(engine, tokenizer):
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
     for d in deltas:
         assert [e["token_id"] for e in d.logprobs] == d.token_ids
-    assert not engine._logprobs  # nothing kept for finished requests
+    assert not engine.output.pending_logprobs  # nothing kept for finished requests
 
 
 def test_logprobs_out_of_range_are_refused_naming_the_field():

@@ -1,7 +1,7 @@
 """OpenAI's and vLLM's sampling controls (logit_bias, min_tokens, repetition / frequency /
 presence penalties, min_p, beside temperature / top-k / top-p) match a plain per-row reference
 implementation, in the sampler and through the engine on both sampling paths: the CPU backend's
-(`LLMEngine._sample`) and the device path's (`LLMEngine._sample_on_device`, on the Triton
+(`HostSampling`) and the device path's (`DeviceSampling`, engine.backends.step_sampling, on the Triton
 backend: CPU tensors under the interpreter here, the GPU with TRITON_INTERPRET=0). Each bound
 is refused naming its field; the logprobs of a completion hold its end-of-sequence token."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.backends.step_sampling import DeviceSampling
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
@@ -251,8 +252,8 @@ def tiny(tmp_path_factory):
 
 
 def _engine(tiny, path_kind: str, triton_device: str | None = None) -> LLMEngine:
-    """The tiny model on the CPU backend (its `_sample`), or on the Triton backend with every step
-    sampled by `_sample_on_device` (which step() takes only off the host)."""
+    """The tiny model on the CPU backend (HostSampling), or on the Triton backend with every step
+    sampled by DeviceSampling (which the backend chooses only off the host)."""
     path, checkpoint, tokenizer = tiny
     backend = "cpu" if path_kind == "cpu" else "triton"
     cfg = EngineConfig(backend=backend, weight_format="fp32" if backend == "cpu" else "auto",
@@ -261,11 +262,14 @@ def _engine(tiny, path_kind: str, triton_device: str | None = None) -> LLMEngine
     eng = LLMEngine(path, cfg, checkpoint=checkpoint, tokenizer=tokenizer)
     eng.device_path_steps = 0
     if path_kind == "device" and eng.device.type == "cpu":
-        def on_device(logits, seqs, outputs):
-            eng.device_path_steps += 1
-            return eng._sample_on_device(logits, seqs, outputs)
+        device_sampling = DeviceSampling(eng.backend.upload, eng.backend.to_host)
 
-        eng._sample = on_device
+        class OnDevice:
+            def sample(self, logits, seqs, structured):
+                eng.device_path_steps += 1
+                return device_sampling.sample(logits, seqs, structured)
+
+        eng.executor.sampler = OnDevice()
     return eng
 
 
@@ -367,11 +371,11 @@ def test_a_row_whose_sampling_raises_fails_alone(tiny, path_kind, monkeypatch):
         params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, presence_penalty=1.0, ignore_eos=True)
         return [GenerationRequest(rid, prompt_token_ids=PROMPT, params=params) for rid in ("a", "bad", "b")]
 
-    # The CPU backend's engine, sampling through either path (`_sample_on_device` runs anywhere).
+    # The CPU backend's engine, sampling through either path (DeviceSampling runs anywhere).
     eng = _engine(tiny, "cpu")
     want = eng.generate([r for r in requests() if r.request_id != "bad"])
     if path_kind == "device":
-        eng._sample = lambda logits, seqs, outputs: eng._sample_on_device(logits, seqs, outputs)
+        eng.executor.sampler = DeviceSampling(eng.backend.upload, eng.backend.to_host)
     plan_draw = sampler_module._plan_draw
 
     def failing(plan, seqs, vocab, dtype):

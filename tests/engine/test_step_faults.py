@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-import engine.llm_engine as llm_engine_module
+import engine.backends.step_sampling as step_sampling
 from engine.llm_engine import NON_FINITE_MESSAGE
 from engine.lora.source import LocalDirectoryAdapterSource
 from engine.sampling_params import GenerationRequest, RequestOutput, SamplingParams
@@ -166,7 +166,7 @@ def test_unattributable_forward_fault_propagates(eng, monkeypatch):
 
 def test_sampling_and_output_exceptions_fail_only_their_request(eng, monkeypatch):
     ref = _alone(eng, _req("ref-s", temperature=0.9))
-    real_sample = llm_engine_module.sample
+    real_sample = step_sampling.sample
 
     def sample(logits, seqs, errors=None):
         # Raises for the whole batch (as a vectorized part would): the engine samples each
@@ -175,7 +175,7 @@ def test_sampling_and_output_exceptions_fail_only_their_request(eng, monkeypatch
             raise RuntimeError("injected sampling failure")
         return real_sample(logits, seqs, errors)
 
-    monkeypatch.setattr(llm_engine_module, "sample", sample)
+    monkeypatch.setattr(step_sampling, "sample", sample)
     eng.add_request(_req("s", temperature=0.9))
     eng.add_request(_req("bad-sample", temperature=0.9))
     bad_text = eng.add_request(_req("bad-text"))

@@ -9,7 +9,10 @@ punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_
   copy for steps that prefill unless the fast copy is far faster.
 - Norms, the SwiGLU gate and decode attention: one C call each (`decode_ops`), fp32 only.
 - LoRA: punica_kernels' CPU path (its own C kernel, or torch) over slot-major runs, so the
-  decode tokens are ordered by slot (`lora_batch`).
+  step's decode tokens are laid out by slot (`lora_batch`: the batch's `layout` is a reordered
+  copy of the SchedulerOutput; the scheduler's lists are left as they are).
+- A step's inputs: slot lists and masks (engine.backends.inputs.slot_inputs), used where they
+  are built (no upload), and host sampling (engine.backends.step_sampling.HostSampling).
 Which kernels are used is EngineConfig's `cpu_*` fields; the outputs are the torch paths'
 within the tolerances ARCHITECTURE.md states.
 """
@@ -29,6 +32,7 @@ from engine.backends.cpu.linear import CpuLinear
 from engine.loader import gguf_quants
 from engine.loader.quantized import QuantizedWeight
 from engine.model.attention import AttentionMetadata
+from engine.scheduler import SchedulerOutput
 from punica_kernels import cpu_native
 
 #: EngineConfig field -> the environment variable that may switch it off at the CLI edge.
@@ -49,10 +53,15 @@ class CpuLoRABatch(LoRABatch):
     `cpu_native.StepCall` (the per-call checks of add_lora, ~3 us each, are a share of a
     single-stream step's 120 calls); the rest through add_lora."""
 
-    def __init__(self, slots, token_slots: list[int]):
+    def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput):
         self.slots = slots
+        self._layout = layout
         self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
         self.native = cpu_native.StepCall.for_meta(self.meta)
+
+    def layout(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """The step with its decodes ordered by slot (built by CpuBackend.lora_batch)."""
+        return self._layout
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         x = x if x.is_contiguous() else x.contiguous()
@@ -118,6 +127,10 @@ class CpuBackend(Backend):
         formats.log.info("%s", choice.summary())
         return {**choice.as_dict(), **packed, "summary": choice.summary()}
 
+    def upload_inputs(self, inputs, lora):
+        """Nothing moves: the host-built inputs are the step's tensors."""
+        return inputs.input_ids, inputs.positions, inputs.meta, inputs.logit_rows
+
     def exact_step(self, attn: AttentionMetadata) -> bool:
         """Steps that prefill run wide matmuls on the exact fp32 weights if `exact_prefill`."""
         return self.exact_prefill and bool(attn.prefills)
@@ -169,14 +182,16 @@ class CpuBackend(Backend):
         return ec.dtype
 
     def lora_batch(self, slots, sched, slot_of):
-        """Reorders `sched.decodes` by slot (no adapter first; stable otherwise), so that each
-        adapter's decode tokens are one contiguous run and the CPU LoRA path reads and writes
-        them through views instead of a gather and a scatter per layer."""
+        """A batch whose `layout` orders the decodes by slot (no adapter first; stable
+        otherwise; a new SchedulerOutput, `sched` untouched), so that each adapter's decode
+        tokens are one contiguous run and the CPU LoRA path reads and writes them through views
+        instead of a gather and a scatter per layer."""
         def slot(seq) -> int:
             return -1 if seq.adapter is None else slot_of[seq.adapter]
 
-        sched.decodes.sort(key=lambda s: slot(s.seq))
-        token_slots = [slot(s.seq) for s in sched.decodes]
+        decodes = sorted(sched.decodes, key=lambda s: slot(s.seq))
+        token_slots = [slot(s.seq) for s in decodes]
         for s in sched.prefills:
             token_slots.extend([slot(s.seq)] * s.num_tokens)
-        return CpuLoRABatch(slots, token_slots)
+        layout = SchedulerOutput(decodes=decodes, prefills=list(sched.prefills), preempted=list(sched.preempted))
+        return CpuLoRABatch(slots, token_slots, layout)

@@ -1,9 +1,13 @@
 """The Triton backend: punica_kernels' Triton SGMV (prefill segments) and BGMV (decode tokens)
 for the LoRA term; W4A16 and W8A16 matmuls on quantized base weights (w4a16.py, w8a16.py),
 paged attention with a fused RoPE + KV write (attention.py) and fused norms (norms.py) in
-Triton; CUDA graphs for decode steps (cuda_graphs.py). On CUDA tensors it is the GPU engine; on CPU tensors the Triton
-kernels run only under the interpreter (TRITON_INTERPRET=1, set before triton is imported),
-which is how the whole engine on this backend is tested on a machine without a GPU.
+Triton; the lm_head and "fp32"/"bf16" layers as dense torch matmuls. A step's inputs are block
+tables (engine.backends.inputs.paged_inputs) uploaded in one transfer; decode-only steps on
+CUDA replay the CUDA graphs this backend builds (`decode_graphs`, cuda_graphs.py); sampling runs
+on the device with one device-to-host copy (engine.backends.step_sampling.DeviceSampling).
+On CUDA tensors it is the GPU engine; on CPU tensors the Triton kernels run only under the
+interpreter (TRITON_INTERPRET=1, set before triton is imported; sampling then takes the host
+pipeline), which is how the whole engine on this backend is tested on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from torch import nn
 import punica_kernels
 from engine.backends import torch_ops
 from engine.backends.base import Backend, LoRABatch, RowsLinear, dense_rows
+from engine.backends.inputs import paged_inputs
 from engine.loader.quantized import QuantizedWeight, cat_rows, same_form
 
 
@@ -64,7 +69,7 @@ class TritonBackend(Backend):
     block tables; decode-only steps on CUDA replay CUDA graphs (cuda_graphs)."""
 
     name = "triton"
-    #: ModelRunner builds block tables (PagedMetadata) for this backend's attention kernels.
+    #: This backend's attention kernels read K/V through block tables (PagedMetadata).
     paged_attention = True
 
     def __init__(self, config):
@@ -115,6 +120,12 @@ class TritonBackend(Backend):
 
     def prepare_model(self, model):
         return {"weight_format": self.weight_format()}
+
+    # -- a step's execution -------------------------------------------------------------------
+
+    def build_inputs(self, sched, block_size):
+        """Block tables and lengths for the paged kernels (engine.backends.inputs.paged_inputs)."""
+        return paged_inputs(sched, block_size)
 
     # -- elementwise --------------------------------------------------------------------------
 
@@ -195,3 +206,12 @@ class TritonBackend(Backend):
     def uses_cuda_graphs(self) -> bool:
         """Decode-only steps replay captured graphs: on CUDA, unless EngineConfig.cuda_graphs is off."""
         return self.device.type == "cuda" and self.config.cuda_graphs
+
+    def decode_graphs(self, runner, *, max_batch, block_width, sink_block, lora_slots=None):
+        """A DecodeGraphs over `runner` (cuda_graphs.py) where `uses_cuda_graphs`, else None."""
+        if not self.uses_cuda_graphs():
+            return None
+        from engine.backends.triton.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(runner, max_batch=max_batch, block_width=block_width, sink_block=sink_block,
+                            lora_slots=lora_slots)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.backends.inputs import decode_rows
 from engine.model.attention import AttentionMetadata, PagedMetadata
 
 #: Batch sizes captured by default (those above the engine's max_num_seqs are dropped, and
@@ -110,7 +111,7 @@ class DecodeGraphs:
         bs, n = self.runner.block_size, len(sched.decodes)
         pad = b - n
         sink = self.sink_block
-        ids, pos, slots, lens = self.runner.decode_rows(sched.decodes)
+        ids, pos, slots, lens = decode_rows(sched.decodes, bs)
         tables = torch.full((b, self.block_width), sink, dtype=torch.int32)
         for i, s in enumerate(sched.decodes):
             tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)

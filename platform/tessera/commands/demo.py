@@ -393,9 +393,9 @@ def run(args: argparse.Namespace) -> int:
 
         start_listener(settings)
     print(f"tessera demo: loading the engine ({base.name}, {base.architecture}, on CPU)...", flush=True)
-    from engine.backends.cpu.formats import show_on_stderr
+    from engine.backends import show_choices_on_stderr
 
-    show_on_stderr()  # the CPU weight formats chosen, one line
+    show_choices_on_stderr()  # what the backend chose at start (the CPU weight formats), one line
     threading.Thread(target=announce, daemon=True).start()
     try:
         server.run()

@@ -135,9 +135,9 @@ def _worker(args: argparse.Namespace) -> int:
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,
                                    cache_dir=settings.adapter_cache_dir)
     config = engine_config_from_settings(settings, device=args.device, backend=args.backend)
-    from engine.backends.cpu.formats import show_on_stderr
+    from engine.backends import show_choices_on_stderr
 
-    show_on_stderr()  # the CPU weight formats chosen, one line
+    show_choices_on_stderr()  # what the backend chose at start (the CPU weight formats), one line
     try:
         engine = load_engine(settings.model_path, config, model_name=settings.model_name, adapter_source=source)
     except (FileNotFoundError, ValueError) as e:
