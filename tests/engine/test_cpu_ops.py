@@ -135,6 +135,7 @@ def test_the_steps_lora_call_matches_add_lora(dtype, smollm_checkpoint):
     from engine.backends.cpu import CpuLoRABatch
     from engine.lora.layers import LoRASlots
     from engine.lora.weights import GROUPS, load_lora_weights
+    from engine.scheduler import SchedulerOutput
 
     demo = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters"
     cfg = smollm_checkpoint[0]
@@ -145,7 +146,7 @@ def test_the_steps_lora_call_matches_add_lora(dtype, smollm_checkpoint):
     widths = {"qkv": (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "o": (cfg.q_size, cfg.hidden_size),
               "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "down": (cfg.intermediate_size, cfg.hidden_size)}
     for token_slots in ([-1, 0, 0, 1, 2, 2, 2, -1, 1], [1] * 70 + [-1, 0]):
-        batch = CpuLoRABatch(slots, token_slots)
+        batch = CpuLoRABatch(slots, token_slots, SchedulerOutput())  # the layout: unused here
         assert batch.native is not None
         for group in GROUPS:
             k, n = widths[group]
