@@ -203,13 +203,10 @@ class TritonBackend(Backend):
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
-    def uses_cuda_graphs(self) -> bool:
-        """Decode-only steps replay captured graphs: on CUDA, unless EngineConfig.cuda_graphs is off."""
-        return self.device.type == "cuda" and self.config.cuda_graphs
-
     def decode_graphs(self, runner, *, max_batch, block_width, sink_block, lora_slots=None):
-        """A DecodeGraphs over `runner` (cuda_graphs.py) where `uses_cuda_graphs`, else None."""
-        if not self.uses_cuda_graphs():
+        """A DecodeGraphs over `runner` (cuda_graphs.py): decode-only steps replay captured graphs
+        on CUDA, unless EngineConfig.cuda_graphs is off (None: every step runs eagerly)."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
             return None
         from engine.backends.triton.cuda_graphs import DecodeGraphs
 

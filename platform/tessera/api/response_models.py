@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tessera.billing.rollup import HeldUsage  # the rollup's own record, answered as it is
+
 
 class OpenAIObject(BaseModel):
     """A tenant-facing object of OpenAI's: fields beyond the declared ones are kept."""
@@ -553,15 +555,6 @@ class PriceBook(BaseModel):
     currency: str
     base_models: list[str]
     data: list[Price]
-
-
-class HeldUsage(BaseModel):
-    base_model: str
-    priority: str
-    token_kind: str
-    tenants: int
-    line_items: int
-    tokens: int
 
 
 class HeldUsageList(BaseModel):
