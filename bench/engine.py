@@ -54,12 +54,10 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
     for c in concurrencies:
         engine_tok_s(eng, fixed_requests(tokenizer, c, 8, f"warm{c}-"))
     res = {}
-    int8_rows = getattr(eng.backend, "int8_max_rows", None)  # the CPU backend's int8 crossovers
-    if int8_rows is not None:
-        fast = next(m for m in eng.model.modules() if getattr(m, "fmt", None) == "int8").dense_fast
-        dense = torch.float32 if fast is None else fast.dtype
-        res["choice"] = {"int8_max_rows": int8_rows[0], "lm_head_int8_max_rows": int8_rows[1],
-                         "dense": str(dense).removeprefix("torch."), "dense_ms": eng.format_timings}
+    choice = eng.format_timings  # the CPU backend's int8 format: what its rules chose
+    if "int8_max_rows" in choice:
+        res["choice"] = {"int8_max_rows": choice["int8_max_rows"], "lm_head_int8_max_rows": choice["lm_head_int8_max_rows"],
+                         "dense": choice["dense"], "dense_ms": choice}
     for c in concurrencies:
         res[f"tok_s_c{c}"] = round(engine_tok_s(eng, fixed_requests(tokenizer, c, args.new_tokens, f"c{c}-")), 2)
     long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]

@@ -62,4 +62,4 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv, meta, lora)
         if not inputs.logit_rows:
             return torch.empty(0, self.model.cfg.vocab_size, device=self.device), []
-        return self.model.compute_logits(hidden[rows_idx], exact=self.backend.exact_step(meta)), inputs.seqs
+        return self.model.compute_logits(hidden[rows_idx]), inputs.seqs

@@ -69,8 +69,8 @@ class RowsLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        return torch.cat([p(x, exact) for p in self.parts], dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def dense_rows(parts: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor:
@@ -96,6 +96,13 @@ class Backend(ABC):
         self.device = torch.device(config.device)
         self.dtype = config.dtype
 
+    @property
+    def kv_sink_blocks(self) -> int:
+        """KV blocks the cache keeps beyond the block manager's, owned by no sequence: 1 where
+        the attention is paged (the sink a captured decode graph's padded rows write into, at
+        the index of the block manager's block count), else 0."""
+        return 1 if self.paged_attention else 0
+
     # -- weights ------------------------------------------------------------------------------
 
     def weight_format(self) -> str:
@@ -107,18 +114,19 @@ class Backend(ABC):
         """A frozen base linear whose weight [out, in] is `parts` stacked by rows (the fused
         projections: q | k | v, gate | up), each a host tensor or a checkpoint's QuantizedWeight
         (engine.loader.quantized; a backend keeps it quantized where it has a kernel for its form):
-        a module called as `lin(x [T, in], exact: bool) -> [T, out]` in x's dtype. `lm_head`: the
-        output projection (a backend may keep it dense)."""
+        a module called as `lin(x [T, in]) -> [T, out]` in x's dtype, one module per weight form
+        (a reference or parity run builds reference modules; nothing is switched per call).
+        `lm_head`: the output projection (a backend may keep it dense)."""
 
     def prepare_model(self, model: nn.Module) -> dict:
         """Called once after the model is built (weights on the device): measure or pack what the
         backend needs. Returns what it chose, for logs and benchmarks."""
         return {}
 
-    def exact_step(self, attn: AttentionMetadata) -> bool:
-        """Whether this step's linears take their exact path (a backend with several weight
-        copies may keep one exact copy for steps that prefill)."""
-        return False
+    def begin_step(self, attn: AttentionMetadata) -> None:
+        """Called by the model as a forward starts, before any linear: a backend whose linears
+        serve steps that prefill from another weight copy (the CPU's int8 format) notes which
+        kind of step this is. The logits of that forward (compute_logits) belong to the same step."""
 
     # -- elementwise --------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
             part = qkv[:, start:start + heads * D].reshape(T * heads, D)
             qkv[:, start:start + heads * D] = be.rms_norm(part, norm.weight, norm.eps).view(T, heads * D)
 
-    def forward(self, x, pending, ropes, kv: KVCache, attn: AttentionMetadata, lora, exact: bool):
+    def forward(self, x, pending, ropes, kv: KVCache, attn: AttentionMetadata, lora):
         """x: [T, H] the residual stream (updated in place); pending: the previous layer's output
         still to be added to it (None for the first layer), added here by the input norm's fused
         add + norm, one launch for both; ropes: the model's (rope, cos_sin) pairs, global first
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
             h = be.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         else:
             x, h = be.add_rms_norm(x, pending, self.input_norm.weight, self.input_norm.eps)
-        qkv = self.qkv_proj(h, exact)
+        qkv = self.qkv_proj(h)
         if lora is not None:
             lora.apply(self.idx, "qkv", h, qkv)
         if self.qkv_bias is not None:
@@ -97,17 +97,17 @@ class DecoderLayer(nn.Module):
             self._norm_qk(qkv)
         rope, cos_sin = ropes[1] if self.local else ropes[0]
         o = be.attention(qkv, rope, cos_sin, kv.k[self.idx], kv.v[self.idx], attn, self.attn)
-        out = self.o_proj(o, exact)
+        out = self.o_proj(o)
         if lora is not None:
             lora.apply(self.idx, "o", o, out)
         if self.attn_out_norm is not None:
             out = be.rms_norm(out, self.attn_out_norm.weight, self.attn_out_norm.eps)
         x, h = be.add_rms_norm(x, out, self.mlp_in_norm.weight, self.mlp_in_norm.eps)
-        gu = self.gate_up_proj(h, exact)
+        gu = self.gate_up_proj(h)
         if lora is not None:
             lora.apply(self.idx, "gate_up", h, gu)
         m = be.act_mul(gu, cfg.hidden_act)
-        d = self.down_proj(m, exact)
+        d = self.down_proj(m)
         if lora is not None:
             lora.apply(self.idx, "down", m, d)
         if self.mlp_out_norm is not None:
@@ -117,8 +117,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """forward(input_ids [T], positions [T], kv, attn, lora) -> hidden [T, H];
-    compute_logits(hidden [N, H], exact) -> fp32 logits [N, V]. `exact` is the backend's
-    `exact_step(attn)` (a backend with an exact weight copy uses it for steps that prefill)."""
+    compute_logits(hidden [N, H]) -> fp32 logits [N, V], for the step the last forward ran
+    (forward starts with `backend.begin_step(attn)`)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, backend):
         super().__init__()
@@ -148,17 +148,17 @@ class DecoderModel(nn.Module):
         ropes = [(self.rope, self.rope.cos_sin(positions))]
         if self.local_rope is not None:
             ropes.append((self.local_rope, self.local_rope.cos_sin(positions)))
-        exact = self.backend.exact_step(attn)
+        self.backend.begin_step(attn)
         pending = None
         for layer in self.layers:
-            x, pending = layer(x, pending, ropes, kv, attn, lora, exact)
+            x, pending = layer(x, pending, ropes, kv, attn, lora)
         if pending is None:  # no layers
             return self.backend.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.backend.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)[1]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
-        logits = self.lm_head(hidden, exact).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap).mul_(cap)

@@ -1,7 +1,8 @@
 """The CPU backend: hand-written C kernels (csrc/, built on first use for this CPU by
 punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_ops) where not.
 
-- Linears (`linear.CpuLinear`): weight formats chosen by rules over the CPU's instruction sets
+- Linears (`linear`: one module per weight format, the int8 format a width dispatch composed of
+  them by prepare_model): weight formats chosen by rules over the CPU's instruction sets
   and the kernels packed (`formats`), never by a timing, so greedy outputs do not depend on the
   load at start-up: int8 weight-only for decode-sized batches (the C int8 kernel, the Q4_1
   kernel on the checkpoint's own blocks for the smallest, the AMX kernel for wide ones where the
@@ -28,7 +29,8 @@ import punica_kernels
 from engine.backends import torch_ops
 from engine.backends.base import Backend, LoRABatch, dense_rows
 from engine.backends.cpu import decode_ops, formats
-from engine.backends.cpu.linear import CpuLinear
+from engine.backends.cpu.linear import (DenseLinear, Int8Parts, PendingInt8Linear, StepKind, compose_int8,
+                                        onednn_packing)
 from engine.loader import gguf_quants
 from engine.loader.quantized import QuantizedWeight
 from engine.model.attention import AttentionMetadata
@@ -76,10 +78,21 @@ class CpuBackend(Backend):
     def __init__(self, config):
         super().__init__(config)
         self.decode_ops = config.cpu_decode_ops and decode_ops.library() is not None
-        #: Whether steps that prefill take the int8 layers' exact fp32 copies (prepare_model).
-        self.exact_prefill = True
-        #: (layers, lm_head) row counts up to which the int8 kernels serve; None unless int8.
-        self.int8_max_rows: tuple[int, int] | None = None
+        #: Whether the step being run prefills (begin_step), for the int8 layers' prefill copy.
+        self.step = StepKind()
+        #: What prepare_model chose for the int8 format (formats.FormatChoice); None before, or
+        #: for the fp32/bf16 formats.
+        self.formats: formats.FormatChoice | None = None
+
+    @property
+    def exact_prefill(self) -> bool:
+        """Whether steps that prefill take the int8 layers' exact fp32 copy (the format choice)."""
+        return self.formats is None or self.formats.exact_prefill
+
+    @property
+    def int8_max_rows(self) -> tuple[int, int] | None:
+        """(layers, lm_head) row counts up to which the int8 kernels serve; None unless int8."""
+        return None if self.formats is None else (self.formats.int8_max_rows, self.formats.head_int8_max_rows)
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -92,48 +105,69 @@ class CpuBackend(Backend):
         return "int8" if fmt == "auto" else fmt
 
     def linear(self, parts, *, lm_head: bool = False) -> nn.Module:
-        """A CpuLinear of the parts' dense weight (QuantizedWeights dequantized: this backend's
-        formats are its own, chosen in prepare_model); where every part is a GGUF Q4_0/Q4_1-form
-        weight it also keeps their Q4_1 blocks (its Q4_1 kernel's format)."""
+        """The "fp32"/"bf16" formats: a DenseLinear of the parts' dense weight (QuantizedWeights
+        dequantized: this backend's formats are its own). The int8 format: a PendingInt8Linear,
+        composed by prepare_model; where every part is a GGUF Q4_0/Q4_1-form weight it also
+        keeps their Q4_1 blocks (its Q4_1 kernel's format)."""
+        fmt = self.weight_format()
+        if fmt in ("fp32", "bf16"):
+            return DenseLinear(dense_rows(parts), torch.float32 if fmt == "fp32" else torch.bfloat16)
+        if fmt != "int8":
+            raise ValueError(f"unknown weight format {fmt!r}")
         blocks = [gguf_quants.q4_1_blocks(p) if isinstance(p, QuantizedWeight) else None for p in parts]
         q4_1 = None if any(b is None for b in blocks) else torch.from_numpy(np.concatenate(blocks))
-        return CpuLinear(dense_rows(parts), self.weight_format(), q4_1=q4_1)
+        return PendingInt8Linear(dense_rows(parts), q4_1=q4_1)
+
+    def int8_parts(self) -> Int8Parts:
+        """The kernels an int8 layer may be composed of here: EngineConfig's switches, and the
+        oneDNN packing this torch build has."""
+        ec = self.config
+        return Int8Parts(int8_kernel=ec.cpu_int8_kernel, amx_kernel=ec.cpu_amx_kernel, q4_kernel=ec.cpu_q4_kernel,
+                         onednn=onednn_packing(), activations=self.dtype)
 
     def prepare_model(self, model: nn.Module) -> dict:
-        """For the int8 format: pack the dense copies (oneDNN) and the C kernels' copies, then set
-        every layer's paths by the rules of `formats.choose_formats` over this CPU's kind and the
-        kernels packed (never by a timing: the same CPU kind always gives the same numerics), and
-        log the choice in one line. Returns the choice (`FormatChoice.as_dict`) and what was packed."""
+        """For the int8 format: choose by the rules of `formats.choose_formats` over this CPU's
+        kind and the kernels its layers can take (never by a timing: the same CPU kind always
+        gives the same numerics), compose every layer (`apply_formats`) and log the choice in
+        one line. Returns the choice (`FormatChoice.as_dict`) and which kernels were packed."""
         if self.weight_format() != "int8":
             return {}
-        ec = self.config
-        layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
+        parts = self.int8_parts()
+        layers = [m for m in model.layers.modules() if isinstance(m, PendingInt8Linear)]
         head = model.lm_head
-        cpu = formats.detect_cpu()
-        for layer in layers + [head]:
-            layer.set_fast_dtype(formats.dense_dtype(cpu))
-        packed = {"onednn_packed": all([layer.pack_dense() for layer in layers + [head]]),
-                  "int8_kernel": ec.cpu_int8_kernel and all([layer.pack_int8(q4=ec.cpu_q4_kernel, amx=ec.cpu_amx_kernel)
-                                                             for layer in layers + [head]])}
-        packed["amx_kernel"] = packed["int8_kernel"] and all(layer.int8_tiled is not None for layer in layers)
-        choice = formats.choose_formats(cpu, int8_kernel=packed["int8_kernel"], amx_kernel=packed["amx_kernel"],
-                                        q4_kernel=any(layer.q4_blocked is not None for layer in layers),
-                                        exact_prefill=ec.exact_prefill)
-        for layer in layers:
-            layer.int8_max_rows, layer.q4_max_rows = choice.int8_max_rows, choice.q4_max_rows
-        head.int8_max_rows, head.q4_max_rows = choice.head_int8_max_rows, choice.q4_max_rows
-        self.int8_max_rows = (choice.int8_max_rows, choice.head_int8_max_rows)
-        self.exact_prefill = choice.exact_prefill
+        packed = {"onednn_packed": parts.onednn,
+                  "int8_kernel": all(parts.int8(layer) for layer in layers + [head])}
+        packed["amx_kernel"] = packed["int8_kernel"] and all(parts.amx(layer) for layer in layers)
+        choice = formats.choose_formats(formats.detect_cpu(), int8_kernel=packed["int8_kernel"],
+                                        amx_kernel=packed["amx_kernel"],
+                                        q4_kernel=any(parts.q4(layer) for layer in layers),
+                                        exact_prefill=self.config.exact_prefill)
+        self.apply_formats(model, choice, parts)
         formats.log.info("%s", choice.summary())
         return {**choice.as_dict(), **packed, "summary": choice.summary()}
+
+    def apply_formats(self, model: nn.Module, choice: formats.FormatChoice, parts: Int8Parts | None = None) -> None:
+        """Replace every PendingInt8Linear of `model` with the WidthDispatch `choice` composes from
+        `parts` (default: int8_parts()); the lm_head takes the head's crossover. Once per model."""
+        parts = parts or self.int8_parts()
+        pending = [(name, m) for name, m in model.named_modules() if isinstance(m, PendingInt8Linear)]
+        while pending:  # each pending layer (its fp32 and int8 copies) freed as it is replaced
+            name, layer = pending.pop()
+            rows = choice.head_int8_max_rows if layer is model.lm_head else choice.int8_max_rows
+            composed = compose_int8(layer, parts, int8_max_rows=rows, q4_max_rows=choice.q4_max_rows,
+                                    dense=choice.dense, exact_prefill=choice.exact_prefill, step=self.step)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, composed)
+        self.formats = choice
 
     def upload_inputs(self, inputs, lora):
         """Nothing moves: the host-built inputs are the step's tensors."""
         return inputs.input_ids, inputs.positions, inputs.meta, inputs.logit_rows
 
-    def exact_step(self, attn: AttentionMetadata) -> bool:
-        """Steps that prefill run wide matmuls on the exact fp32 weights if `exact_prefill`."""
-        return self.exact_prefill and bool(attn.prefills)
+    def begin_step(self, attn: AttentionMetadata) -> None:
+        """Steps that prefill take the int8 layers' prefill copy (the exact fp32 weights) for
+        batches past the int8 crossover, where the choice keeps one."""
+        self.step.prefills = bool(attn.prefills)
 
     # -- elementwise --------------------------------------------------------------------------
 

@@ -6,16 +6,17 @@ timing varies with the machine's load, and the choice changes numerics); run
     python -m engine.backends.cpu.calibration
 
 to measure them on this machine's embedded SmolLM2 beside what the rules choose, when checking or
-adding a rule for a CPU kind. Each function sets what it measured on the layers it was given."""
+adding a rule for a CPU kind. Each function measures on the layers as loaded (PendingInt8Linear,
+before CpuBackend.prepare_model composes them) and returns what it found."""
 from __future__ import annotations
 
 import time
 
 import torch
+from torch import nn
 
-from engine.backends.cpu import int8 as cpu_int8
-from engine.backends.cpu import q4 as cpu_q4
-from engine.backends.cpu.linear import CpuLinear
+from engine.backends.cpu.linear import (AmxInt8Linear, DenseLinear, Int8KernelLinear, Int8Parts, Int8TorchLinear,
+                                        PendingInt8Linear, Q4Linear)
 
 
 def _min_time(fns: list, reps: int) -> list[float]:
@@ -34,38 +35,31 @@ def _min_time(fns: list, reps: int) -> list[float]:
     return best
 
 
-def choose_dense_dtype(layers: list[CpuLinear], rows: int = 64, reps: int = 7, max_layers: int = 12,
+def choose_dense_dtype(layers: list[PendingInt8Linear], rows: int = 64, reps: int = 7, max_layers: int = 12,
                        candidates=(torch.float32, torch.bfloat16)) -> tuple[torch.dtype, dict[str, float]]:
     """Measure a dense GEMM of `rows` rows over (up to `max_layers` of) these int8 layers' weights
-    in each candidate dtype (fp32 activations cast to it and back, as forward does), make the
-    fastest every layer's `dense_fast` dtype (decode-only wide batches), and return
-    (dtype, {dtype name: ms}).
+    in each candidate dtype (fp32 activations cast to it and back, as DenseLinear does) and return
+    (the fastest, {dtype name: ms}): the dense copy decode-only wide batches would take.
 
     bf16 is several times faster than fp32 where the CPU has avx512_bf16 and several times slower
-    where it has only AVX2, so the choice is timed on this CPU, never assumed. A wide batch is compute bound, so a sample of the
-    layers is enough (the int8 crossover, measured after this, streams all of them)."""
+    where it has only AVX2. A wide batch is compute bound, so a sample of the layers is enough
+    (the int8 crossover streams all of them)."""
     if not layers:
         return torch.float32, {}
     sample = layers[:max_layers]
-    times: dict[str, float] = {}
     with torch.inference_mode():
         xs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in sample}}
-        copies = {dt: [layer.dense if dt == torch.float32 else layer.dense.to(dt) for layer in sample]
-                  for dt in candidates}
+        copies = {dt: [DenseLinear(layer.dense, dt) for layer in sample] for dt in candidates}
 
         def run(dt):
             def f():
-                for layer, w in zip(sample, copies[dt]):
-                    torch.nn.functional.linear(xs[layer.in_features].to(dt), w).float()
+                for lin in copies[dt]:
+                    lin(xs[lin.in_features])
             return f
 
         best = _min_time([run(dt) for dt in candidates], reps)
-    for dt, t in zip(candidates, best):
-        times[str(dt).removeprefix("torch.")] = round(t * 1000, 3)
-    choice = candidates[min(range(len(candidates)), key=best.__getitem__)]
-    for layer in layers:
-        layer.set_fast_dtype(choice)
-    return choice, times
+    times = {str(dt).removeprefix("torch."): round(t * 1000, 3) for dt, t in zip(candidates, best)}
+    return candidates[min(range(len(candidates)), key=best.__getitem__)], times
 
 
 #: The prefill rule (formats): steps that prefill are worth taking the decode path (the AMX kernel,
@@ -77,87 +71,81 @@ def choose_dense_dtype(layers: list[CpuLinear], rows: int = 64, reps: int = 7, m
 FAST_PREFILL_MIN_SPEEDUP = 4.0
 
 
-def measure_prefill_speedup(layers: list[CpuLinear], rows: int = 512, reps: int = 5, max_layers: int = 8) -> float:
-    """fp32 time / fast-copy time of the GEMMs alone (activations already in each copy's dtype) at
-    `rows` rows over (up to `max_layers` of) the largest of these int8 layers (most of a prefill's
-    FLOPs), packed where packed. 1.0 where the layers keep no fast copy. Set the dtype
-    (choose_dense_dtype) and pack first."""
-    fast = [layer for layer in layers if layer.dense_fast is not None]
-    sample = sorted(fast, key=lambda layer: -layer.weight.numel())[:max_layers]
-    if not sample:
+def measure_prefill_speedup(layers: list[PendingInt8Linear], fast: torch.dtype, *, pack: bool = True,
+                            rows: int = 512, reps: int = 5, max_layers: int = 8) -> float:
+    """fp32 time / `fast` time of the dense GEMMs alone (activations already in each copy's dtype)
+    at `rows` rows over (up to `max_layers` of) the largest of these int8 layers (most of a
+    prefill's FLOPs), oneDNN-packed where `pack`. 1.0 where `fast` is fp32."""
+    if fast == torch.float32 or not layers:
         return 1.0
+    sample = sorted(layers, key=lambda layer: -layer.dense.numel())[:max_layers]
     with torch.inference_mode():
-        def run(exact):
-            w = [layer.dense if exact else layer.dense_fast for layer in sample]
-            xs = [torch.randn(rows, layer.in_features).to(wi.dtype) for layer, wi in zip(sample, w)]
+        def run(dt):
+            lins = [DenseLinear(layer.dense, dt, pack=pack) for layer in sample]
+            xs = [torch.randn(rows, lin.in_features).to(dt) for lin in lins]
 
             def f():
-                for layer, x in zip(sample, xs):
-                    layer.dense_linear(x, exact)
+                for lin, x in zip(lins, xs):
+                    lin(x)
             return f
 
-        t_exact, t_fast = _min_time([run(True), run(False)], reps)
+        t_exact, t_fast = _min_time([run(torch.float32), run(fast)], reps)
     return t_exact / t_fast
 
 
-def _largest_winning_rows(layers: list[CpuLinear], candidates, reps: int, ours, theirs) -> int:
+def _largest_winning_rows(pairs: list[tuple[nn.Module, nn.Module]], candidates, reps: int) -> int:
     """The largest row count among `candidates` (ascending; stops at the first loss) for which
-    `ours(layer, x)` over all the layers takes no longer than `theirs(layer, x)`, each timed over
-    all the layers in turn (weights from memory, as in a real step), interleaved after a warm-up,
-    best of `reps`. 0 if ours loses at the first candidate."""
+    the first module of every pair, over all the pairs, takes no longer than the second, each
+    timed over all the pairs in turn (weights from memory, as in a real step), interleaved after
+    a warm-up, best of `reps`. 0 if the first loses at the first candidate."""
     best = 0
     with torch.inference_mode():
         for m in candidates:
-            xs = {k: torch.randn(m, k) for k in {layer.in_features for layer in layers}}
+            xs = {k: torch.randn(m, k) for k in {ours.in_features for ours, _ in pairs}}
 
-            def run(fn):
+            def run(side):
                 def f():
-                    for layer in layers:
-                        fn(layer, xs[layer.in_features])
+                    for pair in pairs:
+                        pair[side](xs[pair[side].in_features])
                 return f
 
-            t_ours, t_theirs = _min_time([run(ours), run(theirs)], reps)
+            t_ours, t_theirs = _min_time([run(0), run(1)], reps)
             if t_ours > t_theirs:
                 break
             best = m
     return best
 
 
-def calibrate_q4_rows(layers: list[CpuLinear], candidates=(1, 2, 4), reps: int = 5) -> int:
-    """Measure, on the layers that keep Q4_1 blocks, the largest batch (rows) for which the Q4_1
-    kernel is at least as fast as the int8 kernel, and set it as their `q4_max_rows` (0: never).
-    Q4_1 reads 0.625 bytes a weight against int8's 1 but does more work per weight: whether it
-    wins at one row depends on the CPU's vector units (bench/RESULTS.md), and past a few
-    rows the int8 kernel (which shares each widened weight between rows) wins on both. Returns the
-    threshold; nothing to measure (no Q4_1 layers) returns 0."""
-    q4 = [layer for layer in layers if layer.q4_blocked is not None]
+def calibrate_q4_rows(layers: list[PendingInt8Linear], parts: Int8Parts, candidates=(1, 2, 4), reps: int = 5) -> int:
+    """The largest batch (rows) for which the Q4_1 kernel, on the layers that keep Q4_1 blocks
+    and can take it (`parts`), is at least as fast as the int8 kernel (0: never, or nothing to
+    measure). Q4_1 reads 0.625 bytes a weight against int8's 1 but does more work per weight:
+    whether it wins at one row depends on the CPU's vector units (bench/RESULTS.md), and past a
+    few rows the int8 kernel (which shares each widened weight between rows) wins on all."""
+    q4 = [layer for layer in layers if parts.q4(layer)]
     if not q4:
         return 0
-    best = _largest_winning_rows(q4, candidates, reps,
-                                 lambda layer, x: cpu_q4.q4_linear(x, layer.q4_blocked),
-                                 lambda layer, x: cpu_int8.int8_linear(x, layer.int8_blocked, layer.int8_scales))
-    for layer in q4:
-        layer.q4_max_rows = best
-    return best
+    return _largest_winning_rows([(Q4Linear(layer.q4_1), Int8KernelLinear(layer.q, layer.scales)) for layer in q4],
+                                 candidates, reps)
 
 
-def calibrate_int8_rows(layers: list[CpuLinear], candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
-    """Measure, on these int8 layers' own weights, the largest batch (rows) for which the int8
-    kernel beats each layer's decode-time wide path (`wide_linear`: choose the dtype and pack
-    first), and set it as every layer's `int8_max_rows` (`_largest_winning_rows`). Returns the
-    threshold (0: the wide path is faster even for one row)."""
+def calibrate_int8_rows(layers: list[PendingInt8Linear], parts: Int8Parts, dense: torch.dtype,
+                        candidates=(1, 2, 4, 8, 12, 16, 24, 32), reps: int = 5) -> int:
+    """The largest batch (rows) for which the int8 kernel (the C one where it takes the layer,
+    else torch's) beats the decode-time wide path (the AMX kernel where it takes the layer, else
+    the `dense` copy, packed as `parts` says) on these layers' own weights (0: the wide path is
+    faster even for one row)."""
     if not layers:
         return 0
-    best = _largest_winning_rows(layers, candidates, reps, lambda layer, x: layer.int8_linear(x),
-                                 lambda layer, x: layer.wide_linear(x, exact=False))
-    for layer in layers:
-        layer.int8_max_rows = best
-    return best
+    pairs = [((Int8KernelLinear if parts.int8(layer) else Int8TorchLinear)(layer.q, layer.scales),
+              AmxInt8Linear(layer.q, layer.scales) if parts.amx(layer)
+              else DenseLinear(layer.dense, dense, pack=parts.onednn)) for layer in layers]
+    return _largest_winning_rows(pairs, candidates, reps)
 
 
 def main() -> None:
     """Print one JSON object: the rules' choice for this CPU and the measured winners, on the
-    embedded SmolLM2's layers packed as the engine packs them."""
+    embedded SmolLM2's layers as the engine loads them."""
     import json
 
     from engine.backends.cpu import CpuBackend, formats
@@ -168,19 +156,17 @@ def main() -> None:
     cfg, weights, _ = load_gguf(default_model_path())
     backend = CpuBackend(EngineConfig(weight_format="int8"))
     model = DecoderModel(cfg, weights, backend=backend)
-    chosen = backend.prepare_model(model)
-    layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
+    parts = backend.int8_parts()
+    layers = [m for m in model.layers.modules() if isinstance(m, PendingInt8Linear)]
     head = model.lm_head
+    rows = (1, 2, 4, 6, 8, 12, 16, 24, 32)
     dense, dense_ms = choose_dense_dtype(layers, reps=15)
-    for layer in layers + [head]:
-        layer.set_fast_dtype(dense)
-        layer.pack_dense()
     measured = {"dense": str(dense).removeprefix("torch."), "dense_ms": dense_ms,
-                "q4_1_max_rows": calibrate_q4_rows(layers, reps=15),
-                "int8_max_rows": calibrate_int8_rows(layers, candidates=(1, 2, 4, 6, 8, 12, 16, 24, 32), reps=15),
-                "lm_head_int8_max_rows": calibrate_int8_rows([head], candidates=(1, 2, 4, 6, 8, 12, 16, 24, 32),
-                                                             reps=15),
-                "prefill_fast_speedup": round(measure_prefill_speedup(layers, reps=9), 2)}
+                "q4_1_max_rows": calibrate_q4_rows(layers, parts, reps=15),
+                "int8_max_rows": calibrate_int8_rows(layers, parts, dense, candidates=rows, reps=15),
+                "lm_head_int8_max_rows": calibrate_int8_rows([head], parts, dense, candidates=rows, reps=15),
+                "prefill_fast_speedup": round(measure_prefill_speedup(layers, dense, pack=parts.onednn, reps=9), 2)}
+    chosen = backend.prepare_model(model)
     print(json.dumps({"cpu": formats.detect_cpu().describe(), "rules": chosen, "measured": measured}))
 
 

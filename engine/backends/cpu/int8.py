@@ -6,7 +6,7 @@ Built and loaded like the CPU LoRA kernel (punica_kernels.cbuild: the machine's 
 -march=native, a cache keyed by source and CPU). It reads int8 weights in a blocked layout
 (`block_weight`) at about twice the rate of torch's `_weight_int8pack_mm` at 1-2 rows, with fp32
 activations. Where it is unavailable (no compiler, `EngineConfig.cpu_int8_kernel` off) or the shape is
-not a multiple of 16, engine.backends.cpu.linear.CpuLinear keeps torch's kernel.
+not a multiple of 16, the int8 format keeps torch's kernel (engine.backends.cpu.linear.Int8TorchLinear).
 """
 from __future__ import annotations
 

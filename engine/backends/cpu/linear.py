@@ -1,7 +1,24 @@
-"""The CPU backend's base linear: frozen weights stored as fp32, bf16 or int8 weight-only, each
-batch on the copy the CPU's rules choose for its width (engine.backends.cpu.formats)."""
+"""The CPU backend's base linears: one immutable module per weight format, and the width dispatch
+the int8 format is composed of.
+
+    DenseLinear       a dense fp32 or bf16 weight (only a oneDNN-blocked copy where packed)
+    Int8TorchLinear   int8 weight-only (bf16 scales) through torch's `_weight_int8pack_mm`
+    Int8KernelLinear  the same weights through the C kernel's blocked copy (engine.backends.cpu.int8)
+    Q4Linear          the checkpoint's own Q4_1 blocks through the C Q4_1 kernel (engine.backends.cpu.q4)
+    AmxInt8Linear     the int8 weights on AMX tiles (bf16 activations, fp32 accumulation)
+    WidthDispatch     the int8 format: a batch of T rows takes its first band whose bound is >= T
+                      (the Q4_1 and int8 kernels), else its `wide` module (a dense copy or the
+                      AMX kernel), or its `prefill` module in steps that prefill (the exact fp32 copy)
+
+Every module is `lin(x [T, in]) -> [T, out]` in x's dtype, holds only the copy it reads, and is
+not changed after it is built. The "fp32" and "bf16" formats are one DenseLinear each. The int8
+format loads as a `PendingInt8Linear` (the fp32 weight, its int8 rounding and the checkpoint's
+Q4_1 blocks), which `CpuBackend.prepare_model` replaces, whole and once, with the WidthDispatch
+`compose_int8` builds by the CPU's rules (engine.backends.cpu.formats).
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -10,136 +27,230 @@ from torch import nn
 from engine.backends.cpu import int8 as cpu_int8
 from engine.backends.cpu import q4 as cpu_q4
 
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
-class CpuLinear(nn.Module):
-    """y = x @ W.T for a frozen base weight W [out, in], stored as `fmt`.
 
-    fmt "fp32"/"bf16": a dense weight in that dtype (activations are cast to it).
-    fmt "int8": per-output-channel symmetric int8 with bf16 scales, read 1 byte per weight for
-    skinny batches (M <= int8_max_rows) by `int8_linear`: the C kernel on a blocked copy
-    (`pack_int8`, fp32 activations, each block of rows one linear stream) or torch's fused weight-only
-    kernel (`_weight_int8pack_mm`, bf16 activations); wider batches use a dense copy, because a
-    dense GEMM beats those there:
-      - `dense` (fp32) for `exact=True` calls, which the model makes for steps that prefill:
-        a prompt's first token comes from (near) fp32 numerics, as with the exact format;
-      - `dense_fast` (bf16, or None = use `dense`) for decode-only steps wider than the int8
-        crossover: bf16 GEMMs beat fp32 where the CPU has avx512_bf16 and lose to it where it has
-        only AVX2, so bf16 is kept only on CPUs with avx512_bf16 or AMX.
-    Both the crossover and the fast dtype depend on the CPU: the backend sets them at engine
-    start by the rules of engine.backends.cpu.formats (the same on every start, whatever the load).
-    `pack_dense` (CPU with oneDNN) adds oneDNN-blocked copies of those dense weights, which
-    `dense_linear` then uses: the same dtype and numerics, without the per-call reorder of a
-    plain weight (faster at 1-100 rows; bench/RESULTS.md).
-    The output has the activation dtype.
-    """
+class DenseLinear(nn.Module):
+    """y = x @ W.T with W [out, in] stored in `dtype` (x is cast to it, the output back to x's
+    dtype). `pack`: store only a oneDNN-blocked copy (the same dtype and numerics, without the
+    per-call reorder of a plain weight: faster at 1-100 rows; bench/RESULTS.md) where this torch
+    build packs (`onednn_packing`)."""
 
-    INT8_MAX_ROWS = 32
-
-    def __init__(self, weight: torch.Tensor, fmt: str, q4_1: torch.Tensor | None = None):
-        """weight: fp32-convertible [out, in]; q4_1: the checkpoint's raw Q4_1 rows of the same
-        weight where it has them (kept for the int8 format's smallest batches, see pack_int8)."""
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, *, pack: bool = False):
         super().__init__()
-        self.fmt = fmt
-        self.q4_1_raw = q4_1 if fmt == "int8" else None
-        self.q4_blocked: torch.Tensor | None = None  # the Q4_1 kernel's layout of q4_1_raw (pack_int8)
-        self.q4_max_rows = 1  # batches up to this many rows take the Q4_1 kernel (formats)
-        self.int8_max_rows = self.INT8_MAX_ROWS
-        self.out_features, self.in_features = weight.shape
-        self.dense_fast: torch.Tensor | None = None
-        self.packed: dict[torch.dtype, torch.Tensor] = {}  # oneDNN-blocked dense copies (pack_dense)
-        self.int8_blocked: torch.Tensor | None = None  # the C kernel's layout of `weight` (pack_int8)
-        self.int8_scales: torch.Tensor | None = None   # fp32 copy of `scales` for it
-        self.int8_tiled: torch.Tensor | None = None    # the AMX kernel's layout of `weight` (pack_int8)
-        w = weight.float()
-        if fmt == "fp32":
-            self.register_buffer("weight", w.contiguous())
-        elif fmt == "bf16":
-            self.register_buffer("weight", w.to(torch.bfloat16).contiguous())
-        elif fmt == "int8":
-            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            self.register_buffer("weight", q.contiguous())
-            self.register_buffer("scales", scale.to(torch.bfloat16))
-            self.register_buffer("dense", w.contiguous())
-        else:
-            raise ValueError(f"unknown weight format {fmt!r}")
+        w = weight.to(dtype).contiguous()
+        self.out_features, self.in_features = w.shape
+        self.dtype = dtype
+        self.packed = pack and onednn_packing()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.packed else w)
 
-    def set_fast_dtype(self, dtype: torch.dtype) -> None:
-        """Decode-only wide batches of an int8 layer multiply by the dense weight in `dtype`
-        (fp32: the exact copy itself; bf16: a second, rounded copy)."""
-        if self.fmt != "int8":
-            raise ValueError("only int8 layers keep dense copies")
-        self.dense_fast = None if dtype == torch.float32 else self.dense.to(dtype).contiguous()
-
-    def pack_dense(self) -> bool:
-        """Add oneDNN-blocked copies of the int8 format's dense weights (fp32 `dense`, and
-        `dense_fast` if set) for `dense_linear`. False (nothing packed) where oneDNN packing is
-        unavailable (not a CPU tensor, or a torch build without it)."""
-        if self.fmt != "int8" or not _onednn_packing():
-            return False
-        self.packed = {w.dtype: torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
-                       for w in (self.dense, self.dense_fast) if w is not None}
-        return True
-
-    def pack_int8(self, *, q4: bool = True, amx: bool = True) -> bool:
-        """Add the CPU int8 kernel's blocked copy of the int8 weight (engine.backends.cpu.int8) for
-        `int8_linear`, on CPUs with AMX the tiled copy for `wide_linear` (if `amx`), and the Q4_1
-        kernel's copy of the checkpoint's blocks (if `q4`). False (nothing added) where the
-        kernel cannot take it."""
-        if self.fmt != "int8" or not cpu_int8.supports(self.weight):
-            return False
-        self.int8_blocked = cpu_int8.block_weight(self.weight)
-        self.int8_scales = self.scales.float()
-        if amx and cpu_int8.supports_amx(self.weight):
-            self.int8_tiled = cpu_int8.tile_weight(self.weight)
-        if q4 and self.q4_1_raw is not None and cpu_q4.supports(self.q4_1_raw):
-            self.q4_blocked = cpu_q4.block_weight(self.q4_1_raw)
-        self.q4_1_raw = None  # the blocked copy (or nothing) from here on
-        return True
-
-    def int8_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for decode-sized batches, in x's dtype: with fp32 activations, the Q4_1 kernel on
-        the checkpoint's own blocks where packed and the batch has at most `q4_max_rows` rows
-        (exactly the fp32 weights), else the int8 C kernel; otherwise torch's
-        `_weight_int8pack_mm` (bf16 activations). The int8 paths multiply by the int8 weight * scales."""
-        if self.q4_blocked is not None and x.shape[0] <= self.q4_max_rows and x.dtype == torch.float32:
-            return cpu_q4.q4_linear(x, self.q4_blocked)
-        if self.int8_blocked is not None and x.dtype == torch.float32:
-            return cpu_int8.int8_linear(x, self.int8_blocked, self.int8_scales)
-        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
-
-    def dense_linear(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
-        """x @ dense.T for the int8 format's wide batches: the fp32 copy when `exact`, else
-        `dense_fast` (if set); the oneDNN-blocked copy when packed. Output in x's dtype."""
-        w = self.dense if exact or self.dense_fast is None else self.dense_fast
-        packed = self.packed.get(w.dtype)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), packed, None, "none", [], "").to(x.dtype)
-        return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
-
-    def wide_linear(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
-        """The int8 format's batches wider than `int8_max_rows`: decode batches (not `exact`) on
-        the AMX kernel where packed (the int8 weights themselves, bf16 activations, half the
-        bytes of the bf16 dense copy), else `dense_linear`. Output in x's dtype."""
-        if not exact and self.int8_tiled is not None and x.dtype == torch.float32:
-            return cpu_int8.int8_linear_amx(x, self.int8_tiled, self.int8_scales)
-        return self.dense_linear(x, exact)
-
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self.fmt == "int8":
-            if x.shape[0] <= self.int8_max_rows:
-                return self.int8_linear(x)
-            return self.wide_linear(x, exact)
-        w = self.weight
-        if x.dtype != w.dtype:
-            return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
-        return torch.nn.functional.linear(x, w)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, None, "none", [], "").to(x.dtype)
+        if x.dtype != self.dtype:
+            return torch.nn.functional.linear(x.to(self.dtype), self.weight).to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight as fp32 [out, in] (for references and tests)."""
-        if self.fmt == "int8":
-            return self.weight.float() * self.scales.float()[:, None]
+        """The weight as fp32 [out, in] (a plain copy only: a packed one is not read back)."""
+        if self.packed:
+            raise ValueError("a oneDNN-packed weight is not read back")
         return self.weight.float()
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {_SHORT.get(self.dtype, self.dtype)}"
+                f"{', oneDNN-packed' if self.packed else ''}")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [out, in] -> (int8 [out, in], bf16 scales [out]): per-output-channel symmetric, the
+    int8 format's rounding."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(torch.bfloat16)
+
+
+class Int8TorchLinear(nn.Module):
+    """y = x @ (q * scales).T through torch's fused weight-only kernel (activations rounded to
+    bf16 on the way in): the int8 format's narrow batches where the C kernel cannot take them."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales)
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+class Int8KernelLinear(nn.Module):
+    """The same product as Int8TorchLinear in fp32 (activations not rounded) through the C int8
+    kernel, reading its blocked copy (`cpu_int8.block_weight`; N and K multiples of 16)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("blocked", cpu_int8.block_weight(q))
+        self.register_buffer("scales", scales.float())
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.int8_linear(x.float(), self.blocked, self.scales).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        q = self.blocked.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+        return q.float() * self.scales[:, None]
+
+
+class AmxInt8Linear(nn.Module):
+    """bf16(x) @ (q * scales).T accumulated in fp32 on the AMX tile unit, reading the tiled copy
+    (`cpu_int8.tile_weight`): half the bytes of a bf16 dense copy, for batches past the int8
+    kernel's crossover on CPUs with AMX."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("tiled", cpu_int8.tile_weight(q))
+        self.register_buffer("scales", scales.float())
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.int8_linear_amx(x.float(), self.tiled, self.scales).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        q = self.tiled.permute(0, 3, 1, 2, 4).reshape(self.out_features, self.in_features)
+        return q.float() * self.scales[:, None]
+
+
+class Q4Linear(nn.Module):
+    """y = x @ W.T for the checkpoint's Q4_1 weights W, read from the C kernel's blocked copy of
+    its blocks (`cpu_q4.block_weight`) at 0.625 bytes a weight: the product with exactly the
+    weights the file describes, in fp32."""
+
+    def __init__(self, raw: torch.Tensor):
+        super().__init__()
+        self.register_buffer("blocked", cpu_q4.block_weight(raw))
+        self.out_features = raw.shape[0]
+        self.in_features = raw.shape[1] // cpu_q4.BLOCK_BYTES * 32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_q4.q4_linear(x.float(), self.blocked).to(x.dtype)
+
+
+class StepKind:
+    """Whether the step being run prefills: set by CpuBackend.begin_step, read by every
+    WidthDispatch of that backend (the one piece of per-step state its linears share)."""
+
+    __slots__ = ("prefills",)
+
+    def __init__(self):
+        self.prefills = False
+
+
+class WidthDispatch(nn.Module):
+    """The int8 format's linear: `bands` [(max_rows, module)] in ascending order of max_rows; a
+    batch of T rows takes the first band with T <= max_rows, else `prefill` where set and the
+    step prefills (`step`), else `wide`. Every part is the same weight in another form."""
+
+    def __init__(self, bands: list[tuple[int, nn.Module]], wide: nn.Module, prefill: nn.Module | None,
+                 step: StepKind):
+        super().__init__()
+        self.band_modules = nn.ModuleList(m for _, m in bands)
+        self.wide = wide
+        self.prefill = prefill
+        self.step = step
+        self.out_features, self.in_features = wide.out_features, wide.in_features
+        # The parts' forwards, called directly: a module call's hooks machinery costs microseconds,
+        # a share of a one-token step's ~120 linears.
+        self._bands = tuple((rows, m.forward) for rows, m in bands)
+        self._wide = wide.forward
+        self._prefill = None if prefill is None else prefill.forward
+
+    @property
+    def bands(self) -> list[tuple[int, nn.Module]]:
+        return [(rows, m) for (rows, _), m in zip(self._bands, self.band_modules)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        for rows, fn in self._bands:
+            if t <= rows:
+                return fn(x)
+        if self._prefill is not None and self.step.prefills:
+            return self._prefill(x)
+        return self._wide(x)
+
+    def dequantized(self) -> torch.Tensor:
+        """The int8 weights as fp32 [out, in] (what the int8 band multiplies by)."""
+        int8 = next(m for m in self.band_modules if isinstance(m, (Int8KernelLinear, Int8TorchLinear)))
+        return int8.dequantized()
+
+    def extra_repr(self) -> str:
+        bands = ", ".join(f"<= {rows}: {type(m).__name__}" for rows, m in self.bands)
+        prefill = f", prefill: {type(self.prefill).__name__}" if self.prefill is not None else ""
+        return f"{bands}, wider: {type(self.wide).__name__}{prefill}"
+
+
+class PendingInt8Linear(nn.Module):
+    """An int8-format linear between load and CpuBackend.prepare_model: the fp32 weight, its int8
+    rounding (`quantize_int8`) and the checkpoint's raw Q4_1 rows where it has them. Not a
+    runnable linear: prepare_model replaces it with `compose_int8`'s WidthDispatch."""
+
+    def __init__(self, weight: torch.Tensor, q4_1: torch.Tensor | None = None):
+        super().__init__()
+        self.dense = weight.float().contiguous()
+        self.q, self.scales = quantize_int8(self.dense)
+        self.q4_1 = q4_1
+        self.out_features, self.in_features = self.dense.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an int8-format linear runs after CpuBackend.prepare_model composes it")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Parts:
+    """Which kernels an int8 layer's composition may use (CpuBackend.prepare_model's switches and
+    what this CPU built), and the activation dtype."""
+    int8_kernel: bool
+    amx_kernel: bool
+    q4_kernel: bool
+    onednn: bool
+    activations: torch.dtype = torch.float32
+
+    def int8(self, layer: PendingInt8Linear) -> bool:
+        return self.int8_kernel and self.activations == torch.float32 and cpu_int8.supports(layer.q)
+
+    def amx(self, layer: PendingInt8Linear) -> bool:
+        return self.amx_kernel and self.int8(layer) and cpu_int8.supports_amx(layer.q)
+
+    def q4(self, layer: PendingInt8Linear) -> bool:
+        return self.q4_kernel and self.int8(layer) and layer.q4_1 is not None and cpu_q4.supports(layer.q4_1)
+
+
+def compose_int8(layer: PendingInt8Linear, parts: Int8Parts, *, int8_max_rows: int, q4_max_rows: int,
+                 dense: torch.dtype, exact_prefill: bool, step: StepKind) -> WidthDispatch:
+    """The WidthDispatch of one int8 layer: the Q4_1 blocks up to `q4_max_rows` rows (where it has
+    them and the kernel takes them), the int8 weights up to `int8_max_rows` (the C kernel where it
+    takes them, else torch's), then the AMX kernel where it takes them or the dense copy in
+    `dense`, and, where `exact_prefill`, the fp32 copy in steps that prefill. One dense module
+    serves both where the dtypes agree."""
+    bands: list[tuple[int, nn.Module]] = []
+    if q4_max_rows > 0 and parts.q4(layer):
+        bands.append((min(q4_max_rows, int8_max_rows), Q4Linear(layer.q4_1)))
+    int8 = Int8KernelLinear if parts.int8(layer) else Int8TorchLinear
+    bands.append((int8_max_rows, int8(layer.q, layer.scales)))
+    copies: dict[torch.dtype, DenseLinear] = {}
+
+    def copy(dt: torch.dtype) -> DenseLinear:
+        if dt not in copies:
+            copies[dt] = DenseLinear(layer.dense, dt, pack=parts.onednn)
+        return copies[dt]
+
+    wide = AmxInt8Linear(layer.q, layer.scales) if parts.amx(layer) else copy(dense)
+    prefill = copy(torch.float32) if exact_prefill else None
+    return WidthDispatch(bands, wide, None if prefill is wide else prefill, step)
 
 
 #: The row count oneDNN blocks packed weights for (a hint: any row count works).
@@ -147,7 +258,7 @@ _PACK_ROWS = 32
 
 
 @functools.lru_cache(maxsize=1)
-def _onednn_packing() -> bool:
+def onednn_packing() -> bool:
     """Whether this torch build packs linear weights with oneDNN and gets the same result as
     F.linear from them (checked once, on a small weight, in fp32 and bf16)."""
     if not torch.backends.mkldnn.is_available():

@@ -34,7 +34,7 @@ class DenseLinear(nn.Module):
         self.register_buffer("weight", weight.to(device=device, dtype=dtype).contiguous())
         self.out_features, self.in_features = weight.shape
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight)
 
 

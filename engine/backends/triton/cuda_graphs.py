@@ -45,7 +45,7 @@ class CudaGraphCapture:
     instance's memory pool, since graphs replay one at a time and what one graph's kernels leave
     in its temporaries is never read by another (outputs are copied into buffers allocated
     outside the graphs), so the pool holds about one bucket's activations, which the KV cache's
-    activation reserve (LLMEngine._activation_reserve_bytes) already leaves free. The pool is not
+    activation reserve (engine.engine_builder.activation_reserve_bytes) already leaves free. The pool is not
     shared across engines: capturing into a pool whose graphs a discarded engine freed trips the
     caching allocator's internal assert (seen on an H200 with torch 2.11: a second engine in one
     process could not capture)."""
@@ -144,7 +144,7 @@ class DecodeGraphs:
 
         def forward() -> None:
             hidden = model(ids, paged.positions, kv, meta, lora)
-            out.copy_(model.compute_logits(hidden, exact=False))
+            out.copy_(model.compute_logits(hidden))
 
         self.stats["captures"] += 1
         self.capturing = b  # which bucket a capture call is for (stand-ins in tests read it)

@@ -639,12 +639,13 @@ def device_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 class W4A16Linear(nn.Module):
-    """A frozen base linear kept 4-bit on the device: `lin(x [T, in], exact) -> [T, out]` in x's
-    dtype (the Backend.linear contract). Only the 4-bit weight (codes, scales, mins, and a
-    QuantizedWeight's input permutation) lives on the device."""
+    """A frozen base linear kept 4-bit on the device: `lin(x [T, in]) -> [T, out]` in x's dtype
+    (the Backend.linear contract). Only the 4-bit weight (codes, scales, mins, and a
+    QuantizedWeight's input permutation) lives on the device. `exact`: a reference module whose
+    GEMM tiles multiply in fp32 with IEEE products (w4a16_matmul's `exact`), for parity runs."""
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, *, device: torch.device | str, dtype: torch.dtype,
-                 group_size: int = DEFAULT_GROUP_SIZE):
+                 group_size: int = DEFAULT_GROUP_SIZE, exact: bool = False):
         """weight: a float [out, in] tensor on the host, quantized at load with `group_size`
         (`quantize`); or a checkpoint's 4-bit QuantizedWeight, whose codes, scales and mins go
         to the device as they are (`from_quantized`; group_size is then the checkpoint's).
@@ -665,6 +666,7 @@ class W4A16Linear(nn.Module):
         self.register_buffer("perm", None if perm is None else perm.to(device))
         self.group_size = packed.group_size
         self.dtype = dtype
+        self.exact = exact
         self.out_features, self.in_features = packed.N, packed.K
 
     @property
@@ -672,12 +674,12 @@ class W4A16Linear(nn.Module):
         """The weight in the stored (permuted) input order: y = x[:, perm] @ dequantize(weight4).T."""
         return W4Weight(self.qweight, self.scales, self.mins, self.group_size)
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             # Act-order checkpoints: the codes' inputs are sorted by group, so x is read in that
             # order (one gather of the activations, T x K, before the kernel).
             x = x.index_select(1, self.perm)
-        return w4a16_matmul(x, self.weight4, exact=exact)
+        return w4a16_matmul(x, self.weight4, exact=self.exact)
 
     def extra_repr(self) -> str:
         order = ", act-order perm" if self.perm is not None else ""

@@ -248,11 +248,12 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
 
 
 class W8A16Linear(nn.Module):
-    """A frozen base linear kept 8-bit on the device: `lin(x [T, in], exact) -> [T, out]` in x's
-    dtype (the Backend.linear contract). Only the checkpoint's codes, scales, mins (where the
-    format has them) and input permutation (where it has one) live on the device, as loaded."""
+    """A frozen base linear kept 8-bit on the device: `lin(x [T, in]) -> [T, out]` in x's dtype
+    (the Backend.linear contract). Only the checkpoint's codes, scales, mins (where the format
+    has them) and input permutation (where it has one) live on the device, as loaded. `exact`: a
+    reference module (w8a16_matmul's `exact` GEMM tiles), for parity runs."""
 
-    def __init__(self, qw: QuantizedWeight, *, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, qw: QuantizedWeight, *, device: torch.device | str, dtype: torch.dtype, exact: bool = False):
         """qw: an 8-bit QuantizedWeight on the host; dtype: the activations' dtype (forward's x).
         ValueError for another bit width (w4a16.W4A16Linear takes 4-bit weights)."""
         super().__init__()
@@ -266,6 +267,7 @@ class W8A16Linear(nn.Module):
         self.group_size = qw.group_size
         self.source = qw.source or "8-bit"
         self.dtype = dtype
+        self.exact = exact
         self.out_features, self.in_features = qw.N, qw.K
 
     @property
@@ -273,8 +275,8 @@ class W8A16Linear(nn.Module):
         """The weight as the kernels read it (dequantize(weight8) is the layer's fp32 weight)."""
         return QuantizedWeight(8, self.codes, self.scales, self.mins, self.group_size, self.perm, self.source)
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        return w8a16_matmul(x, self.weight8, exact=exact)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a16_matmul(x, self.weight8, exact=self.exact)
 
     def extra_repr(self) -> str:
         order = ", act-order perm" if self.perm is not None else ""
