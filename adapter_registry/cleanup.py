@@ -14,9 +14,9 @@ from sqlalchemy import delete, select, union
 from sqlalchemy.orm import Session
 
 from adapter_registry.content import BLOB_PREFIX
-from adapter_registry.db import utcnow
 from adapter_registry.models import AdapterVersion, Blob
-from adapter_registry.objectstore import ObjectStore
+from tessera_core.db import utcnow
+from tessera_core.objectstore import ObjectStore
 
 DEFAULT_GRACE = timedelta(hours=1)
 

@@ -29,10 +29,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
 from adapter_registry.content import sha256_file, version_digest
-from adapter_registry.errors import ObjectNotFound, RegistryError
 from adapter_registry.models import Adapter, AdapterVersion
-from adapter_registry.objectstore import ObjectStore
 from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterFetchError, check_version_id
+from tessera_core.errors import ObjectNotFound, TesseraError
+from tessera_core.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 #: Tries of a quarantine write before report_fault gives up (logged).
@@ -133,7 +133,7 @@ class RegistryAdapterSource:
                     self.store.get_file(key, tmp / name)
                 except ObjectNotFound:
                     raise AdapterFetchError(f"adapter version {version.sha256}: object {key} is missing from the store") from None
-                except RegistryError as e:
+                except TesseraError as e:
                     raise AdapterFetchError(f"adapter version {version.sha256}: {e}") from e
                 actual = actual_sha[name] = sha256_file(tmp / name)[0]
                 if actual != expected:

@@ -1,18 +1,15 @@
 """Errors a registry caller can get. Each carries the HTTP status the platform maps it to, and a
-message meant for the person who caused it."""
+message meant for the person who caused it. The object store's errors (ObjectStoreError, a 503,
+and ObjectNotFound) are tessera_core.errors'; a caller that must see them too catches
+TesseraError or Unavailable, of which these are kinds."""
 from __future__ import annotations
 
+from tessera_core.errors import TesseraError, Unavailable
 
-class RegistryError(Exception):
+
+class RegistryError(TesseraError):
     """Base of the registry's user-facing errors. A subclass names its HTTP status in its class
     line (`class NotFound(RegistryError, http_status=404)`), else inherits its parent's."""
-
-    http_status = 400
-
-    def __init_subclass__(cls, *, http_status: int | None = None, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if http_status is not None:
-            cls.http_status = http_status
 
 
 class NotFound(RegistryError, http_status=404):
@@ -63,13 +60,7 @@ class NameTaken(Conflict):
         self.param = param
 
 
-class RegistryUnavailable(RegistryError, http_status=503):
-    """The database or object store failed; nothing was half-made, the caller may retry."""
-
-
-class ObjectStoreError(RegistryUnavailable):
-    """The object store could not be reached or refused an operation."""
-
-
-class ObjectNotFound(RegistryError, http_status=404):
-    """The object store has no object under this key."""
+class RegistryUnavailable(RegistryError, Unavailable, http_status=503):
+    """Something the registry relies on failed (the database, the validation queue, a validation
+    child, stored files that no longer match their digest); nothing was half-made, the caller may
+    retry. (The object store's own failure is tessera_core's ObjectStoreError, an Unavailable too.)"""

@@ -17,7 +17,8 @@ import functools
 
 from prometheus_client import Counter
 
-from adapter_registry.errors import Conflict, QuotaExceeded, RegistryError, RegistryUnavailable, UploadRejected
+from adapter_registry.errors import Conflict, QuotaExceeded, UploadRejected
+from tessera_core.errors import TesseraError, Unavailable
 
 UPLOADS = Counter("tessera_registry_uploads_total", "Adapter uploads by outcome.", ["outcome"])
 REJECTIONS = Counter("tessera_registry_rejections_total", "Adapter uploads refused or rejected, by reason.",
@@ -71,10 +72,10 @@ def count_uploads(fn):
     def wrapper(*args, **kwargs):
         try:
             version = fn(*args, **kwargs)
-        except RegistryUnavailable:
+        except Unavailable:  # database, queue or object store
             UPLOADS.labels("error").inc()
             raise
-        except RegistryError as e:
+        except TesseraError as e:
             reason = ("quota" if isinstance(e, QuotaExceeded) else "conflict" if isinstance(e, Conflict)
                       else reason_of(str(e), stage="upload") if isinstance(e, UploadRejected) else "other")
             UPLOADS.labels("refused").inc()

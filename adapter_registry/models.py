@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from adapter_registry.db import Base, utcnow
+from tessera_core.db import Base, utcnow
 
 TENANT_STATUSES = ("active", "suspended")
 # quarantined: was ready, then the engine found it faulty (non-finite outputs); never served again.

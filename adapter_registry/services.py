@@ -37,24 +37,24 @@ from adapter_registry import metrics
 from adapter_registry.archive import ArchiveLimits, stage_upload
 from adapter_registry.base_models import match_base_model
 from adapter_registry.content import blob_key, sha256_file, version_digest
-from adapter_registry.db import utcnow
 from adapter_registry.errors import (
     AdapterDoesNotFitBase,
     BaseModelRefused,
     Conflict,
     NameTaken,
     NotFound,
-    ObjectStoreError,
     QuotaExceeded,
     RegistryUnavailable,
 )
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
 from adapter_registry.names import check_identifier, identifier_key
-from adapter_registry.objectstore import ObjectStore
 from adapter_registry.settings import RegistrySettings
 from adapter_registry.task_queue import STUCK_SLACK_S, send_validation
 from adapter_registry.validation import AdapterRejected, base_of_upload, check_fits_base, validate_in_sandbox
 from engine.lora.peft_format import BaseModelShape
+from tessera_core.db import utcnow
+from tessera_core.errors import ObjectStoreError, Unavailable
+from tessera_core.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ def _start_validation(*, session: Session, store: ObjectStore, settings: Registr
             return validate_version(session=session, store=store, settings=settings, version_id=version.id)
         send_validation(settings=settings, version_id=version.id)
         return version
-    except RegistryUnavailable:
+    except Unavailable:  # the registry's or the object store's
         _forget(session, version, keep=keep_on_failure, drop_adapter=discard_on_failure)
         raise
     except Exception as e:  # the broker refused the task (kombu raises many types)
@@ -528,7 +528,7 @@ def recover_stuck_versions(*, session: Session, store: ObjectStore, settings: Re
         try:
             _start_validation(session=session, store=store, settings=settings, version=version,
                               discard_on_failure=False, keep_on_failure=True)
-        except RegistryUnavailable as e:
+        except Unavailable as e:
             log.warning("adapter version %s stays validating: %s", version.ref, e)
             continue
         recovered += 1
@@ -552,7 +552,7 @@ def reject_validation(*, session: Session, version_id: int, reason: str) -> Adap
 
 
 def recover_stuck_versions_at_start(ctx) -> int:
-    """recover_stuck_versions in its own session of `ctx` (a RegistryContext), for a gateway's or
+    """recover_stuck_versions in its own session of `ctx` (a Context), for a gateway's or
     worker's start: logs and returns 0 on any failure, never raises."""
     try:
         with ctx.session_factory() as session:

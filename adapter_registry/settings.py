@@ -1,45 +1,33 @@
 """Registry settings, read once from the environment (prefix TESSERA_) or built explicitly.
 
-The same class configures the embedded default (SQLite under ./var, a local-directory object
-store, validation run inline) and scale-out (Postgres, any S3-compatible endpoint, a Celery
-worker behind Redis). The platform composes these settings with its own; Alembic reads the
-database URL from here too.
+They extend tessera_core.settings.CoreSettings (database, object store, broker). The same class
+configures the embedded default (SQLite under ./var, a local-directory object store, validation
+run inline) and scale-out (Postgres, any S3-compatible endpoint, a Celery worker behind Redis).
+The platform composes these settings with its own; Alembic reads the database URL from here too.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from adapter_registry.base_models import aliases_in_effect, check_alias_names
 from engine.lora.peft_format import BaseModelShape
+from tessera_core.settings import CoreSettings, MiB
 
-MiB = 1024 * 1024
 # safetensors dtype names the engine can load adapters in.
 SUPPORTED_DTYPES = ("F16", "BF16", "F32")
 
 
-class RegistrySettings(BaseSettings):
-    """Adapter registry configuration. Every field can be set as TESSERA_<FIELD> in the environment."""
+class RegistrySettings(CoreSettings):
+    """Adapter registry configuration, over the shared database, object store and broker
+    settings. Every field can be set as TESSERA_<FIELD> in the environment."""
 
     model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore")
-
-    database_url: str = Field("sqlite:///./var/tessera.db", description="SQLAlchemy URL: sqlite:///... or postgresql+psycopg2://...")
-
-    object_store: Literal["local", "s3"] = Field("local", description="Where adapter files live.")
-    object_store_root: Path = Field(Path("./var/objects"), description="Root directory of the local object store.")
-    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto, ...); None means AWS.")
-    s3_bucket: str = Field("tessera-adapters", description="Bucket holding adapter objects.")
-    s3_prefix: str = Field("", description="Key prefix inside the bucket, e.g. 'prod/'.")
-    s3_region: str = Field("us-east-1", description="S3 region name.")
-    s3_access_key_id: SecretStr | None = Field(None, description="Access key; None uses boto3's default chain.")
-    s3_secret_access_key: SecretStr | None = Field(None, description="Secret key; None uses boto3's default chain.")
-    s3_multipart_threshold_bytes: int = Field(8 * MiB, ge=5 * MiB, description="Files at least this large upload in parts.")
-    s3_multipart_chunk_bytes: int = Field(8 * MiB, ge=5 * MiB, description="Part size of multipart uploads (S3 minimum 5 MiB).")
 
     adapter_cache_dir: Path = Field(Path("./var/adapter-cache"), description="Engine-side disk cache of fetched versions, by sha256.")
 
@@ -78,7 +66,6 @@ class RegistrySettings(BaseSettings):
         64.0, gt=0, description="Largest activation entry the overflow check plans for: an adapter is refused "
         "when some module's gain (|scale| x ||B||inf x ||A||inf) times this exceeds fp16's 65504.")
 
-    celery_broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker for validation tasks.")
     celery_eager: bool = Field(True, description="Run validation inline (embedded mode) instead of on a worker.")
     celery_queue: str = Field("adapter-registry", description="Queue the validation task is sent to.")
 
@@ -127,12 +114,6 @@ class RegistrySettings(BaseSettings):
         models = list(models)
         aliases_in_effect(self.base_model_aliases, [m.name for m in models])
         return self.model_copy(update={"served_base_models": models})
-
-    @model_validator(mode="after")
-    def _s3_credentials_pair(self) -> "RegistrySettings":
-        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
-            raise ValueError("set both s3_access_key_id and s3_secret_access_key, or neither")
-        return self
 
 
 def _only_known(values: list[str], known, message: str) -> list[str]:

@@ -2,13 +2,15 @@
 
 services.py queues validation through `send_validation`; tasks.py registers the tasks on
 `celery_app` and runs them through services. Keeping the app, the task names and the validation
-time limits here lets both import this module while neither imports the other.
+time limits here lets both import this module while neither imports the other. The configuration
+every Tessera worker shares is tessera_core.task_queue.base_conf.
 """
 from __future__ import annotations
 
 from celery import Celery
 
 from adapter_registry.settings import RegistrySettings, get_settings
+from tessera_core.task_queue import base_conf
 
 celery_app = Celery("adapter_registry")
 VALIDATE_TASK = "adapter_registry.validate_version"
@@ -18,21 +20,6 @@ COLLECT_GARBAGE_TASK = "adapter_registry.collect_garbage"
 # stuck: room for downloading its files and, with Celery, for a short queue. The validation task's
 # soft time limit uses the same slack, so a task still inside its limit is never counted stuck.
 STUCK_SLACK_S = 60.0
-
-
-def base_conf(broker_url: str, queue: str) -> dict:
-    """Celery configuration every Tessera worker shares: at-least-once delivery (tasks are
-    idempotent), fail fast when the broker is down, leave logging to the application."""
-    return dict(
-        broker_url=broker_url,
-        task_default_queue=queue,
-        task_acks_late=True,  # a worker that dies mid-task leaves the task for another
-        task_reject_on_worker_lost=True,
-        broker_connection_retry_on_startup=True,
-        broker_connection_timeout=5,
-        task_publish_retry=False,  # fail the caller fast (503) when the broker is down
-        worker_hijack_root_logger=False,
-    )
 
 
 def validate_time_limits(settings: RegistrySettings) -> dict:

@@ -11,31 +11,33 @@ knew what the engine serves), and validation checks the files against that.
 The validation task waits on a bounded child process (validation.validate_in_sandbox); its own
 soft/hard time limits (the validation deadline plus room for downloading the files) catch
 anything else that hangs, and a version whose task hit them is rejected with that reason, never
-left validating. It retries only RegistryUnavailable (store, database, child start). When a
-worker starts, versions left validating by a dead worker or gateway are re-queued
+left validating. It retries only tessera_core's Unavailable (store, database, child start). When
+a worker starts, versions left validating by a dead worker or gateway are re-queued
 (services.recover_stuck_versions).
 """
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import lru_cache
 
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_ready
 
 from adapter_registry import services
 from adapter_registry.cleanup import collect_garbage
-from adapter_registry.context import get_context
-from adapter_registry.errors import RegistryUnavailable
-from adapter_registry.task_queue import (
-    COLLECT_GARBAGE_TASK,
-    VALIDATE_TASK,
-    base_conf,  # noqa: F401  (re-exported: tessera/billing/tasks.py imports it from here)
-    celery_app,
-    validate_time_limits,
-)
+from adapter_registry.settings import RegistrySettings, get_settings
+from adapter_registry.task_queue import COLLECT_GARBAGE_TASK, VALIDATE_TASK, celery_app, validate_time_limits
+from tessera_core.context import Context, build_context
+from tessera_core.errors import Unavailable
 
 
-@celery_app.task(name=VALIDATE_TASK, autoretry_for=(RegistryUnavailable,),
+@lru_cache(maxsize=1)
+def get_context() -> Context[RegistrySettings]:
+    """The worker's context, built on first use from get_settings()."""
+    return build_context(get_settings())
+
+
+@celery_app.task(name=VALIDATE_TASK, autoretry_for=(Unavailable,),
                  retry_backoff=True, max_retries=5)
 def validate_version_task(version_id: int) -> str:
     """Validate adapter version `version_id`; returns its final status ('ready' or 'rejected')."""
@@ -54,7 +56,7 @@ def validate_version_task(version_id: int) -> str:
 
 @worker_ready.connect
 def _recover_stuck_versions(sender=None, **_kwargs) -> None:
-    # Only in this app's workers (the billing worker imports this module for base_conf).
+    # Only in this app's workers, should another app's worker import this module.
     if getattr(sender, "app", None) is celery_app:
         services.recover_stuck_versions_at_start(get_context())
 

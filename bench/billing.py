@@ -27,11 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import create_engine, text  # noqa: E402
 
-from adapter_registry.context import build_context  # noqa: E402
 from adapter_registry.migrate import upgrade  # noqa: E402
 from adapter_registry.settings import RegistrySettings  # noqa: E402
 from tessera.billing.prices import PriceBook, set_price  # noqa: E402
 from tessera.billing.rollup import rollup  # noqa: E402
+from tessera_core.context import build_context  # noqa: E402
 
 TENANTS = 200
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

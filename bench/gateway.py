@@ -178,7 +178,6 @@ def main() -> None:
 
     import uvicorn
 
-    from adapter_registry.context import build_context
     from adapter_registry.migrate import upgrade
     from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
@@ -188,6 +187,7 @@ def main() -> None:
     from tessera.app import create_app
     from tessera.engine_client.inprocess import InProcessEngineClient
     from tessera.settings import PlatformSettings
+    from tessera_core.context import build_context
 
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
     settings = PlatformSettings(_env_file=None, database_url=f"sqlite:///{work}/t.db", object_store_root=work / "obj",

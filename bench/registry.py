@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "adapt
 from registry_helpers import write_adapter  # noqa: E402
 
 from adapter_registry import services  # noqa: E402
-from adapter_registry.context import build_context  # noqa: E402
 from adapter_registry.engine_source import RegistryAdapterSource  # noqa: E402
 from adapter_registry.migrate import upgrade  # noqa: E402
 from adapter_registry.settings import RegistrySettings  # noqa: E402
 from adapter_registry.validation import validate_adapter_files  # noqa: E402
+from tessera_core.context import build_context  # noqa: E402
 from tests.engine.lora_fixtures import SMOLLM2, decoder_shape  # noqa: E402
 
 # The served models' descriptions, as their engines would publish them.

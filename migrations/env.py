@@ -10,8 +10,8 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from adapter_registry.db import Base, make_engine
 from adapter_registry.settings import get_settings
+from tessera_core.db import Base, make_engine
 
 # Every module defining tables on Base.metadata: the registry's, the platform's, billing's, the SLOs'.
 MODEL_MODULES = ["adapter_registry.models", "tessera.models", "tessera.billing.models", "tessera.observability.models"]

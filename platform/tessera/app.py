@@ -15,7 +15,6 @@ import anyio
 from fastapi import Depends, FastAPI
 from sqlalchemy import event
 
-from adapter_registry.context import build_context
 from adapter_registry.services import recover_stuck_versions_at_start
 from tessera import admin_pages, auth
 from tessera.api import (admin, admin_adapters, admin_billing, admin_slo, admin_tenants, body_text, openai, probes,
@@ -31,6 +30,7 @@ from tessera.observability import tracing
 from tessera.observability.metrics import GatewayMetrics, RefusalCountingQuota
 from tessera.quota import QuotaBackend, make_quota_backend
 from tessera.settings import PlatformSettings, get_settings
+from tessera_core.context import build_context
 
 log = logging.getLogger(__name__)
 

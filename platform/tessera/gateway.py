@@ -9,12 +9,12 @@ from fastapi import Request
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
-from adapter_registry.objectstore import ObjectStore
 from tessera.engine_client import EngineClient
 from tessera.epoch import Epoch, EpochCache
 from tessera.metering import Meter
 from tessera.quota import QuotaBackend
 from tessera.settings import PlatformSettings
+from tessera_core.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from adapter_registry.db import utcnow
 from tessera.billing.periods import Period
 from tessera.models import UsageEvent
 from tessera.observability.metrics import usage_outbox_metrics
 from tessera.outbox import UsageOutbox, database_tag
+from tessera_core.db import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, Float, ForeignKey, Index, Integer, String, text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from adapter_registry.db import Base, utcnow
 from engine.sampling_params import PRIORITY_NAMES, Priority
+from tessera_core.db import Base, utcnow
 
 PRIORITIES = PRIORITY_NAMES  # the engine's classes are the platform's
 USAGE_STATUSES = ("completed", "aborted", "error")

@@ -17,9 +17,9 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from adapter_registry.db import utcnow
 from adapter_registry.models import Tenant
 from tessera.models import StoredResponse
+from tessera_core.db import utcnow
 
 #: The most stored responses a `previous_response_id` chain may hold (its own included); a
 #: longer one is a 400 (continue from a new conversation, or send the history as input).

@@ -16,13 +16,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from adapter_registry import services as registry
-from adapter_registry.db import utcnow
 from adapter_registry.errors import Conflict, NotFound
 from adapter_registry.models import TENANT_STATUSES, Tenant
 from adapter_registry.names import check_label
 from engine.scheduler import MAX_TENANT_WEIGHT
 from tessera.models import PRIORITIES, ApiKey, Plan, TenantPolicy
 from tessera.quota import Limits
+from tessera_core.db import utcnow
 
 KEY_PREFIX = "tsk-"
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "monthly_token_budget")

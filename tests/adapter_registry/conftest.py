@@ -10,11 +10,11 @@ import psycopg2
 import pytest
 from sqlalchemy import text
 
-from adapter_registry.context import RegistryContext, build_context
 from adapter_registry.migrate import upgrade
 from adapter_registry.models import Adapter, AdapterVersion, Blob, Tenant
-from adapter_registry.objectstore import S3Store
 from adapter_registry.settings import RegistrySettings
+from tessera_core.context import Context, build_context
+from tessera_core.objectstore import S3Store
 from tests.engine.lora_fixtures import SMOLLM2
 from tests.requirements import require_postgres
 
@@ -78,7 +78,7 @@ def s3_settings(endpoint: str, **kw) -> dict:
                 **S3_CREDS, **kw)
 
 
-def _empty_tables(ctx: RegistryContext) -> None:
+def _empty_tables(ctx: Context) -> None:
     with ctx.engine.begin() as conn:
         if ctx.engine.dialect.name == "postgresql":
             conn.execute(text("TRUNCATE adapter_versions, adapters, blobs, tenants RESTART IDENTITY CASCADE"))
@@ -90,13 +90,13 @@ def _empty_tables(ctx: RegistryContext) -> None:
 
 @pytest.fixture
 def make_ctx(request, tmp_path, pg_url, s3_endpoint):
-    """Build a RegistryContext: make_ctx("sqlite"|"postgres", **settings overrides; the served base
+    """Build a Context: make_ctx("sqlite"|"postgres", **settings overrides; the served base
     model is the embedded SmolLM2's description unless served_base_models is given). SQLite uses
     a fresh migrated file; Postgres the run's database; "postgres" gets S3 unless object_store
     is given. Tables are emptied and engines disposed after the test."""
-    made: list[RegistryContext] = []
+    made: list[Context] = []
 
-    def make(backend: str = "sqlite", create_bucket: bool = True, **overrides) -> RegistryContext:
+    def make(backend: str = "sqlite", create_bucket: bool = True, **overrides) -> Context:
         # The registry validates against what the engine serves: the embedded SmolLM2 unless given.
         base = dict(object_store_root=tmp_path / "objects", adapter_cache_dir=tmp_path / "cache",
                     served_base_models=[SMOLLM2])
@@ -123,7 +123,7 @@ def make_ctx(request, tmp_path, pg_url, s3_endpoint):
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def ctx(request, make_ctx) -> RegistryContext:
+def ctx(request, make_ctx) -> Context:
     """A registry on each backend pair: sqlite + local directory, postgres + S3 (loopback)."""
     return make_ctx(request.param)
 

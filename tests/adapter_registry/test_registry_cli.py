@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from registry_helpers import write_adapter
 
-from adapter_registry.context import get_context
 from adapter_registry.settings import get_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,13 +20,10 @@ def cli(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_DATABASE_URL", f"sqlite:///{tmp_path / 'var' / 'tessera.db'}")
     monkeypatch.setenv("TESSERA_OBJECT_STORE_ROOT", str(tmp_path / "var" / "objects"))
     get_settings.cache_clear()
-    get_context.cache_clear()
     from tessera.cli import main
 
     yield main
-    get_context().engine.dispose()
     get_settings.cache_clear()
-    get_context.cache_clear()
 
 
 def test_upload_list_show_delete(cli, capsys, tmp_path):

@@ -11,8 +11,9 @@ from sqlalchemy.exc import OperationalError
 from adapter_registry import services
 from adapter_registry.cleanup import collect_garbage
 from adapter_registry.content import BLOB_PREFIX
-from adapter_registry.errors import ObjectStoreError, RegistryUnavailable
+from adapter_registry.errors import RegistryUnavailable
 from adapter_registry.models import Adapter, AdapterVersion, Blob
+from tessera_core.errors import ObjectStoreError, Unavailable
 
 
 def _counts(ctx):
@@ -40,7 +41,7 @@ def test_s3_endpoint_down_gives_a_clear_503_and_stores_nothing(make_ctx, adapter
     ctx = make_ctx("postgres", create_bucket=False, s3_endpoint_url="http://127.0.0.1:9", s3_bucket="nowhere")
     with ctx.session_factory() as s:
         tenant = services.create_tenant(session=s, name="acme")
-        with pytest.raises(RegistryUnavailable, match=r"object store unavailable: upload .* s3://nowhere at http://127.0.0.1:9") as e:
+        with pytest.raises(Unavailable, match=r"object store unavailable: upload .* s3://nowhere at http://127.0.0.1:9") as e:
             services.upload_adapter(session=s, store=ctx.store, settings=ctx.settings, tenant=tenant,
                                     name="bot", source=adapter_dir)
     assert e.value.http_status == 503
@@ -51,7 +52,7 @@ def test_store_failing_mid_upload_leaves_no_rows_and_cleanup_removes_the_orphan(
     failing = FailingSecondPut(ctx.store)
     with ctx.session_factory() as s:
         tenant = services.create_tenant(session=s, name="acme")
-        with pytest.raises(RegistryUnavailable, match="connection reset"):
+        with pytest.raises(Unavailable, match="connection reset"):
             services.upload_adapter(session=s, store=failing, settings=ctx.settings, tenant=tenant,
                                     name="bot", source=adapter_dir)
         assert _counts(ctx) == (0, 0, 0)

@@ -12,9 +12,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from adapter_registry.db import Base, make_engine
 from adapter_registry.migrate import downgrade, upgrade
 from adapter_registry.settings import RegistrySettings
+from tessera_core.db import Base, make_engine
 
 REPO = Path(__file__).resolve().parents[2]
 TABLES = {"tenants", "adapters", "adapter_versions", "blobs"}

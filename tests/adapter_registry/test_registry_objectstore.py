@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from adapter_registry.errors import ObjectNotFound, ObjectStoreError
-from adapter_registry.objectstore import LocalDirectoryStore, S3Store
+from tessera_core.errors import ObjectNotFound, ObjectStoreError
+from tessera_core.objectstore import LocalDirectoryStore, S3Store
 
 
 @pytest.fixture(params=["local", "s3"])

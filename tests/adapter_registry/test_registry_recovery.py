@@ -10,8 +10,8 @@ from registry_calls import create_tenant, upload
 from registry_helpers import write_adapter
 
 from adapter_registry import services
-from adapter_registry.db import utcnow
 from adapter_registry.models import AdapterVersion
+from tessera_core.db import utcnow
 
 
 @pytest.fixture

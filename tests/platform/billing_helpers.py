@@ -9,12 +9,12 @@ from datetime import date, datetime, timezone
 
 from sqlalchemy import insert
 
-from adapter_registry.context import build_context
 from adapter_registry.migrate import upgrade
 from adapter_registry.models import Tenant
 from tessera.billing.prices import set_price
 from tessera.models import UsageEvent
 from tessera.settings import PlatformSettings
+from tessera_core.context import build_context
 
 from ..adapter_registry.conftest import create_pg_database, drop_pg_database
 

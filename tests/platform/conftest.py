@@ -13,7 +13,6 @@ import httpx
 import pytest
 import uvicorn
 
-from adapter_registry.context import build_context
 from adapter_registry.engine_source import RegistryAdapterSource
 from adapter_registry.migrate import upgrade
 from engine.async_engine import AsyncLLMEngine
@@ -22,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from tessera.app import create_app
 from tessera.engine_client.inprocess import InProcessEngineClient
 from tessera.settings import PlatformSettings
+from tessera_core.context import build_context
 
 ADMIN_TOKEN = "test-admin-token-" + "x" * 16
 

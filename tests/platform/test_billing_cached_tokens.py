@@ -16,7 +16,6 @@ import httpx
 import pytest
 from sqlalchemy import column, func, insert, inspect, select, table, text
 
-from adapter_registry.db import make_engine, make_session_factory
 from adapter_registry.migrate import downgrade, upgrade
 from adapter_registry.settings import RegistrySettings
 from tessera import services
@@ -30,6 +29,7 @@ from tessera.metering import Meter, Usage
 from tessera.models import Plan, TenantPolicy, UsageEvent
 from tessera.outbox import UsageOutbox, database_tag
 from tessera.usage_query import usage_buckets
+from tessera_core.db import make_engine, make_session_factory
 
 from ..adapter_registry.conftest import create_pg_database, drop_pg_database
 from .billing_helpers import BASE, Ev, PriceList, add_tenant, make_context, write_events

@@ -18,7 +18,7 @@ from tessera.billing.exports import build_export
 from tessera.billing.models import BillingRun, Export, LineItem
 from tessera.billing.periods import Period
 
-from adapter_registry.objectstore import S3Store
+from tessera_core.objectstore import S3Store
 
 from .billing_helpers import Ev, PriceList, add_tenant, make_context, write_events
 
@@ -163,8 +163,8 @@ def test_admin_export_is_queued_for_a_real_worker_and_503_when_the_broker_is_dow
     from tessera.billing.tasks import celery_app
     from tessera.engine_client.inprocess import InProcessEngineClient
 
-    from adapter_registry.context import build_context
     from adapter_registry.models import Tenant
+    from tessera_core.context import build_context
 
     from .conftest import Platform, ServerThread, free_port
 

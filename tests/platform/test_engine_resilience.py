@@ -15,17 +15,17 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+import engine.async_engine as async_engine_module
 from adapter_registry import services as registry
 from adapter_registry.content import blob_key, sha256_file, version_digest
-from adapter_registry.context import build_context
 from adapter_registry.models import Adapter, AdapterVersion, Blob
-import engine.async_engine as async_engine_module
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from tessera.app import create_app
 from tessera.engine_client.inprocess import InProcessEngineClient
 from tessera.engine_client.worker import create_worker_app
+from tessera_core.context import build_context
 from tests.engine.faults import EngineFaults
 from tests.engine.lora_fixtures import write_random_adapter
 

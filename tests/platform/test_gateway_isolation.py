@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from adapter_registry import services as registry
-from adapter_registry.context import build_context
+from tessera_core.context import build_context
 
 BASE = "SmolLM2-135M-Instruct"
 PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"

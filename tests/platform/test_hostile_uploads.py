@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from adapter_registry import services as registry
-from adapter_registry.db import utcnow
+from tessera_core.db import utcnow
 
 BASE = "SmolLM2-135M-Instruct"
 PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"

@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from adapter_registry import services as registry
-from adapter_registry.context import build_context
 from adapter_registry.errors import UploadRejected
 from tessera.app import create_app
 from tessera.engine_client.inprocess import InProcessEngineClient
+from tessera_core.context import build_context
 
 from .conftest import ServerThread
 

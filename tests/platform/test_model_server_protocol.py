@@ -16,12 +16,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapter_registry import services as registry
-from adapter_registry.context import build_context
 from adapter_registry.migrate import upgrade
 from adapter_registry.settings import RegistrySettings
 from engine.config import EngineConfig
 from engine.sampling_params import GenerationRequest, SamplingParams
 from tessera.engine_client.http import HttpEngineClient
+from tessera_core.context import build_context
 from tests.adapter_registry.registry_helpers import write_adapter
 from tests.engine.lora_fixtures import SMOLLM2
 

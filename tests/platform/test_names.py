@@ -18,10 +18,10 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 
-from adapter_registry.db import make_engine
 from adapter_registry.migrate import upgrade
 from adapter_registry.models import Tenant as TenantRow
 from adapter_registry.settings import RegistrySettings
+from tessera_core.db import make_engine
 
 PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"
 

@@ -19,13 +19,13 @@ import openai
 import pytest
 from sqlalchemy import select, update
 
-from adapter_registry.db import make_engine
 from adapter_registry.migrate import upgrade
 from adapter_registry.models import Tenant as TenantRow
 from adapter_registry.settings import RegistrySettings
 from tessera import responses_store
 from tessera.models import StoredResponse, UsageEvent
 from tessera.responses_store import ChainError, NewResponse
+from tessera_core.db import make_engine
 
 from ..adapter_registry.conftest import create_pg_database, drop_pg_database
 

@@ -80,7 +80,7 @@ def fleet(tmp_path_factory, s3_endpoint):
 
 
 def _ensure_bucket(db: str, s3: dict) -> None:
-    from adapter_registry.context import build_context
+    from tessera_core.context import build_context
 
     ctx = build_context(RegistrySettings(database_url=db, **s3))
     try:

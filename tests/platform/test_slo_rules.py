@@ -101,7 +101,7 @@ def test_cli_writes_rules_for_every_tenant_in_the_database(tmp_path):
     TESSERA_* database and writes a rule file promtool accepts."""
     from tessera import services
 
-    from adapter_registry.context import build_context
+    from tessera_core.context import build_context
 
     settings = PlatformSettings(_env_file=None, database_url=f"sqlite:///{tmp_path}/t.db",
                                 object_store_root=tmp_path / "objects")

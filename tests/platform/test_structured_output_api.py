@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from adapter_registry import services as registry
-from adapter_registry.context import build_context
+from tessera_core.context import build_context
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

@@ -36,8 +36,8 @@ from tessera.observability import tracing
 from tessera.settings import PlatformSettings
 
 from adapter_registry import services as registry
-from adapter_registry.context import build_context
 from adapter_registry.migrate import upgrade
+from tessera_core.context import build_context
 
 from ..adapter_registry.registry_helpers import write_adapter
 from ..engine.lora_fixtures import SMOLLM2

@@ -17,12 +17,12 @@ import psycopg2
 import pytest
 from sqlalchemy import create_engine, event, select
 
-from adapter_registry.db import make_engine, make_session_factory
 from adapter_registry.migrate import upgrade
 from adapter_registry.settings import RegistrySettings
 from tessera import services
 from tessera.metering import Meter, Usage
 from tessera.models import UsageEvent
+from tessera_core.db import make_engine, make_session_factory
 
 from ..adapter_registry.conftest import PG_ADMIN, create_pg_database, drop_pg_database
 
@@ -251,8 +251,8 @@ def test_an_event_survives_the_process_killed_right_after_recording(pg_db, tmp_p
     set_connections(pg_db, allowed=False)
     script = textwrap.dedent(f"""
         import os, signal, anyio
-        from adapter_registry.db import make_engine, make_session_factory
         from tessera.metering import Meter, Usage
+        from tessera_core.db import make_engine, make_session_factory
         engine = make_engine({pg_db!r})
         meter = Meter(engine, make_session_factory(engine), outbox_dir={str(outbox)!r})
         u = Usage(request_id="req-killed", tenant_id={tid}, api_key_id=None, model="base", adapter_version=None,

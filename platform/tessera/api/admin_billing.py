@@ -33,7 +33,6 @@ from sqlalchemy import select
 from starlette.background import BackgroundTask
 
 from adapter_registry import services as registry
-from adapter_registry.context import RegistryContext
 from adapter_registry.errors import NotFound
 from adapter_registry.models import Tenant
 from engine.sampling_params import PRIORITY_NAMES
@@ -49,6 +48,7 @@ from tessera.billing.periods import Period, PeriodError
 from tessera.billing.prices import list_prices, set_price
 from tessera.billing.rollup import held_usage
 from tessera.errors import ApiError
+from tessera_core.context import Context
 
 router = APIRouter(prefix="/admin/v1")
 
@@ -68,8 +68,8 @@ class ExportIn(BaseModel):
     format: Literal["csv", "parquet", "jsonl"]
 
 
-def _ctx(gw) -> RegistryContext:
-    return RegistryContext(gw.settings, gw.db, gw.session_factory, gw.store)
+def _ctx(gw) -> Context:
+    return Context(gw.settings, gw.db, gw.session_factory, gw.store)
 
 
 def _period(name: str) -> Period:

@@ -14,10 +14,10 @@ from sqlalchemy.exc import DataError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from adapter_registry import services as registry
-from adapter_registry.errors import RegistryError
 from adapter_registry.models import Tenant
 from tessera.auth import AdminDep, GatewayDep
 from tessera.errors import ApiError
+from tessera_core.errors import TesseraError
 
 
 async def run_db(gw, fn, *, changes: bool = True) -> Any:
@@ -33,7 +33,7 @@ async def run_db(gw, fn, *, changes: bool = True) -> Any:
         if changes:
             await gw.epoch.bump()
         return result
-    except RegistryError as e:
+    except TesseraError as e:  # the registry's, the object store's
         raise ApiError(e.http_status, str(e), param=getattr(e, "param", None)) from None
     except (ValueError, OverflowError, DataError) as e:
         # DataError: a value the database refuses (out of its column's range); not an outage.

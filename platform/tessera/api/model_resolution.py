@@ -7,12 +7,13 @@ import anyio
 from sqlalchemy.exc import SQLAlchemyError
 
 from adapter_registry import services as registry
-from adapter_registry.errors import NotFound, RegistryError
+from adapter_registry.errors import NotFound
 from adapter_registry.models import Tenant
 from tessera.api.failures import unavailable
 from tessera.errors import ApiError
 from tessera.gateway import Gateway
 from tessera.services import Caller
+from tessera_core.errors import TesseraError
 
 
 def model_not_found(name: str) -> ApiError:
@@ -39,7 +40,7 @@ async def resolve_adapter(*, gw: Gateway, caller: Caller, model: str, request_id
         sha256, ref, base = await anyio.to_thread.run_sync(resolve)
     except NotFound:
         raise model_not_found(model) from None
-    except RegistryError as e:
+    except TesseraError as e:  # the registry's, the object store's
         if e.http_status >= 500:
             raise unavailable(request_id, "the adapter registry is unavailable", e) from None
         raise ApiError(e.http_status, str(e), param="model") from None

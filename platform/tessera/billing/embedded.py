@@ -8,14 +8,14 @@ import time
 
 import anyio
 
-from adapter_registry.context import RegistryContext
 from tessera.billing import jobs
+from tessera_core.context import Context
 
 log = logging.getLogger(__name__)
 CLOSE_EVERY_S = 3600.0
 
 
-async def billing_loop(ctx: RegistryContext) -> None:
+async def billing_loop(ctx: Context) -> None:
     """Run until cancelled. A failing run is logged and retried at the next tick."""
     interval = ctx.settings.billing_rollup_interval_s
     last_close = 0.0

@@ -32,13 +32,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from adapter_registry.db import utcnow
 from adapter_registry.models import Tenant
-from adapter_registry.objectstore import ObjectStore
 from tessera.billing.invoices import period_summary
 from tessera.billing.models import EXPORT_FORMATS, Export, LineItem
 from tessera.billing.periods import Period
 from tessera.models import UsageEvent
+from tessera_core.db import utcnow
+from tessera_core.objectstore import ObjectStore
 
 #: Namespace of the CloudEvents ids (uuid5 of "tessera:usage:<request id>" under it). Never change it:
 #: meters deduplicate on these ids.

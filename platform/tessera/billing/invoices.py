@@ -28,12 +28,12 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from adapter_registry.db import utcnow
 from adapter_registry.errors import Conflict
 from tessera.billing.models import PICOS_PER_MICRO, Invoice, LineItem
 from tessera.billing.periods import Period
 from tessera.billing.rollup import held_usage, take_billing_lock
 from tessera.models import Plan, TenantPolicy
+from tessera_core.db import utcnow
 
 
 class PeriodNotEnded(Conflict):

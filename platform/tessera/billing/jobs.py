@@ -7,16 +7,16 @@ import logging
 from datetime import timedelta
 
 from adapter_registry import services as registry
-from adapter_registry.context import RegistryContext
 from tessera.billing.exports import write_export
 from tessera.billing.invoices import close_due, close_period
 from tessera.billing.periods import Period
 from tessera.billing.rollup import RollupReport, rollup
+from tessera_core.context import Context
 
 log = logging.getLogger(__name__)
 
 
-def rollup_job(ctx: RegistryContext) -> RollupReport:
+def rollup_job(ctx: Context) -> RollupReport:
     report = rollup(ctx.engine)
     if report.held:
         log.warning("billing: usage held for want of a price: %s",
@@ -24,7 +24,7 @@ def rollup_job(ctx: RegistryContext) -> RollupReport:
     return report
 
 
-def close_due_job(ctx: RegistryContext) -> list[int]:
+def close_due_job(ctx: Context) -> list[int]:
     """Roll up, then close every ended month; returns the invoice ids (old and new)."""
     settings = ctx.settings
     rollup_job(ctx)
@@ -33,14 +33,14 @@ def close_due_job(ctx: RegistryContext) -> list[int]:
     return [i.id for i in invoices]
 
 
-def close_period_job(ctx: RegistryContext, *, tenant_id: int, period: Period):
+def close_period_job(ctx: Context, *, tenant_id: int, period: Period):
     """Roll up, then close one tenant's period (PeriodNotEnded if it has not ended)."""
     rollup_job(ctx)
     return close_period(ctx.engine, tenant_id=tenant_id, period=period, currency=ctx.settings.billing_currency,
                         grace=timedelta(seconds=ctx.settings.billing_close_grace_s))
 
 
-def export_job(ctx: RegistryContext, *, tenant_id: int, period: Period, fmt: str):
+def export_job(ctx: Context, *, tenant_id: int, period: Period, fmt: str):
     """Roll up (so an open period's export is current), then write the export; returns its record."""
     rollup_job(ctx)
     with ctx.session_factory() as session:

@@ -34,7 +34,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from adapter_registry.db import Base, utcnow
+from tessera_core.db import Base, utcnow
 
 TOKEN_KINDS = ("input", "cached_input", "output")
 EXPORT_FORMATS = ("csv", "parquet", "jsonl")

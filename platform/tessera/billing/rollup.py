@@ -27,10 +27,10 @@ from sqlalchemy import Date, and_, case, cast, func, insert, or_, select, text, 
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from adapter_registry.db import utcnow
 from tessera.billing.models import TOKEN_KINDS, BillingRun, LineItem
 from tessera.billing.prices import price_expr
 from tessera.models import UsageEvent
+from tessera_core.db import utcnow
 
 #: pg_advisory_xact_lock key of billing (rollups and closes take it; any constant works).
 BILLING_LOCK_KEY = 0x7E55E7A_B111

@@ -15,11 +15,11 @@ from functools import lru_cache
 from celery import Celery
 from celery.schedules import crontab
 
-from adapter_registry.context import RegistryContext, build_context
-from adapter_registry.tasks import base_conf
 from tessera.billing import jobs
 from tessera.billing.periods import Period
 from tessera.settings import get_settings
+from tessera_core.context import Context, build_context
+from tessera_core.task_queue import base_conf
 
 celery_app = Celery("tessera.billing")
 ROLLUP_TASK = "tessera.billing.rollup"
@@ -41,7 +41,7 @@ def _configure(sender: Celery, **_kwargs) -> None:
 
 
 @lru_cache(maxsize=1)
-def _context() -> RegistryContext:
+def _context() -> Context:
     return build_context(get_settings())
 
 

@@ -47,12 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _context():
     from tessera.cli import CLIError
 
-    from adapter_registry.context import get_context
     from adapter_registry.migrate import upgrade
     from adapter_registry.settings import get_settings
     from pydantic import ValidationError
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
+    from tessera_core.context import build_context
 
     try:
         settings = get_settings()
@@ -65,7 +65,7 @@ def _context():
     try:
         if settings.database_url.startswith("sqlite"):
             upgrade(settings)  # embedded mode: create/migrate the local database
-        ctx = get_context()
+        ctx = build_context(settings)
         if "adapters" not in inspect(ctx.engine).get_table_names():
             raise CLIError(f"database {ctx.engine.url!r} has no registry tables; run `alembic upgrade head` first")
     except SQLAlchemyError as e:
@@ -77,13 +77,13 @@ def _run(fn):
     """Run fn(ctx, session) turning registry errors into one-line CLI errors."""
     from tessera.cli import CLIError
 
-    from adapter_registry.errors import RegistryError
+    from tessera_core.errors import TesseraError
 
     ctx = _context()
     with ctx.session_factory() as session:
         try:
             return fn(ctx, session)
-        except RegistryError as e:
+        except TesseraError as e:  # the registry's, the object store's
             raise CLIError(str(e)) from None
 
 

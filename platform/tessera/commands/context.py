@@ -4,15 +4,15 @@ from __future__ import annotations
 
 
 def platform_context(required_table: str):
-    """A RegistryContext over PlatformSettings; CLIError (one line) when the database is
+    """A Context over PlatformSettings; CLIError (one line) when the database is
     unreachable or lacks `required_table`."""
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    from adapter_registry.context import build_context
     from adapter_registry.migrate import upgrade
     from tessera.cli import CLIError
     from tessera.commands.serve import load_settings
+    from tessera_core.context import build_context
 
     settings = load_settings()
     try:

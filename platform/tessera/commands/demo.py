@@ -80,11 +80,12 @@ def _setup(settings) -> tuple[str, list[str]]:
     """Migrate, ensure the demo plan/tenant, issue a key, upload the demo adapters trained for the
     served model (`settings` serve it); (key, adapter names)."""
     from adapter_registry import services as registry
-    from adapter_registry.context import build_context
-    from adapter_registry.errors import NotFound, RegistryError
+    from adapter_registry.errors import NotFound
     from adapter_registry.migrate import upgrade
     from engine.sampling_params import PRIORITY_NAMES, Priority
     from tessera import services
+    from tessera_core.context import build_context
+    from tessera_core.errors import TesseraError
 
     if settings.database_url.startswith("sqlite"):
         upgrade(settings)
@@ -109,7 +110,7 @@ def _setup(settings) -> tuple[str, list[str]]:
             try:
                 v = registry.upload_adapter(session=s, store=ctx.store, settings=settings, tenant=tenant,
                                             name=folder.name, source=folder)
-            except RegistryError as e:
+            except TesseraError as e:  # the registry's, the object store's
                 print(f"tessera demo: skipping adapter {folder.name!r}: {e}", file=sys.stderr)
                 continue
             if v.status == "ready":

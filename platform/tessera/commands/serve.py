@@ -128,8 +128,8 @@ def _worker(args: argparse.Namespace) -> int:
     if not secret:
         raise CLIError("the engine worker needs a shared secret: --secret or TESSERA_ENGINE_SECRET")
     check_port_free(args.host, args.port)
-    from adapter_registry.context import build_context
     from adapter_registry.engine_source import RegistryAdapterSource
+    from tessera_core.context import build_context
 
     ctx = build_context(settings)
     source = RegistryAdapterSource(session_factory=ctx.session_factory, store=ctx.store,

@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import CheckConstraint, DateTime, Float, ForeignKey, Integer
 from sqlalchemy.orm import Mapped, mapped_column
 
-from adapter_registry.db import Base, utcnow
+from tessera_core.db import Base, utcnow
 
 
 class SloObjective(Base):

@@ -1,4 +1,4 @@
-"""Object storage for adapter files: one interface, a local directory and S3 (boto3).
+"""Object storage (adapter files, billing exports): one interface, a local directory and S3 (boto3).
 
 Transfers stream between a local file and the store in chunks (S3 uploads above a threshold go
 multipart), so an adapter is never held whole in memory. Keys are '/'-separated relative paths
@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from adapter_registry.errors import ObjectNotFound, ObjectStoreError
-from adapter_registry.settings import RegistrySettings
+from tessera_core.errors import ObjectNotFound, ObjectStoreError
+from tessera_core.settings import CoreSettings
 
 CHUNK_BYTES = 1024 * 1024
 
@@ -226,7 +226,7 @@ class S3Store:
             raise self._wrap("list", prefix, e) from e
 
 
-def make_object_store(settings: RegistrySettings) -> ObjectStore:
+def make_object_store(settings: CoreSettings) -> ObjectStore:
     """The store the settings name: a LocalDirectoryStore or an S3Store."""
     if settings.object_store == "local":
         return LocalDirectoryStore(settings.object_store_root)
