@@ -99,6 +99,8 @@ class Int8KernelLinear(nn.Module):
         self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the engine's activations: no conversion on the hot path
+            return cpu_int8.int8_linear(x, self.blocked, self.scales)
         return cpu_int8.int8_linear(x.float(), self.blocked, self.scales).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -118,6 +120,8 @@ class AmxInt8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return cpu_int8.int8_linear_amx(x, self.tiled, self.scales)
         return cpu_int8.int8_linear_amx(x.float(), self.tiled, self.scales).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -137,6 +141,8 @@ class Q4Linear(nn.Module):
         self.in_features = raw.shape[1] // cpu_q4.BLOCK_BYTES * 32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return cpu_q4.q4_linear(x, self.blocked)
         return cpu_q4.q4_linear(x.float(), self.blocked).to(x.dtype)
 
 
