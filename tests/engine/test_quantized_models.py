@@ -107,24 +107,24 @@ def _reference(checkpoint, family: str):
     return model.eval()
 
 
-#: (format, family, also on the Triton backend): every format on the CPU backend; the Triton
-#: backend (slow under the interpreter) on the Q4_K_M mix (4-bit codes with fp32 scales and mins,
-#: Q6_K's 8-bit codes in groups of 16, a q/k/v of two forms), on AWQ (4-bit, zero points) and on
-#: GPTQ act-order (the activations gathered through the permutation);
-#: tests/engine/test_w4a16.py and test_w8a16.py check every weight form's kernels.
+#: (format, family): every format on the CPU backend and on the Triton backend (under the
+#: interpreter): 4-bit codes with fp16 or fp32 scales, with and without mins or zero points, an
+#: act-order permutation; 8-bit codes in groups of 16 or 32 or one scale per output channel; the
+#: Q4_K_M and Q5_K_M mixes' q/k/v of two forms. tests/engine/test_w4a16.py and test_w8a16.py
+#: check every weight form's kernels alone.
 CASES = [
-    ("gguf:q4_k_m", "llama3.1", True),
-    ("gguf:q4_k_m", "qwen2.5", False),
-    ("gguf:q5_k_m", "llama3.1", False),
-    ("gguf:q6_k", "qwen2.5", False),
-    ("gguf:q8_0", "llama3.1", False),
-    ("awq:128", "qwen2.5", True),
-    ("gptq:4-64-sym-act", "llama3.1", True),
-    ("gptq:4-128-asym-noact", "qwen2.5", False),
-    ("gptq:8-128-sym-noact", "llama3.1", False),
-    ("ct:4-group-128-sym", "llama3.1", False),
-    ("ct:4-group-64-asym", "qwen2.5", False),
-    ("ct:8-channel-0-sym", "qwen2.5", False),
+    ("gguf:q4_k_m", "llama3.1"),
+    ("gguf:q4_k_m", "qwen2.5"),
+    ("gguf:q5_k_m", "llama3.1"),
+    ("gguf:q6_k", "qwen2.5"),
+    ("gguf:q8_0", "llama3.1"),
+    ("awq:128", "qwen2.5"),
+    ("gptq:4-64-sym-act", "llama3.1"),
+    ("gptq:4-128-asym-noact", "qwen2.5"),
+    ("gptq:8-128-sym-noact", "llama3.1"),
+    ("ct:4-group-128-sym", "llama3.1"),
+    ("ct:4-group-64-asym", "qwen2.5"),
+    ("ct:8-channel-0-sym", "qwen2.5"),
 ]
 
 
@@ -135,9 +135,8 @@ def _engine(path: Path, backend: str, device: str) -> LLMEngine:
     return LLMEngine(path, cfg, tokenizer=TextTokenizer.from_gguf_metadata(tokenizer_metadata(VOCAB)))
 
 
-@pytest.mark.parametrize("fmt,family,on_triton", CASES, ids=[f"{f}-{m}" for f, m, _ in CASES])
-def test_quantized_model_gives_its_dequantized_references_logits(dense_dirs, tmp_path, request, fmt, family,
-                                                                 on_triton):
+@pytest.mark.parametrize("fmt,family", CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_quantized_model_gives_its_dequantized_references_logits(dense_dirs, tmp_path, request, fmt, family):
     path = _write(fmt, dense_dirs[family], tmp_path)
     checkpoint = load_checkpoint(path)
     layer = checkpoint[1]["model.layers.0.self_attn.q_proj.weight"]
@@ -147,8 +146,7 @@ def test_quantized_model_gives_its_dequantized_references_logits(dense_dirs, tmp
     prompt = torch.randint(3, VOCAB, (13,), generator=g).tolist()
     want_tokens, want_rows = hf_greedy(reference, prompt, STEPS)
 
-    backends = [("cpu", "cpu")] + ([("triton", request.getfixturevalue("triton_engine_device"))] if on_triton else [])
-    for backend, device in backends:
+    for backend, device in (("cpu", "cpu"), ("triton", request.getfixturevalue("triton_engine_device"))):
         engine = _engine(path, backend, device)
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
         tokens, rows, _ = run_recording(engine, [GenerationRequest("r", prompt_token_ids=prompt, params=params)])
