@@ -22,12 +22,16 @@ Formats (N outputs, K inputs, G inputs per group):
   weights, `weight_packed` int32 [N, K*bits/32] packed along inputs, values stored + 2^(bits-1),
   `weight_scale` [N, groups], `weight_zero_point` when asymmetric (int32 packed along outputs the
   same way, or int8 [N, groups]), optional `weight_g_idx`) and "naive-quantized" (`weight` int8
-  [N, K] as is). W = (q - zp) * s with q, zp signed.
+  [N, K] as is). W = (q - zp) * s with q, zp signed. Format "float-quantized": FP8 E4M3 `weight`
+  (float8_e4m3fn [N, K]) with `weight_scale` per tensor ([1]), per channel ([N, 1]), per group
+  ([N, K/G]) or per block ([ceil(N/bn), ceil(K/bk)]); W = w * s. FP8 input activations in the
+  config (dynamic, or static with `input_scale` tensors) are not applied: the engine runs such a
+  checkpoint weight-only, activations in its own dtype.
 
 Which modules are quantized is what the checkpoint holds (a module with the marker tensor); a
 quantized module outside the decoder layers (a quantized lm_head or embedding) is refused, since
 the engine keeps those dense. Anything else these formats can state that is not served (other
-kernels' layouts, bit widths, activation or KV-cache quantization, FP8, transforms) is one
+kernels' layouts, bit widths, int activation or KV-cache quantization, transforms) is one
 UnsupportedQuantizationError line naming it and what is supported.
 """
 from __future__ import annotations
@@ -48,7 +52,8 @@ AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(j) for j in range(8))
 _LAYER_MODULE = re.compile(r"model\.layers\.\d+\.")
 
 _SERVED = ("served are AWQ gemm 4-bit with zero point; GPTQ 4/8-bit (gptq, gptq_v2 checkpoint formats, act-order); "
-           "compressed-tensors pack-quantized / naive-quantized int 4/8-bit group or channel weights")
+           "compressed-tensors pack-quantized / naive-quantized int 4/8-bit group or channel weights, "
+           "float-quantized FP8 e4m3 tensor/channel/group/block weights")
 
 
 def _refuse(what: str, where: str = "") -> UnsupportedQuantizationError:
@@ -188,12 +193,15 @@ class GptqScheme:
 
 @dataclasses.dataclass(frozen=True)
 class WeightArgs:
-    """One compressed-tensors config group's weight quantization (int, static)."""
+    """One compressed-tensors config group's weight quantization (static)."""
 
     bits: int
     symmetric: bool
     group_size: int | None  # None: strategy "channel" (one group of all inputs)
     targets: tuple[str, ...]
+    kind: str = "int"  # "int", or "float" (FP8 e4m3, float-quantized)
+    strategy: str = ""  # float: "tensor", "channel", "group" or "block"
+    block: tuple[int, int] | None = None  # float, strategy "block": (outputs, inputs) a scale covers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +213,12 @@ class CompressedScheme:
     packed: bool
     groups: tuple[WeightArgs, ...]
     ignore: tuple[str, ...]
+    float_weights: bool = False  # float-quantized (FP8 e4m3 `weight`, never packed)
 
     @property
     def source(self) -> str:
+        if self.float_weights:
+            return "compressed-tensors float-quantized"
         return "compressed-tensors " + ("pack-quantized" if self.packed else "naive-quantized")
 
     @property
@@ -216,6 +227,8 @@ class CompressedScheme:
 
     @property
     def parts(self) -> tuple[str, ...]:
+        if self.float_weights:  # input_scale: a static FP8 activation scale, read and not applied
+            return "weight", "weight_scale", "input_scale"
         return (("weight_packed", "weight_shape") if self.packed else ("weight",)) + \
             ("weight_scale", "weight_zero_point", "weight_g_idx")
 
@@ -234,6 +247,8 @@ class CompressedScheme:
         mins fp32 -(8 + zp) * s. 8-bit: codes q, mins fp32 -zp * s, or none when symmetric (fp16
         scales kept, bf16 scales as fp32: exact)."""
         args = self.args_of(module)
+        if args.kind == "float":
+            return self._convert_fp8(module, args, t)
         g_name = "channel" if args.group_size is None else f"g{args.group_size}"
         source = f"{self.source} {args.bits}-bit {g_name}" + ("" if args.symmetric else " asym")
         what = f"{module} ({source})"
@@ -272,6 +287,41 @@ class CompressedScheme:
         s32 = s.float()
         return _weight(what, bits=8, codes=_codes(u, 8), scales=s32, mins=_mins(zp, s32), group_size=g, perm=perm,
                        source=source)
+
+    def _convert_fp8(self, module: str, args: WeightArgs, t: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """An FP8 E4M3 weight as e4m3 codes (its bytes) with fp32 scales per row and group: per
+        tensor and per channel one group of all K inputs, per block each row repeating its block
+        row's scales (exact: the same values)."""
+        strategy = args.strategy + ("" if args.group_size is None or args.strategy != "group" else f" g{args.group_size}")
+        source = f"{self.source} fp8 e4m3 {strategy}"
+        what = f"{module} ({source})"
+        w, scale = _require(t, ("weight", "weight_scale"), what)
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+            raise ValueError(f"{what}: weight must be float8_e4m3fn [N, K], not {w.dtype} {tuple(w.shape)}")
+        n, k = w.shape
+        codes = w.contiguous().view(torch.int8)
+        if ((codes & 0x7F) == 0x7F).any():
+            raise ValueError(f"{what}: the weight holds NaN (FP8 bit pattern 0x7F / 0xFF)")
+        s = scale.float()
+        if args.strategy == "tensor":
+            if s.numel() != 1:
+                raise ValueError(f"{what}: weight_scale {tuple(s.shape)}, expected one value")
+            s, g = s.reshape(1, 1).expand(n, 1), k
+        elif args.strategy == "channel":
+            if tuple(s.shape) not in ((n, 1), (n,)):
+                raise ValueError(f"{what}: weight_scale {tuple(s.shape)}, expected {(n, 1)}")
+            s, g = s.reshape(n, 1), k
+        elif args.strategy == "group":
+            g = args.group_size
+            if tuple(s.shape) != (n, -(-k // g)):
+                raise ValueError(f"{what}: weight_scale {tuple(s.shape)}, expected {(n, -(-k // g))}")
+        else:  # block
+            bn, g = args.block
+            if tuple(s.shape) != (-(-n // bn), -(-k // g)):
+                raise ValueError(f"{what}: weight_scale {tuple(s.shape)}, expected {(-(-n // bn), -(-k // g))}")
+            s = s.repeat_interleave(bn, dim=0)[:n]
+        return _weight(what, bits=8, codes=codes, scales=s.contiguous(), mins=None, group_size=g, source=source,
+                       code_format="e4m3")
 
     def _zero_point(self, zp: torch.Tensor | None, bits: int, n: int, groups: int, what: str) -> torch.Tensor:
         """Signed zero points int32 [N, groups] from either stored form."""
@@ -387,8 +437,8 @@ def _compressed_scheme(q: dict) -> CompressedScheme:
         gfmt = str(group.get("format") or fmt)
         formats.add(gfmt)
         if gfmt == "float-quantized":
-            raise _refuse("compressed-tensors float-quantized (FP8 e4m3) weights",
-                          where=" on any device: neither the CPU nor the Triton backend has an FP8 kernel")
+            groups.append(_fp8_weight_args(name, group))
+            continue
         if gfmt not in ("pack-quantized", "naive-quantized"):
             raise _refuse(f"compressed-tensors format {gfmt!r}")
         if group.get("input_activations") or group.get("output_activations"):
@@ -417,7 +467,41 @@ def _compressed_scheme(q: dict) -> CompressedScheme:
     if len(formats) > 1:
         raise _refuse(f"compressed-tensors mixed formats {sorted(formats)}")
     return CompressedScheme(packed=formats == {"pack-quantized"}, groups=tuple(groups),
-                            ignore=tuple(q.get("ignore") or ()))
+                            ignore=tuple(q.get("ignore") or ()), float_weights=formats == {"float-quantized"})
+
+
+def _fp8_weight_args(name: str, group: dict) -> WeightArgs:
+    """A float-quantized config group: FP8 e4m3 weights (static, symmetric); FP8 input
+    activations are accepted and not applied (module docstring), any other activation scheme refused."""
+    w = group.get("weights")
+    if not w:
+        raise _refuse(f"compressed-tensors config group {name!r} without weight quantization")
+    bits, kind, strategy = int(w.get("num_bits", 0)), str(w.get("type", "int")), str(w.get("strategy"))
+    what = f"compressed-tensors float-quantized {kind} {bits}-bit {strategy}"
+    if kind != "float" or bits != 8:
+        raise _refuse(f"{what} weights")
+    if w.get("dynamic") or not w.get("symmetric", True):
+        raise _refuse(f"{what} {'dynamic' if w.get('dynamic') else 'asymmetric'} weights")
+    act = group.get("input_activations")
+    if act and (str(act.get("type")) != "float" or int(act.get("num_bits", 0)) != 8):
+        raise _refuse(f"compressed-tensors activation quantization {act.get('type')} {act.get('num_bits')}-bit "
+                      f"(config group {name!r})")
+    if group.get("output_activations"):
+        raise _refuse(f"compressed-tensors output activation quantization (config group {name!r})")
+    g, block = None, None
+    if strategy == "group":
+        g = int(w.get("group_size") or 0)
+        if g <= 0 or g % 16:
+            raise _refuse(f"{what} weights with group size {g} (a multiple of 16 is)")
+    elif strategy == "block":
+        bs = w.get("block_structure")
+        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(int(b) > 0 for b in bs)) or int(bs[1]) % 16:
+            raise _refuse(f"{what} weights with block_structure {bs!r} (blocks of [rows, a multiple of 16 inputs] are)")
+        block = (int(bs[0]), int(bs[1]))
+    elif strategy not in ("tensor", "channel"):
+        raise _refuse(f"{what} weights (strategy {strategy!r})")
+    return WeightArgs(bits=8, symmetric=True, group_size=g, targets=tuple(group.get("targets") or ()), kind="float",
+                      strategy=strategy, block=block)
 
 
 def check_module(scheme: Scheme, module: str) -> None:

@@ -12,6 +12,9 @@ Semantics (`QuantizedWeight`, N outputs x K inputs):
   the W4A16 kernels read them as they are. `bits` 8: `codes` int8 [N, K], values -128..127 (formats
   with unsigned 8-bit or 5-/6-bit codes shift them into this range and fold the shift into `mins`,
   exactly: code * scale and the folded min are exact in fp32 for every format converted here).
+- `code_format` "e4m3" (bits 8 only): `codes` hold FP8 E4M3 bit patterns (torch.float8_e4m3fn's,
+  viewed as int8; compressed-tensors float-quantized checkpoints) instead of integers: a code's
+  value is the FP8 number it encodes. Never NaN (0x7F / 0xFF): the converter refuses those.
 - `scales`, `mins`: fp16 or fp32 [N, ceil(K / group_size)]; `mins` None means zero (symmetric
   formats). fp16 where the format's own values are fp16 (GGUF Q4_0/Q4_1/Q8_0, AWQ/GPTQ scales),
   fp32 where the format multiplies two of them (a K-quant's super-block d times a sub-block's
@@ -54,9 +57,13 @@ class QuantizedWeight:
     group_size: int
     perm: torch.Tensor | None = None
     source: str = ""
+    code_format: str = "int"  # "int", or "e4m3" (bits 8): FP8 E4M3 bit patterns
 
     def __post_init__(self):
         c, s, m, g = self.codes, self.scales, self.mins, self.group_size
+        if self.code_format not in ("int", "e4m3") or (self.code_format == "e4m3" and self.bits != 8):
+            raise ValueError(f"code_format must be 'int', or 'e4m3' with bits 8; not {self.code_format!r} "
+                             f"with bits {self.bits}")
         if self.bits == 4:
             if c.dtype != torch.uint8 or c.dim() != 2 or c.shape[1] % (PACK // 2):
                 raise ValueError(f"4-bit codes must be uint8 [N, K/2] with K a multiple of {PACK}, "
@@ -99,17 +106,25 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
     def int_codes(self) -> torch.Tensor:
-        """The codes as int32 [N, K] in the stored (permuted) input order."""
+        """The codes as int32 [N, K] in the stored (permuted) input order (integer codes only)."""
+        if self.code_format != "int":
+            raise ValueError(f"{self.source or 'this weight'}: {self.code_format} codes are not integers")
         if self.bits == 8:
             return self.codes.to(torch.int32)
         c = self.codes.view(self.N, -1, PACK // 2).to(torch.int32)
         return torch.cat([c & 0xF, c >> 4], dim=2).reshape(self.N, self.K)
 
+    def code_values(self) -> torch.Tensor:
+        """What each code stands for, fp32 [N, K] in the stored (permuted) input order."""
+        if self.code_format == "e4m3":
+            return self.codes.view(torch.float8_e4m3fn).float()
+        return self.int_codes().float()
+
     def dequantize(self) -> torch.Tensor:
         """The reference: fp32 [N, K] in the original input order (module docstring)."""
         g = self.group_size
         scale = self.scales.float().repeat_interleave(g, dim=1)[:, :self.K]
-        w = self.int_codes().float() * scale
+        w = self.code_values() * scale
         if self.mins is not None:
             w = w + self.mins.float().repeat_interleave(g, dim=1)[:, :self.K]
         if self.perm is not None:
@@ -136,10 +151,10 @@ class QuantizedWeight:
 
 
 def same_form(parts: list[QuantizedWeight]) -> bool:
-    """Whether these weights can be one matmul (rows stacked): same bits, group, scale dtype,
+    """Whether these weights can be one matmul (rows stacked): same bits and code format, group, scale dtype,
     mins present alike, same input permutation."""
     a = parts[0]
-    return all(p.bits == a.bits and p.group_size == a.group_size and p.scales.dtype == a.scales.dtype
+    return all(p.bits == a.bits and p.code_format == a.code_format and p.group_size == a.group_size and p.scales.dtype == a.scales.dtype
                and (p.mins is None) == (a.mins is None) and p.K == a.K
                and ((p.perm is None and a.perm is None)
                     or (p.perm is not None and a.perm is not None and torch.equal(p.perm, a.perm)))

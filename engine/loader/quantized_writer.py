@@ -210,3 +210,65 @@ def write_compressed(dense_dir, out_dir, *, bits: int, strategy: str, group_size
     return _write(dense_dir, out_dir, config, lambda w: compressed_tensors(w, bits=bits, group_size=g,
                                                                            symmetric=symmetric,
                                                                            scale_dtype=scale_dtype))
+
+
+#: The largest finite FP8 E4M3 (float8_e4m3fn) value.
+E4M3_MAX = 448.0
+
+
+def compressed_fp8(w: torch.Tensor, *, strategy: str, group_size: int | None = None,
+                   block: tuple[int, int] | None = None, scale_dtype: torch.dtype = torch.bfloat16
+                   ) -> dict[str, torch.Tensor]:
+    """A dense weight [N, K] as compressed-tensors float-quantized `weight` (float8_e4m3fn) and
+    `weight_scale` (absmax / 448 per tensor [1], channel [N, 1], group [N, K/G] or block
+    [N/bn, K/bk]), quantized as the package does: w / s clamped to +-448, rounded to E4M3."""
+    n, k = w.shape
+    wf = w.float()
+    if strategy == "tensor":
+        absmax = wf.abs().amax().reshape(1)
+    elif strategy == "channel":
+        absmax = wf.abs().amax(dim=1, keepdim=True)
+    elif strategy == "group":
+        absmax = _groups(wf, group_size).abs().amax(dim=2)
+    elif strategy == "block":
+        bn, bk = block  # edge blocks cover what is left (the package pads with zeros)
+        rows, cols = -(-n // bn), -(-k // bk)
+        padded = torch.nn.functional.pad(wf, (0, cols * bk - k, 0, rows * bn - n))
+        absmax = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3))
+    else:
+        raise ValueError(f"strategy must be tensor, channel, group or block, not {strategy!r}")
+    s = scale_at_least((absmax / E4M3_MAX).clamp(min=1e-12), scale_dtype)
+    full = s.float()
+    if strategy == "tensor":
+        full = full.reshape(1, 1).expand(n, k)
+    elif strategy == "channel":
+        full = full.expand(n, k)
+    elif strategy == "group":
+        full = full.repeat_interleave(group_size, dim=1)[:, :k]
+    else:
+        full = full.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:n, :k]
+    q = (wf / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q.contiguous(), "weight_scale": s.contiguous()}
+
+
+def write_compressed_fp8(dense_dir, out_dir, *, strategy: str, group_size: int | None = None,
+                         block: tuple[int, int] | None = None, scale_dtype: torch.dtype = torch.bfloat16,
+                         dynamic_activations: bool = True) -> Path:
+    """A compressed-tensors float-quantized (FP8 e4m3) checkpoint of `dense_dir` in `out_dir`, its
+    config as llm-compressor saves FP8 schemes (targets "Linear", lm_head ignored); with
+    `dynamic_activations` the FP8_DYNAMIC scheme's per-token FP8 input activations, which the
+    engine does not apply (engine.loader.hf_quantized)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "group_size": group_size if strategy == "group" else None,
+               "block_structure": list(block) if strategy == "block" else None, "actorder": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token",
+            "group_size": None, "block_structure": None, "actorder": None, "observer": None,
+            "observer_kwargs": {}} if dynamic_activations else None
+    config = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                            "output_activations": None, "format": "float-quantized"}},
+              "quant_method": "compressed-tensors", "kv_cache_scheme": None, "format": "float-quantized",
+              "quantization_status": "compressed", "global_compression_ratio": None, "ignore": ["lm_head"],
+              "sparsity_config": {}, "transform_config": {}, "version": "0.20.0"}
+    return _write(dense_dir, out_dir, config, lambda w: compressed_fp8(w, strategy=strategy, group_size=group_size,
+                                                                       block=block, scale_dtype=scale_dtype))

@@ -220,6 +220,69 @@ def test_compressed_tensors_layers_dequantize_as_the_package_does(dense_dirs, tm
         assert w.bits == bits and (w.mins is None) == (bits == 8 and symmetric)
 
 
+FP8_CASES = [  # family, strategy, group size or block, weight_scale dtype
+    ("llama", "channel", None, torch.bfloat16),
+    ("llama", "tensor", None, torch.float16),
+    ("qwen2", "block", (48, 64), torch.bfloat16),  # edge blocks: Qwen2's [64, 96] and [96, 64] matrices
+    ("phi3", "group", 32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("family,strategy,shape,scale_dtype", FP8_CASES)
+def test_compressed_tensors_fp8_layers_dequantize_as_the_package_does(dense_dirs, tmp_path, family, strategy, shape,
+                                                                      scale_dtype):
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    qdir = quantized_writer.write_compressed_fp8(dense_dirs[family], tmp_path / "fp8", strategy=strategy,
+                                                 group_size=shape if strategy == "group" else None,
+                                                 block=shape if strategy == "block" else None, scale_dtype=scale_dtype)
+    qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(qcfg["config_groups"]["group_0"])
+    dense = {k: v for k, v in _stored(dense_dirs[family]).items()}
+
+    def reference(t):
+        w, s = t["weight"], t["weight_scale"]
+        assert w.dtype == torch.float8_e4m3fn
+        # The writer quantizes as the package does: its own compress of the dense weight with
+        # these scales gives these bytes.
+        module = next(k for k, v in dense.items() if v.shape == w.shape and k.endswith(".weight")
+                      and torch.equal(quantized_writer.compressed_fp8(v, strategy=strategy,
+                                                                       group_size=shape if strategy == "group" else None,
+                                                                       block=shape if strategy == "block" else None,
+                                                                       scale_dtype=scale_dtype)["weight"].view(torch.int8),
+                                      w.view(torch.int8)))
+        ours = FloatQuantizationCompressor.compress({"weight": dense[module].float(), "weight_scale": s}, scheme)
+        assert torch.equal(ours["weight"].view(torch.int8), w.view(torch.int8)), module
+        low = FloatQuantizationCompressor.decompress(dict(t), scheme)["weight"]  # scale dtype, the package's own
+        n, k = w.shape
+        if strategy in ("tensor", "channel"):
+            full = s.double().reshape(-1, 1).expand(n, k)
+        elif strategy == "group":
+            full = s.double().repeat_interleave(shape, dim=1)
+        else:
+            full = s.double().repeat_interleave(shape[0], dim=0).repeat_interleave(shape[1], dim=1)[:n, :k]
+        # One E4M3 step at each code's magnitude (3 mantissa bits; subnormal spacing below 2^-6).
+        exponent = torch.floor(torch.log2(w.double().abs().clamp(min=2.0 ** -6)))
+        return low, w.double() * full, full * 2.0 ** (exponent - 3)
+
+    for w, _ in _check_layers_exact(qdir, dense_dirs[family], "weight_scale", reference).values():
+        assert w.bits == 8 and w.code_format == "e4m3" and w.mins is None
+
+
+def test_fp8_weight_holding_nan_is_refused(dense_dirs, tmp_path):
+    qdir = quantized_writer.write_compressed_fp8(dense_dirs["llama"], tmp_path / "fp8", strategy="channel")
+    shard = next(qdir.glob("*.safetensors"))
+    tensors = _stored(qdir)
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad = tensors[name].view(torch.int8).clone()
+    bad[3, 5] = 0x7F
+    tensors[name] = bad.view(torch.float8_e4m3fn)
+    save_file(tensors, str(shard))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj .*NaN"):
+        load_safetensors_checkpoint(qdir, NAME)
+
+
 def _reshard(qdir: Path) -> None:
     """Spread the checkpoint over two shards with an index, each quantized module's tensors
     split between them (its packed weight in one, its scales in the other)."""
@@ -256,9 +319,17 @@ def test_module_split_across_shards_loads_the_same(dense_dirs, tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "GPTQ group_size 48"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
-     "compressed-tensors float-quantized (FP8 e4m3) weights are not served on any device: neither the CPU nor "
-     "the Triton backend"),
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                                                                         "group_size": 16}}}},
+     "compressed-tensors float-quantized float 4-bit group weights"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                                         "block_structure": [128, 100]}}}},
+     "block_structure [128, 100]"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                    "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
+     "compressed-tensors activation quantization int 8-bit"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
                                                                          "group_size": 128},
