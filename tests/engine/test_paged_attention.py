@@ -241,18 +241,21 @@ def test_decode_batch_of_one(device, lens):
         _close(out, want, torch.float32)
 
 
-def test_decode_default_splits_and_more_splits_than_keys(device):
-    """num_splits=None picks a count itself; more splits than a sequence has tiles leaves empty
-    splits, which must weigh nothing."""
+def test_decode_default_splits_and_more_splits_than_keys(device, monkeypatch):
+    """num_splits=None picks a count itself; with one split per key (split_min_tokens 1) a
+    sequence gets more splits than it has key tiles, and the empty ones must weigh nothing."""
     lens = [2, 20]
     paged = Paged(lens, 2, 32, BS, torch.float32, device, seed=5)
     q = torch.randn(2, 4, 32)
     want = _decode_reference(paged, q, 0.2)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    for n in (None, 7):
-        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
-                                         num_splits=n)
-        _close(out, want, torch.float32)
+    out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2)
+    _close(out, want, torch.float32)
+    cfg = dict(tri.KERNEL_CONFIGS[("interpreter", "decode", None)], split_min_tokens=1)
+    monkeypatch.setitem(tri.KERNEL_CONFIGS, ("interpreter", "decode", None), cfg)
+    out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
+                                     num_splits=7)
+    _close(out, want, torch.float32)
 
 
 #: Window sizes against contexts of up to 45 (decode) / 47 (prefill) keys in tables of 64 keys:
@@ -307,9 +310,9 @@ def test_choose_num_splits():
     assert tri.choose_num_splits(1, 8, 100, 132, **kw) == 1
 
 
-def test_kernel_config_falls_back_to_default():
-    cfg = tri.kernel_config(torch.device("cpu"), "decode_reduce", 64)
-    assert cfg == tri.KERNEL_CONFIGS[("default", "decode_reduce", None)]
+def test_kernel_config_falls_back_to_default(monkeypatch):
+    monkeypatch.setitem(tri.KERNEL_CONFIGS, ("default", "untuned", None), dict(num_warps=8))
+    assert tri.kernel_config(torch.device("cpu"), "untuned", 64) == dict(num_warps=8)
     assert tri.kernel_config(torch.device("cpu"), "decode", 64) == tri.KERNEL_CONFIGS[("interpreter", "decode", None)]
 
 
@@ -470,3 +473,168 @@ def test_decode_empty_sequence_gives_zeros(device):
                                              num_splits=n, sliding_window=window).cpu()
             _close(out[0], w, torch.float32)
             assert torch.equal(out[1], torch.zeros(2, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode splits: each sequence splits its keys by its own length (at most the launch's count),
+# and the split that finishes a sequence's set combines them in the same launch.
+
+#: Splits of two key tiles (split_min_tokens 32 over the interpreter's 16-key tiles), as the GPU's
+#: configuration has several tiles to a split: a row's partition into n splits then differs from
+#: its partition into more, so a row split by the grid's count instead of its own would show.
+SPLIT_MIN = 32
+#: One token, exactly one split's keys, one key past it, exactly two splits, rows of 4 and 7.
+SPLIT_LENS = [1, 32, 33, 64, 100, 200]
+
+
+@pytest.fixture
+def split_min(monkeypatch) -> int:
+    """The interpreter's decode configuration with SPLIT_MIN keys per split."""
+    key = ("interpreter", "decode", None)
+    monkeypatch.setitem(tri.KERNEL_CONFIGS, key, dict(tri.KERNEL_CONFIGS[key], split_min_tokens=SPLIT_MIN))
+    return SPLIT_MIN
+
+
+def _splits(lens: list[int], window: int | None = None) -> list[int]:
+    """The splits each row needs: one per SPLIT_MIN keys it sees, at least one."""
+    return [max(1, -(-min(n, window or n) // SPLIT_MIN)) for n in lens]
+
+
+def _counters_zero(device) -> bool:
+    return not tri.split_counters(torch.device(device), 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 3, 4])
+def test_decode_rows_split_by_their_own_length(device, split_min, dtype, G):
+    """Mixed lengths in one batch under grids of 1, 2, 4 and 16 splits: every row matches the
+    reference. A row uses only the splits its length needs, so every grid at least that wide
+    gives it the same bits (a CUDA graph's wide grid and an eager step's agree), and a row of
+    one split's keys comes out exactly as from an unsplit launch."""
+    Hkv, D = 2, 32
+    paged = Paged(SPLIT_LENS, Hkv, D, BS, dtype, device, seed=G)
+    q = torch.randn(len(SPLIT_LENS), G * Hkv, D, generator=torch.Generator().manual_seed(G)).to(dtype)
+    scale = D ** -0.5
+    want = _decode_reference(paged, q, scale)
+    seq_lens = torch.tensor(SPLIT_LENS, dtype=torch.int32, device=device)
+    outs = {n: tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, scale,
+                                          num_splits=n).cpu() for n in (1, 2, 4, 16)}
+    for out in outs.values():
+        assert out.dtype == dtype and out.shape == q.shape
+        _close(out, want, dtype)
+    needs = _splits(SPLIT_LENS)
+    assert needs == [1, 1, 2, 2, 4, 7]
+    for r, need in enumerate(needs):
+        grids = [n for n in outs if n >= need]
+        for n in grids[1:]:
+            assert torch.equal(outs[n][r], outs[grids[0]][r]), (r, n)
+    assert _counters_zero(device)
+
+
+@pytest.mark.parametrize("window,softcap", [(40, 3.0), (17, None), (1, 3.0)], ids=["w40-cap3", "w17", "w1-cap3"])
+def test_decode_window_splits_by_the_keys_it_sees(device, split_min, window, softcap):
+    """With a sliding window a row's splits partition only its window's keys and their count comes
+    from them (keys before each window are NaN in the cache: none is read): long rows need no more
+    splits than the window's keys, whatever their length or the grid."""
+    lens, Hkv, G, D = [1, 30, 120, 200], 2, 2, 64
+    paged = Paged(lens, Hkv, D, BS, torch.float32, device, seed=window)
+    q = 4 * torch.randn(len(lens), G * Hkv, D, generator=torch.Generator().manual_seed(window))
+    scale = D ** -0.5
+    want = torch.cat([_windowed_reference(paged, r, q[r:r + 1], [n - 1], scale, window, softcap)
+                      for r, n in enumerate(lens)])
+    for r, n in enumerate(lens):
+        paged.hide(r, n - window)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    outs = {n: tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, scale,
+                                          num_splits=n, sliding_window=window, softcap=softcap).cpu()
+            for n in (1, 2, 16)}
+    for out in outs.values():
+        _close(out, want, torch.float32)
+    need = max(_splits(lens, window))
+    assert need <= 2
+    assert torch.equal(outs[2], outs[16])
+    if need == 1:
+        assert torch.equal(outs[1], outs[16])
+    assert _counters_zero(device)
+
+
+def test_decode_repeated_calls_leave_counters_zero(device):
+    """The split counters are zero after every launch (no launch zero-fills them first): calls
+    repeated, interleaved with other batch sizes and head counts and written into a caller's
+    rows, give identical results every time."""
+    D = 32
+    big = Paged(SPLIT_LENS, 2, D, BS, torch.float32, device, seed=11)
+    small = Paged([70, 5], 1, D, BS, torch.float32, device, seed=12)
+    q_big = torch.randn(len(SPLIT_LENS), 6, D, generator=torch.Generator().manual_seed(1)).to(device)
+    q_small = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(2)).to(device)
+    lens_big = torch.tensor(SPLIT_LENS, dtype=torch.int32, device=device)
+    lens_small = torch.tensor([70, 5], dtype=torch.int32, device=device)
+
+    def run_big(out=None):
+        return tri.paged_decode_attention(q_big, big.k, big.v, big.block_tables, lens_big, BS, 0.2, num_splits=16,
+                                          out=out)
+
+    def run_small():
+        return tri.paged_decode_attention(q_small, small.k, small.v, small.block_tables, lens_small, BS, 0.2,
+                                          num_splits=5)
+
+    first_big, first_small = run_big().clone(), run_small().clone()
+    _close(first_big, _decode_reference(big, q_big, 0.2), torch.float32)
+    _close(first_small, _decode_reference(small, q_small, 0.2), torch.float32)
+    assert _counters_zero(device)
+    rows = torch.full((len(SPLIT_LENS) + 2, 6, D), float("nan"), device=device)
+    for _ in range(2):
+        assert torch.equal(run_small(), first_small)
+        assert _counters_zero(device)
+        assert torch.equal(run_big(), first_big)
+        assert _counters_zero(device)
+        run_big(out=rows[1:-1])
+        assert torch.equal(rows[1:-1], first_big)
+        assert rows[0].isnan().all() and rows[-1].isnan().all()
+        assert _counters_zero(device)
+
+
+def test_decode_split_counters_grow_for_larger_batches(device, monkeypatch):
+    """A launch with more (sequence, KV head) pairs than the device's counters gets a larger
+    buffer and the right result; the smaller buffer stays allocated (a captured CUDA graph may
+    still replay against it)."""
+    monkeypatch.setattr(tri, "_MIN_SPLIT_COUNTERS", 4)
+    monkeypatch.setattr(tri, "_SPLIT_COUNTERS", {})
+    monkeypatch.setattr(tri, "_RETIRED_SPLIT_COUNTERS", [])
+    D = 32
+    for lens, seed in (([40, 3], 1), ([40, 3, 20, 33, 1], 2)):
+        paged = Paged(lens, 2, D, BS, torch.float32, device, seed=seed)
+        q = torch.randn(len(lens), 4, D, generator=torch.Generator().manual_seed(seed))
+        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables,
+                                         torch.tensor(lens, dtype=torch.int32, device=device), BS, 0.2, num_splits=3)
+        _close(out, _decode_reference(paged, q, 0.2), torch.float32)
+        assert tri.split_counters(torch.device(device), 0).numel() >= 2 * len(lens)
+        assert _counters_zero(device)
+    assert [b.numel() for b in tri._RETIRED_SPLIT_COUNTERS] == [4]
+
+
+def test_decode_default_grid_uses_few_split_counts(device, monkeypatch):
+    """With num_splits None the grid's split count comes from max_seq_len in power-of-two
+    buckets, so a whole range of step lengths launches only a handful of configurations; results
+    are right whether max_seq_len is exact or only a bound (the table's capacity)."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)  # a GPU's SM count: splits worth making
+    grids = []
+    kernel = tri._decode_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(tri, "_decode_kernel", Recording())
+    lens = [3, 17]
+    paged = Paged(lens, 2, 32, BS, torch.float32, device, seed=4, extra_cols=24)
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(4))
+    want = _decode_reference(paged, q, 0.2)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for bound in [*range(17, 201, 9), None]:
+        out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables, seq_lens, BS, 0.2,
+                                         max_seq_len=bound)
+        _close(out, want, torch.float32)
+    assert {g[2] for g in grids} == {2, 4, 8, 16}
+    assert _counters_zero(device)

@@ -32,9 +32,15 @@ Semantics:
     # attention (the kernels' full-attention build runs).
 
 Softmax statistics and the value sums are fp32 whatever the cache dtype; outputs are in q's
-dtype. Every output element is written by exactly one program (no atomics needed): the decode
-kernel's (sequence, KV head, split) programs write disjoint rows of the partial buffers, the
-reduction one row of `out` per (sequence, head); the prefill kernel one (query tile, head) each.
+dtype. Every output element is written by exactly one program: the prefill kernel's (query tile,
+head) programs each their own rows. Decode is one launch of (sequence, KV head, split) programs;
+a sequence of n keys uses cdiv(n, split_min_tokens) splits, at most the grid's NUM_SPLITS, and
+the programs of splits it does not use return at once. With one split the program writes its
+heads' output rows directly; with several each writes its disjoint rows of fp32 partials
+(max, sum, weighted values), then counts itself done with one atomic add (acquire-release) on its
+(sequence, KV head) counter, and the program whose count completes the set combines the partials
+in split order, writes the output rows and zeroes the counter (`split_counters`). The result is
+deterministic: which program combines varies, what it sums and in which order does not.
 
 Window and soft-cap are compile-time switches (SLIDING, SOFTCAP) with runtime values (the window
 size, the cap): with both off the kernels build to the same machine code as plain causal
@@ -75,8 +81,9 @@ _KERNELS = "engine.backends.triton.attention"
 # keys; a device never tuned takes "default".
 #   block_m / block_n: query / key tile sizes (powers of two >= 16, tl.dot's minimum);
 #   block_rows: (token, head) pairs per rope_kv_write program (the interpreter pays per program);
-#   split_min_tokens: fewest keys per decode split worth its partial-output traffic;
-#   max_splits: cap on the decode split count.
+#   split_min_tokens: keys per decode split worth its partial-output traffic (a sequence of n
+#     keys uses cdiv(n, split_min_tokens) splits, at most the launch's count);
+#   max_splits: cap on the decode launch's split count.
 # The defaults follow the shapes: 64-key tiles keep a [G, 64] score tile and two [64, D] K/V
 # tiles in registers for D <= 128; the interpreter's small tiles make the tests' short
 # sequences cross tile and split boundaries.
@@ -85,7 +92,6 @@ KERNEL_CONFIGS: dict[tuple[str, str, int | None], dict] = {
     ("interpreter", "rope_kv_write", None): dict(block_rows=64, num_warps=4),
     ("default", "decode", None): dict(block_n=64, num_warps=4, num_stages=2,
                                       split_min_tokens=256, max_splits=16),
-    ("default", "decode_reduce", None): dict(num_warps=4),
     ("default", "prefill", None): dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
     ("default", "prefill", 128): dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
     # Gemma's head_dim 256: the 64 x 64 default spills on sm_90 (255 registers, 48-64 bytes
@@ -118,7 +124,8 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                       split_min_tokens: int, max_splits: int) -> int:
-    """How many partitions decode attention splits each sequence's keys into.
+    """The decode launch's split count: the most partitions a sequence's keys are split into
+    (each sequence uses only as many as its own length needs, see paged_decode_attention).
 
     Unsplit there are batch * num_kv_heads programs; while that fills every SM once there is
     nothing to gain. Otherwise split just enough to give each SM a program, but never into
@@ -317,9 +324,39 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, offs_n, mask_n, keep, k
 
 
 @triton.jit
+def _combine_splits(mid_o_ptr, mid_m_ptr, mid_l_ptr, b, heads, mask_g, offs_d, mask_d, n_split,
+                    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Attention of `heads` of sequence b from its first n_split partial rows, in split order:
+    sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max m), fp32 [BLOCK_G, BLOCK_D]. The
+    sums run split by split, so a row's result depends only on its own split count, never on the
+    launch's bound. The rows were written by other programs of this launch: loads read L2 (".cg"),
+    never a stale line of this SM's L1."""
+    rows = (b * NUM_HEADS + heads) * NUM_SPLITS  # each head's split 0
+    m_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for s in range(n_split):
+        m_max = tl.maximum(m_max, tl.load(mid_m_ptr + rows + s, mask=mask_g, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    # Empty splits (m = -inf) weigh exp(-inf) = 0; a row with no key at all subtracts 0 instead of
+    # -inf (-inf - -inf is NaN) and ends with denom 0: zeros.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for s in range(n_split):
+        m = tl.load(mid_m_ptr + rows + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(mid_l_ptr + rows + s, mask=mask_g, other=0.0, cache_modifier=".cg")
+        o = tl.load(mid_o_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+        w = tl.exp(m - m_max)
+        denom += w * l
+        acc += w[:, None] * o
+    return acc / tl.where(denom > 0, denom, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
-    scale, block_size, max_blocks,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cnt_ptr,
+    scale, block_size, max_blocks, split_min_tokens,
     stride_qb, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ob, stride_oh,
     window, softcap,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -327,8 +364,10 @@ def _decode_kernel(
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid = (B, Hkv, NUM_SPLITS): the G query heads sharing KV head `kvh` of sequence b, over
-    # split `sp` of its keys (each split's range is proportional to the keys this sequence's
-    # query sees, so no host-side length is needed). K/V tiles are read once for the whole group.
+    # split `sp` of its keys. K/V tiles are read once for the whole group. NUM_SPLITS is only a
+    # bound: the sequence uses n_split = clamp(cdiv(keys, split_min_tokens), 1, NUM_SPLITS) of
+    # them, from its own length (the keys its query sees), so a short row in a grid sized for a
+    # long one (a CUDA graph's fixed table width) costs one program, not NUM_SPLITS.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -340,7 +379,15 @@ def _decode_kernel(
         kv_start = tl.maximum(seq_len - window, 0)
     else:
         kv_start = 0
-    part = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    keys = seq_len - kv_start
+    if NUM_SPLITS == 1:
+        n_split = 1
+    else:
+        n_split = tl.minimum(tl.maximum(tl.cdiv(keys, split_min_tokens), 1), NUM_SPLITS)
+        if sp >= n_split:
+            return  # a split this sequence does not use: it writes nothing and is not counted
+    # Each used split's range is proportional to the keys, in whole key tiles.
+    part = tl.cdiv(tl.cdiv(keys, n_split), BLOCK_N) * BLOCK_N
     start = kv_start + sp * part
     end = tl.minimum(seq_len, start + part)
 
@@ -366,44 +413,25 @@ def _decode_kernel(
                                      scale, softcap, IEEE, SOFTCAP, False)
 
     out_mask = mask_g[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if n_split == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (seq_len 0): zeros
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Partials [B, Hq, NUM_SPLITS, (D)], fp32: this program's rows are (b, its heads, sp).
         row = (b * NUM_HEADS + heads) * NUM_SPLITS + sp
         tl.store(mid_m_ptr + row, m_i, mask=mask_g)
         tl.store(mid_l_ptr + row, l_i, mask=mask_g)
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_m_ptr, mid_l_ptr, out_ptr, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # grid = (B, Hq): out[b, h] = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
-    m = tl.load(mid_m_ptr + row, mask=mask_s, other=float("-inf"))
-    l = tl.load(mid_l_ptr + row, mask=mask_s, other=0.0)
-    acc = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    m_max = tl.max(m, 0)
-    # Empty splits (m = -inf) weigh exp(-inf) = 0; an all-empty row (seq_len 0) subtracts 0
-    # instead of -inf (-inf - -inf is NaN) and ends with denom 0: zeros.
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp(m - m_max)
-    denom = tl.sum(w * l, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+        # Every thread's stores precede the count (the barrier), and the count releases them to
+        # the program that sees it reach n_split; that program acquires them with it and combines.
+        tl.debug_barrier()
+        counter = cnt_ptr + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == n_split - 1:
+            o = _combine_splits(mid_o_ptr, mid_m_ptr, mid_l_ptr, b, heads, mask_g, offs_d, mask_d, n_split,
+                                HEAD_DIM, NUM_HEADS, NUM_SPLITS, BLOCK_G, BLOCK_D)
+            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(counter, 0)  # zero again for the next launch: no fill launch before it
 
 
 def _variant_args(sliding_window: int | None, softcap: float | None, capacity: int) -> dict:
@@ -455,6 +483,43 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
     return out
 
 
+#: Split counters every device starts with: one int32 per (sequence, KV head) of a decode launch,
+#: enough for 2048 sequences of 32 KV heads (256 KiB).
+_MIN_SPLIT_COUNTERS = 1 << 16
+#: The split-counter buffer of each device (see split_counters).
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+#: Buffers a larger one replaced: a captured CUDA graph may still point at them, so they are kept.
+_RETIRED_SPLIT_COUNTERS: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The zeroed int32 counters of `device`'s split decode launches, at least `count` of them:
+    program (b, kvh, sp) counts its finished split at index b * Hkv + kvh, and the program that
+    finishes a sequence's last split combines the splits and sets its counter back to 0. So the
+    buffer is all zeros between launches and no launch fills it first; launches on one device
+    must run one after another (one stream, as the engine's steps and graph replays do), never
+    concurrently.
+
+    One buffer per device, shared by every launch there, so its pointer is the same for every
+    layer and step: a CUDA graph records the pointer at capture and replays against it. It is
+    allocated generously (_MIN_SPLIT_COUNTERS) so that no realistic batch outgrows it; a launch
+    that does gets a larger one, and the old buffer is kept alive (never freed, never reused by the
+    allocator) because a graph captured earlier may still replay against it. The engine's capture
+    runs each batch size eagerly first (CudaGraphCapture's warm-up), so any growth happens there;
+    growing during a capture itself is refused (the zero fill would only run at replay)."""
+    buf = _SPLIT_COUNTERS.get(device)
+    if buf is not None and buf.numel() >= count:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"decode attention needs {count} split counters on {device} but is being captured "
+                           "into a CUDA graph: run the same batch once eagerly before capturing it")
+    size = max(_MIN_SPLIT_COUNTERS, count, 2 * buf.numel() if buf is not None else 0)
+    if buf is not None:
+        _RETIRED_SPLIT_COUNTERS.append(buf)
+    buf = _SPLIT_COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, *, num_splits: int | None = None,
@@ -462,7 +527,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged cache: each sequence's query attends to its first
     seq_lens[b] cached tokens (the new token's K/V already written), or with a sliding window to
-    the last min(seq_lens[b], sliding_window) of them. Semantics: see the module docstring.
+    the last min(seq_lens[b], sliding_window) of them. One launch. Semantics: see the module
+    docstring.
 
     Args:
         q: [B, Hq, D] rotated queries (heads contiguous), in the cache's dtype.
@@ -471,12 +537,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             so they may hold anything, and max_blocks may be wider than any sequence needs.
         seq_lens: [B] int32, tokens to attend to (> 0; 0 yields a zero row; values past
             max_blocks * block_size are read as that capacity).
-        num_splits: partitions of each sequence's keys (one program each, then a reduction);
-            None: `choose_num_splits` with this device's configuration.
+        num_splits: the most partitions of a sequence's keys (the grid's third dimension): a
+            sequence seeing n keys uses min(num_splits, max(1, cdiv(n, split_min_tokens))) of
+            them (this device's configuration), one program each, the last to finish combining
+            them; None: `choose_num_splits` with this device's configuration.
         max_seq_len: a host-side upper bound of seq_lens, used only to choose num_splits (no
-            device read); None: max_blocks * block_size.
+            device read), in power-of-two buckets so that few launch configurations arise;
+            None: max_blocks * block_size.
         sliding_window: keys a query sees, itself included (HF's `sliding_window`); None: all.
-            The splits partition only those keys, so num_splits=None sizes them by the window.
+            The splits partition only those keys, so both bounds are capped by the window.
         softcap: scores become softcap * tanh(scores / softcap) (HF's
             `attn_logit_softcapping`); None: unchanged.
         out: where to write the result ([B, Hq, D] in q's dtype on its device, unit stride
@@ -498,7 +567,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_blocks = block_tables.shape[1]
     variant = _variant_args(sliding_window, softcap, max_blocks * block_size)
     if num_splits is None:
-        bound = max_blocks * block_size if max_seq_len is None else max_seq_len
+        bound = next_pow2(max_blocks * block_size if max_seq_len is None else max_seq_len)
         if variant["SLIDING"]:
             bound = min(bound, variant["window"])  # keys any query sees
         num_splits = choose_num_splits(B, Hkv, bound, _num_sms(device),
@@ -506,29 +575,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     G = Hq // Hkv
-    block_d = max(16, next_pow2(D))
     if num_splits > 1:
         mid_o = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=device)
         mid_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=device)
         mid_l = torch.empty_like(mid_m)
+        counters = split_counters(device, B * Hkv)
     else:
-        mid_o = mid_m = mid_l = out  # not touched by the single-split kernel
+        mid_o = mid_m = mid_l = counters = out  # not touched by the single-split kernel
     _decode_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_m, mid_l,
-        scale, block_size, max_blocks,
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_m, mid_l, counters,
+        scale, block_size, max_blocks, cfg["split_min_tokens"],
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1), **variant,
         G=G, HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, IEEE=dot_in_fp32(q.dtype),
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n, IEEE=dot_in_fp32(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        rcfg = kernel_config(device, "decode_reduce", D)
-        _decode_reduce_kernel[(B, Hq)](
-            mid_o, mid_m, mid_l, out, out.stride(0), out.stride(1),
-            HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=rcfg["num_warps"],
-        )
     return out
 
 
