@@ -21,6 +21,7 @@ fp32 intermediate v as [L, T, R] and expand takes it as such; with a single tens
     add_lora(y, x, lora_a, lora_b, scales, ranks, *, meta, offsets=None, impl=None) -> y   (shrink + expand)
     stack = lora_stack(lora_a, lora_b, scales, ranks, offsets=None); add_lora(y, x, stack, meta=meta)
     meta = build_lora_metadata(slot_per_token, *, num_slots=None, device=None, num_decode=None)
+    groups = group_decode_tokens(token_slots, num_slots)   (device-side grouping by slot, see below)
 
 BGMV (decode) takes a slot per token; SGMV (prefill) takes segments: `seg_starts` [n+1]
 (0 ... T, empty segments allowed) and `seg_slots` [n]. `build_lora_metadata` produces both from
@@ -42,12 +43,23 @@ optional for the four ops: the CPU path reuses its token grouping across the man
 step. `punica_kernels.reference` is a slow float64 reference for tests.
 
 Mixed batches (`build_lora_metadata(..., num_decode=d)`): tokens [0, d) are decode tokens, one
-per sequence, the rest prefill chunks. The Triton add_lora then runs BGMV shrink + expand over
-rows [0, d) and SGMV shrink + expand over the prefill rows' runs of equal slots (views of x and
-y), each skipped when empty; d = 0 is an all-prefill batch (SGMV only). num_decode=None (not
-given) runs BGMV over every token, a launch shape fixed by T alone. Every launch size is a host
-int from the metadata, so the Triton path never reads a device value back. The CPU path ignores
-num_decode (it groups tokens by slot whatever their kind).
+per sequence, the rest prefill chunks. The Triton add_lora then runs the grouped shrink + expand
+over rows [0, d) and SGMV shrink + expand over the prefill rows' runs of equal slots (views of x
+and y), each skipped when empty; d = 0 is an all-prefill batch (SGMV only). num_decode=None (not
+given) runs the grouped kernels over every token. Every launch size is a host int from the
+metadata or the shapes, so the Triton path never reads a device value back.
+The CPU path ignores num_decode (it groups tokens by slot whatever their kind).
+
+Grouped decode (the Triton add_lora's decode rows): `group_decode_tokens(slots, S)` sorts the
+rows stably by slot on the device (`DecodeGroups`: an order and each slot's bounds, shapes fixed
+by T and S, so a captured graph recomputes it from its static slot buffer); the grouped shrink
+and expand (punica_kernels.kernels.grouped_*) then run one program per (slot, tile) over that
+slot's rows with tl.dot, reading each adapter's weights once however many rows share it. A
+caller making many calls per step (the engine's batch) groups once and sets
+`meta.decode_groups`; otherwise add_lora groups per call. BGMV (one program per token) stays as
+the per-token ops above. Every shrink on this path writes all of its fp32 intermediate (zeros
+included) and the grouped shrink's split-K is summed in a fixed order by the last program of a
+tile: no zero-fill launch, and repeated calls are bit-identical.
 
 Bad calls raise TypeError (dtype) or ValueError (shape, device, contiguity, slot or rank value).
 Checks that read tensor values run for CPU tensors only; on CUDA they would sync the device and
@@ -59,13 +71,14 @@ from __future__ import annotations
 import torch
 
 from . import cpu, reference
-from ._checks import LoRAStack, lora_stack
-from .metadata import LoRAMetadata, build_lora_metadata
+from ._checks import LoRAStack, check_add_lora, lora_stack
+from .metadata import DecodeGroups, LoRAMetadata, build_lora_metadata, group_decode_tokens
 from .quantize import int8_b_view, quantize_rows
 
 __all__ = [
     "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand", "add_lora",
-    "build_lora_metadata", "LoRAMetadata", "LoRAStack", "lora_stack", "quantize_rows", "int8_b_view",
+    "build_lora_metadata", "LoRAMetadata", "DecodeGroups", "group_decode_tokens", "LoRAStack", "lora_stack",
+    "quantize_rows", "int8_b_view",
     "reference",
 ]
 
@@ -155,40 +168,46 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta: LoRAMe
     every step (the engine) then pays only the activations' and rank values' checks.
 
     impl: None picks by device (CUDA: Triton, CPU: the CPU path); "triton" or "cpu" forces one
-    (see `_use_triton`). Triton: with meta.num_decode = d given, BGMV shrink + expand over rows
-    [0, d) and SGMV shrink + expand over the rest's segments (views of x and y; each part skipped
-    when empty); with meta.num_decode None, BGMV over every token. Each part is two launches with
-    an fp32 intermediate, and nothing reads a device value back. int8 stacks are CPU-only
-    (TypeError). CPU: one fused pass over the step's cached slot-major plan
-    (punica_kernels.cpu.add_lora), the engine's decode path there; it ignores num_decode.
+    (see `_use_triton`). Triton: with meta.num_decode = d given, the grouped shrink + expand over
+    rows [0, d) (grouped by meta.decode_groups, else by `group_decode_tokens` here) and SGMV
+    shrink + expand over the rest's segments (views of x and y; each part skipped when empty);
+    with meta.num_decode None, the grouped kernels over every token. Each part is two launches
+    with an fp32 intermediate (allocated, never filled), and nothing reads a device value back.
+    Weights must match the activations' dtypes; int8 stacks are CPU-only (TypeError). CPU: one
+    fused pass over the step's cached slot-major plan (punica_kernels.cpu.add_lora), the engine's
+    decode path there; it ignores num_decode.
     """
     if not _use_triton(x, impl):
         return cpu.add_lora(y, x, lora_a, lora_b, scales, ranks, meta=meta, offsets=offsets)
-    from .kernels import bgmv_expand_triton, bgmv_shrink_triton, sgmv_expand_triton, sgmv_shrink_triton
+    from .kernels import grouped_expand_triton, grouped_shrink_triton, sgmv_expand_triton
     from .kernels._common import check_runnable
+    from .kernels.sgmv_shrink import sgmv_shrink_into
 
     check_runnable(x.device)
-    if isinstance(lora_a, LoRAStack):
-        if lora_b is not None or scales is not None or ranks is not None or offsets is not None:
-            raise TypeError("with a LoRAStack, pass no lora_b, scales, ranks or offsets (the stack holds them)")
-        st = lora_a
-        if st.quantized:
-            raise TypeError("int8 LoRA stacks are a CPU form (impl='cpu'); Triton stacks are fp16, bf16 or fp32")
-        lora_a, lora_b, scales, ranks, offsets = st.a_slices, st.b_slices, st.scales, st.ranks, st.offsets
+    if isinstance(lora_a, LoRAStack) and lora_a.quantized:
+        raise TypeError("int8 LoRA stacks are a CPU form (impl='cpu'); Triton stacks are fp16, bf16 or fp32")
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
     if x.dim() != 2 or y.dim() != 2 or not x.shape[0] == y.shape[0] == meta.num_tokens:
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must be 2-D with one row per token "
                          f"of the metadata ({meta.num_tokens})")
-    nd = meta.num_decode
-    if nd is None:
-        v = bgmv_shrink_triton(x, lora_a, meta.token_slots, scales, ranks)
-        return bgmv_expand_triton(v, lora_b, meta.token_slots, ranks, y, offsets=offsets)
+    st = check_add_lora(y, x, lora_a, lora_b, scales, ranks, offsets).stack
+    if any(a.dtype != x.dtype or b.dtype != y.dtype for a, b in zip(st.a_slices, st.b_slices)):
+        raise TypeError(f"on Triton, lora_a must match x's dtype ({x.dtype}) and lora_b y's ({y.dtype})")
+    L, R, T = len(st.a_slices), st.max_rank, meta.num_tokens
+    nd = T if meta.num_decode is None else meta.num_decode
+    # v is written entirely by each shrink (never accumulated into), so it needs no fill.
     if nd > 0:
-        v = bgmv_shrink_triton(x[:nd], lora_a, meta.decode_slots, scales, ranks)
-        bgmv_expand_triton(v, lora_b, meta.decode_slots, ranks, y[:nd], offsets=offsets)
-    if nd < meta.num_tokens:
+        groups = meta.decode_groups
+        if groups is None:
+            groups = group_decode_tokens(meta.token_slots[:nd], st.num_slots)
+        v = torch.empty(L, nd, R, dtype=torch.float32, device=x.device)
+        grouped_shrink_triton(x[:nd], st.a_slices, groups, st.scales, st.ranks, v)
+        grouped_expand_triton(v, st.b_slices, groups, st.ranks, y[:nd], offsets=st.offsets)
+    if nd < T:
         starts, slots, max_len = meta.prefill_seg_starts, meta.prefill_seg_slots, meta.prefill_max_segment_len
-        v = sgmv_shrink_triton(x[nd:], lora_a, starts, slots, scales, ranks, max_segment_len=max_len)
-        sgmv_expand_triton(v, lora_b, starts, slots, ranks, y[nd:], offsets=offsets, max_segment_len=max_len)
+        v = torch.empty(L, T - nd, R, dtype=torch.float32, device=x.device)
+        sgmv_shrink_into(x[nd:], st.a_slices, starts, slots, st.scales, st.ranks, v, max_segment_len=max_len)
+        sgmv_expand_triton(v, st.b_slices, starts, slots, st.ranks, y[nd:], offsets=st.offsets,
+                           max_segment_len=max_len)
     return y

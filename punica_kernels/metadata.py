@@ -4,13 +4,17 @@ Tokens are never permuted: segments are runs of equal slots in the batch's own t
 (a prefill sequence's tokens are contiguous, so each becomes one segment), and the BGMV kernels
 read each token's slot directly. The tensors' shapes depend only on the token count and the
 run structure; a decode step captured in a CUDA graph copies `token_slots` (shape [T], fixed
-for the batch size) into its static buffer and the BGMV launch shape stays the same.
+for the batch size) into its static buffer and the decode launch shapes stay the same.
 
 A mixed batch puts its decode tokens first (`num_decode`, one per sequence) and its prefill
-chunks after them; the Triton `add_lora` then runs BGMV over the decode rows and SGMV over the
-prefill rows' own segments (`prefill_seg_starts`, relative to row `num_decode`). Everything a
+chunks after them; the Triton `add_lora` then runs the grouped kernels over the decode rows and
+SGMV over the prefill rows' own segments (`prefill_seg_starts`, relative to row `num_decode`). Everything a
 launch needs on the host (`max_segment_len`, `prefill_max_segment_len`, `num_decode`) is a host
 int computed here, so no launch reads a device tensor back.
+
+Decode rows are grouped by adapter for the grouped kernels (`DecodeGroups`, `group_decode_tokens`)
+on the device, from the token_slots tensor alone: a captured decode graph's only per-step LoRA
+input is its static slot buffer, so the grouping is recomputed inside the graph, once per step.
 """
 
 from __future__ import annotations
@@ -44,11 +48,52 @@ class LoRAMetadata:
     prefill_seg_starts: torch.Tensor | None = None  # [m+1] int32
     prefill_seg_slots: torch.Tensor | None = None  # [m] int32
     prefill_max_segment_len: int = 0  # longest prefill run, host int
+    # The decode rows grouped by slot (`group_decode_tokens`), set by a caller that reuses it for
+    # every layer of a step (the Triton backend's batch); None: add_lora groups them per call.
+    decode_groups: DecodeGroups | None = None
 
     @property
     def decode_slots(self) -> torch.Tensor:
         """token_slots[:num_decode] (a view): the BGMV input for the decode rows."""
         return self.token_slots[: self.num_decode or 0]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeGroups:
+    """Rows grouped by slot, on the device, for the grouped shrink and expand kernels:
+    slot s's rows (ascending) are order[bounds[s]:bounds[s+1]] for s in [0, S), and the rows
+    without an adapter (slot -1) are order[bounds[S]:bounds[S+1]] (bounds[S+1] = T). Shapes
+    depend on T and S alone, so a kernel's launch grid does too."""
+
+    order: torch.Tensor  # [T] int64: row indices sorted stably by slot, slot -1 last
+    bounds: torch.Tensor  # [S + 2] int64: where each slot's rows start in `order`, then T
+    num_slots: int  # S
+
+    @property
+    def num_tokens(self) -> int:
+        return self.order.shape[0]
+
+
+def group_decode_tokens(token_slots: torch.Tensor, num_slots: int) -> DecodeGroups:
+    """Group rows by slot on token_slots' device (a few small launches: a remainder, a stable
+    sort, a searchsorted), without reading a value back, so it runs inside a captured graph.
+
+    Args:
+        token_slots: [T] int32/int64, slot per row in [-1, num_slots) (-1 = no adapter; values
+            are not checked here: build_lora_metadata checks them on the host).
+        num_slots: S, the stacks' slot count.
+    """
+    if (not isinstance(token_slots, torch.Tensor) or token_slots.dim() != 1
+            or token_slots.dtype not in (torch.int32, torch.int64)):
+        raise TypeError("token_slots must be a 1-D int32/int64 tensor")
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    # -1 -> S (torch.remainder takes the divisor's sign), so the no-adapter rows sort last.
+    key = torch.remainder(token_slots.to(torch.int64), num_slots + 1)
+    sorted_key, order = torch.sort(key, stable=True)
+    edges = torch.arange(num_slots + 2, dtype=torch.int64, device=token_slots.device)
+    bounds = torch.searchsorted(sorted_key, edges)
+    return DecodeGroups(order=order, bounds=bounds, num_slots=num_slots)
 
 
 def build_lora_metadata(slot_per_token: Sequence[int] | torch.Tensor, *, num_slots: int | None = None,

@@ -89,6 +89,31 @@ def slice_tables(slices: list[torch.Tensor], widths: list[int], offsets: list[in
     return ptrs, geo
 
 
+_OFFSET_CACHE: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def slice_offsets(slices: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """-> (int64 [L] offsets of each slice's data from slices[0]'s, in units of `unit` elements;
+    unit), on the slices' device. A kernel reaches slice l as `s0_ptr + offsets[l] * UNIT` with
+    UNIT a constexpr: when every slice starts on a 16-byte boundary, unit is 16 bytes' worth of
+    elements, so the compiler knows each slice's alignment (a raw pointer read from a table has
+    none) and can use 16-byte loads; otherwise unit is 1. Cached like `slice_tables`."""
+    device = slices[0].device
+    key = (device, tuple(t.data_ptr() for t in slices), slices[0].element_size())
+    hit = _OFFSET_CACHE.get(key)
+    if hit is not None:
+        return hit
+    if len(_OFFSET_CACHE) >= _TABLE_CACHE_MAX:
+        _OFFSET_CACHE.clear()
+    item = slices[0].element_size()
+    base = slices[0].data_ptr()
+    unit = 16 // item if all(t.data_ptr() % 16 == 0 for t in slices) else 1
+    offsets = [(t.data_ptr() - base) // (unit * item) for t in slices]
+    table = torch.tensor(offsets, dtype=torch.int64, device=device)
+    _OFFSET_CACHE[key] = (table, unit)
+    return table, unit
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether a kernel's tl.dot runs on fp32 tiles (IEEE products) for inputs of `dtype`.
 
