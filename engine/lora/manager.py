@@ -1,8 +1,9 @@
 """LoRA manager: device slots, a CPU tier (LRU, bounded in bytes), and fetching off the step loop.
 
-Tiers: the AdapterSource's on-disk files (fetched versions) -> `LoRAWeights` in the CPU tier
-(parsed, checked, budgeted by their real byte size, so rank matters) -> a device slot used by
-the step. Lifecycle of one version:
+Tiers: the AdapterSource's on-disk files (fetched versions) -> the CPU tier (parsed and checked
+`LoRAWeights`, held as the `SlotImage` a slot write copies: one buffer in the slots' layout,
+pinned where the slots are on CUDA; budgeted by its real byte size, so rank matters) -> a device
+slot used by the step. Lifecycle of one version:
   request_adapter(v)   at add_request: +1 reference (pins it in the CPU tier) and, if it is not
                        loaded, a background fetch + parse starts while the request waits;
   is_ready(v)          the scheduler admits the request only once it is loaded;
@@ -11,7 +12,9 @@ the step. Lifecycle of one version:
                        one a running sequence left unscheduled this step uses, which then gets
                        a slot again, its weights rewritten from the CPU tier, when it is next
                        scheduled; the scheduler bounds distinct adapters among running
-                       sequences by the slots, so this costs a reload, never correctness);
+                       sequences by the slots, so this costs a reload, never correctness); off
+                       the host a slot load is one asynchronous host-to-device copy of the image
+                       and a few device copies (LoRASlots.write): the step thread does not wait;
   release(v)           at finish/abort: -1 reference; unreferenced versions may be evicted.
 A load failure is remembered for the version (versions are immutable) and fails only the
 requests naming it. A version the step traced a fault to (non-finite values, an exception in its
@@ -31,9 +34,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.durations import ADAPTER_LOAD_BUCKETS_S, Durations
-from engine.lora.layers import LoRASlots
+from engine.lora.layers import LoRASlots, SlotImage
 from engine.lora.source import AdapterFetchError, AdapterSource
-from engine.lora.weights import AdapterLoadError, LoRAWeights, load_lora_weights
+from engine.lora.weights import AdapterLoadError, load_lora_weights
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class LoRAManager:
         self.cpu_budget_bytes = cpu_budget_bytes
         self.slots = LoRASlots(cfg, num_slots, max_rank, dtype, backend.device)
         self._lock = threading.Lock()
-        self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU: oldest first
+        self._cpu: OrderedDict[str, SlotImage] = OrderedDict()  # LRU: oldest first
         self._loading: dict[str, Future] = {}
         self._errors: dict[str, tuple[str, float]] = {}
         self._quarantined: dict[str, str] = {}  # version -> reason; permanent (versions are immutable)
@@ -64,7 +67,10 @@ class LoRAManager:
         self._slot_owner: list[str | None] = [None] * num_slots
         self._slot_used_at: list[float] = [0.0] * num_slots
         self._pool = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="lora-load")
-        self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "evictions": 0}
+        #: slot_load_transfers: host-to-device copies made by slot loads (one per load off the host,
+        #: none on CPU).
+        self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "slot_load_transfers": 0,
+                      "evictions": 0}
         #: Successful loads into the CPU tier (fetch + parse), recorded under the lock.
         self.load_times = Durations(ADAPTER_LOAD_BUCKETS_S)
         #: version -> (start, end) in time.monotonic() of the load that put it in the CPU tier,
@@ -175,6 +181,7 @@ class LoRAManager:
         try:
             path = self.source.fetch(version)
             weights = load_lora_weights(path, version, self.cfg, max_rank=self.max_rank, dtype=self.dtype)
+            image = self.slots.prepare(weights)  # here, so the step thread only copies it
         except Exception as e:  # noqa: BLE001 - any failure fails only this adapter's requests
             known = isinstance(e, (AdapterFetchError, AdapterLoadError))
             msg = f"adapter {version} cannot be loaded: {e if known else f'{type(e).__name__}: {e}'}"
@@ -185,7 +192,7 @@ class LoRAManager:
             return
         with self._lock:
             self.load_spans[version] = (started, time.monotonic())  # before it can be scheduled
-            self._cpu[version] = weights
+            self._cpu[version] = image
             self._loading.pop(version, None)
             self.load_times.record(time.perf_counter() - t0)
             self._evict_cpu_locked()
@@ -238,14 +245,15 @@ class LoRAManager:
                 slot = min(candidates, key=lambda i: self._slot_used_at[i])
                 del self._slot_of[self._slot_owner[slot]]
             with self._lock:
-                weights = self._cpu[version]
+                image = self._cpu[version]
                 self._cpu.move_to_end(version)
             # Unowned while written: a write that raises leaves a free slot, not a stale owner.
             self._slot_owner[slot] = None
-            self.slots.write(slot, weights)
+            transfers = self.slots.write(slot, image)
             self._slot_of[version] = slot
             self._slot_owner[slot] = version
             self.stats["slot_loads"] += 1
+            self.stats["slot_load_transfers"] += transfers
         self._slot_used_at[slot] = now
         return slot
 

@@ -46,7 +46,8 @@ class AdapterLoadError(ValueError):
 
 @dataclass
 class LoRAWeights:
-    """An adapter in CPU memory, per canonical slice (q, k, v, o, gate, up, down):
+    """An adapter in CPU memory, per canonical slice (q, k, v, o, gate, up, down), as loaded (the
+    CPU tier holds it as engine.lora.layers.SlotImage, prepared from this):
     `a[(layer, slice)]` [r, in] and `b[(layer, slice)]` [width, r].
 
     r is the rank of the checkpoint module that holds the slice (config.module_rank); the slices
@@ -80,8 +81,7 @@ class LoRAWeights:
 
     @cached_property
     def nbytes(self) -> int:
-        # Cached: the tensors never change after loading, and the manager sums this over its
-        # whole CPU tier whenever a request releases an adapter (~420 tensors per adapter).
+        # Cached: the tensors never change after loading (~420 tensors per adapter).
         # A fused module's slices share one A tensor: counted once.
         tensors = {id(t): t for d in (self.a, self.b, self.a_scale or {}, self.b_scale or {}) for t in d.values()}
         return sum(t.numel() * t.element_size() for t in tensors.values())
