@@ -8,7 +8,8 @@
 #   env.txt                nvidia-smi, Python, torch, triton, the GPU torch sees
 #   steps.log              each step's command, exit code, seconds, and its stderr's last lines
 #   pytest.log             TRITON_INTERPRET=0 python -m pytest -q tests/punica_kernels (CUDA cases)
-#   parity.log             the engine on the Triton backend on the GPU vs the CPU backend and transformers
+#   parity.log             the engine on the Triton backend on the GPU vs the CPU backend and transformers,
+#                          and no Triton compile while serving after the start-up warm-up
 #   kernels.json           bench/kernels.py --device cuda --quick (JSON lines: BGMV, SGMV)
 #   engine_smollm2.json    bench/engine.py on a synthetic SmolLM2-135M (+ transformers on CUDA)
 #   multi_lora.json        bench/multi_lora.py on the same (+ PEFT on CUDA)
@@ -170,10 +171,13 @@ step pytest 150 "$OUT/pytest.log" \
 cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
 
 # The whole engine on the Triton backend, compiled for the GPU, against the CPU backend (a mixed
-# adapter batch that prefills in chunks and preempts) and against transformers (every family).
-step parity 90 "$OUT/parity.log" \
+# adapter batch that prefills in chunks and preempts) and against transformers (every family);
+# and the start-up warm-up: every decode graph captured when the engine is built, and no Triton
+# compile while serving a mixed workload after it (counted through the JIT's compile hook).
+step parity 120 "$OUT/parity.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-  tests/engine/test_backend_parity.py "tests/engine/test_families.py::test_family_matches_transformers"
+  tests/engine/test_backend_parity.py "tests/engine/test_families.py::test_family_matches_transformers" \
+  tests/engine/test_startup_warmup.py
 cat /tmp/gpu_step.err >>"$OUT/parity.log" 2>/dev/null
 
 step synthetic_smollm2 60 - "$PY" -m engine.loader.synthetic --shape smollm2 --out /tmp/synthetic/smollm2.gguf

@@ -206,6 +206,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Triton backend on CUDA: decode-only steps replay CUDA graphs captured per batch-size bucket.
     cuda_graphs: bool = True
+    #: Triton backend: when the engine is built, capture every decode graph and run warm-up
+    #: forwards over the KV cache's sink block that compile every kernel variant serving can
+    #: launch (engine.engine_builder.warm_up), so no request waits for a compile; None: on CUDA
+    #: only (under the interpreter it compiles nothing and runs every warm-up forward's kernels
+    #: through the interpreter: minutes).
+    startup_warmup: bool | None = None
     #: CPU backend: the C decode-step ops (RMSNorm, residual + RMSNorm, SwiGLU gate, decode
     #: attention); off: their torch paths (same results). TESSERA_CPU_DECODE_OPS=0 at the CLI.
     cpu_decode_ops: bool = True
@@ -243,5 +249,8 @@ class EngineConfig:
         if self.lora_dtype is not None and self.lora_dtype not in (torch.float32, torch.bfloat16, torch.float16,
                                                                    torch.int8):
             raise ValueError("lora_dtype must be float32, bfloat16, float16 or int8")
+        if self.startup_warmup and self.backend != "triton":
+            raise ValueError("startup_warmup is the triton backend's (its warm-up writes only to the "
+                             "paged KV cache's sink block)")
         if self.lora_dtype == torch.int8 and (self.dtype != torch.float32 or self.backend != "cpu"):
             raise ValueError("lora_dtype int8 needs float32 activations on the cpu backend (dtype float32)")

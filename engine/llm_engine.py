@@ -6,8 +6,9 @@
 
 The device-dependent part of a step (input form, upload, graphs, host or device sampling) is the
 backend's (engine.backends.base.Backend, engine.step_executor); this module has no device branch.
-Construction (loading the model, sizing the KV cache, capturing decode graphs) is
-engine.engine_builder's: the engine keeps the parts it returns and holds the per-request state.
+Construction (loading the model, sizing the KV cache, capturing decode graphs, the start-up
+warm-up that compiles every kernel variant) is engine.engine_builder's: the engine keeps the
+parts it returns and holds the per-request state, none of which the warm-up touched.
 
 Failure model of a step: what can be traced to one request or one adapter version fails only
 those requests (finish_reason "error", a message, KV blocks zeroed and freed), and a version at

@@ -53,7 +53,7 @@ def _engine(tiny, backend: str, **overrides) -> LLMEngine:
     device = "cpu" if backend == "cpu" else triton_device
     cfg = EngineConfig(**{"backend": backend, "weight_format": fmt, "device": device, "block_size": 16, "num_kv_blocks": 12,
                           "max_num_batched_tokens": 48, "max_num_seqs": 8, "max_loras": 4, "max_lora_rank": 16,
-                          **overrides})
+                          "startup_warmup": False, **overrides})
     return LLMEngine(path, cfg, checkpoint=checkpoint, tokenizer=tokenizer,
                      adapter_source=LocalDirectoryAdapterSource(adapters))
 

@@ -50,7 +50,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 def family_engine(path, backend: str, tokenizer, adapter_source=None, **kw) -> LLMEngine:
     """An engine on the checkpoint at `path`: exact fp32 weights, 16-token blocks and steps."""
     cfg = EngineConfig(**{"backend": backend, "weight_format": "fp32", "block_size": 16, "num_kv_blocks": 24,
-                          "max_num_batched_tokens": 16, "max_num_seqs": 4, **kw})
+                          "max_num_batched_tokens": 16, "max_num_seqs": 4, "startup_warmup": False, **kw})
     return LLMEngine(path, cfg, tokenizer=tokenizer, adapter_source=adapter_source)
 
 

@@ -258,7 +258,7 @@ def _engine(tiny, path_kind: str, triton_device: str | None = None) -> LLMEngine
     backend = "cpu" if path_kind == "cpu" else "triton"
     cfg = EngineConfig(backend=backend, weight_format="fp32" if backend == "cpu" else "auto",
                        device="cpu" if backend == "cpu" else triton_device, block_size=16, num_kv_blocks=32,
-                       max_num_batched_tokens=128, max_num_seqs=8)
+                       max_num_batched_tokens=128, max_num_seqs=8, startup_warmup=False)
     eng = LLMEngine(path, cfg, checkpoint=checkpoint, tokenizer=tokenizer)
     eng.device_path_steps = 0
     if path_kind == "device" and eng.device.type == "cpu":

@@ -15,6 +15,10 @@ A batch of n sequences runs in the smallest bucket b >= n: rows [n, b) are paddi
 position 0, no adapter, length 1 over the KV cache's sink block, which no sequence owns, so
 their K/V writes land there) and their logits are dropped.
 
+`capture_all` captures every bucket when the engine starts (engine.engine_builder), with all
+rows padding, so no capture (and no kernel compile inside one) happens while serving; a bucket
+not captured then is captured the first time a step needs it.
+
 `capture` is the one call into CUDA (a `CudaGraphCapture`); tests pass a stand-in that runs the
 recorded closure again at each replay, which replays exactly the frozen host decisions.
 """
@@ -106,14 +110,15 @@ class DecodeGraphs:
         return (not sched.prefills and 0 < len(sched.decodes) <= self.buckets[-1]
                 and all(len(s.seq.block_table) <= self.block_width for s in sched.decodes))
 
-    def _host_inputs(self, sched, token_slots: list[int] | None, b: int) -> list[torch.Tensor]:
-        """The step's inputs padded to `b` rows, as host tensors in the static buffers' order."""
-        bs, n = self.runner.block_size, len(sched.decodes)
+    def _host_inputs(self, decodes, token_slots: list[int] | None, b: int) -> list[torch.Tensor]:
+        """The inputs of the decode rows `decodes` (a step's ScheduledSequences) padded to `b`
+        rows, as host tensors in the static buffers' order."""
+        bs, n = self.runner.block_size, len(decodes)
         pad = b - n
         sink = self.sink_block
-        ids, pos, slots, lens = decode_rows(sched.decodes, bs)
+        ids, pos, slots, lens = decode_rows(decodes, bs)
         tables = torch.full((b, self.block_width), sink, dtype=torch.int32)
-        for i, s in enumerate(sched.decodes):
+        for i, s in enumerate(decodes):
             tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
         ids += [0] * pad
         pos += [0] * pad
@@ -151,12 +156,26 @@ class DecodeGraphs:
         return self.capture(forward)
 
     @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every bucket not captured yet, largest first (the shared pool is sized by the
+        widest graph once; the smaller ones fit in it), each with its static buffers holding
+        padding rows only (as `run` pads: their K/V writes land in the sink block). Returns how
+        many graphs were captured."""
+        done = 0
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self.replays:
+                self._write(self._host_inputs([], None, b), b)
+                self.replays[b] = self._capture(b)
+                done += 1
+        return done
+
+    @torch.inference_mode()
     def run(self, sched, token_slots: list[int] | None) -> torch.Tensor:
         """Logits [n, V] (a view of the static output) of the decode step `sched` (`takes` it);
         token_slots: each decode row's LoRA slot (-1: none), in sched.decodes' order, or None."""
         n = len(sched.decodes)
         b = self.bucket(n)
-        self._write(self._host_inputs(sched, token_slots, b), b)
+        self._write(self._host_inputs(sched.decodes, token_slots, b), b)
         replay = self.replays.get(b)
         if replay is None:
             replay = self.replays[b] = self._capture(b)
