@@ -23,7 +23,7 @@ batch sizes 1-256 over the four workloads; SGMV (prefill: 512 tokens in 1, 4, 16
 each segment its own adapter) against the same gather+bmm baseline on the segments' tokens.
 Then the Triton backend's W4A16 matmul at decode widths (run_cuda_w4a16), and (not with --quick)
 the quantized formats' linears (run_quant): for each form a checkpoint's layer weights take
-(QUANT_FORMS: GGUF Q4_0/Q4_1, Q4_K, Q8_0, Q6_K, Q5_K, GPTQ act-order, compressed-tensors W8A16,
+(QUANT_FORMS: GGUF Q4_0/Q4_1, Q4_K, Q8_0, Q6_K, Q5_K, GPTQ act-order, compressed-tensors W8A16 and FP8,
 load-time 4-bit), random codes and scales built as a QuantizedWeight and run through the
 backend's own module, at Llama-3.1-8B's qkv / o / gate_up / down shapes: microseconds, GB/s of
 weight bytes and its ratio to the copy bandwidth, and dense bf16 matmul as the peer.
@@ -544,6 +544,7 @@ class QuantForm:
     scale_dtype: torch.dtype  # scales' (and mins') dtype
     mins: bool  # whether the form has per-group mins (asymmetric formats)
     act_order: bool = False  # an input permutation (GPTQ desc_act): one gather of x a call
+    code_format: str = "int"  # "e4m3": FP8 codes (compressed-tensors float-quantized)
 
 
 QUANT_FORMS = (
@@ -555,6 +556,10 @@ QUANT_FORMS = (
     QuantForm("w8_fp32_g16", "gguf q6_k", 8, 16, torch.float32, False),
     QuantForm("w8_fp32_g32_mins", "gguf q5_k", 8, 32, torch.float32, True),
     QuantForm("w8_fp32_channel", "compressed-tensors w8a16 channel (bf16 scales)", 8, None, torch.float32, False),
+    QuantForm("fp8_fp32_channel", "compressed-tensors fp8 e4m3 channel", 8, None, torch.float32, False,
+              code_format="e4m3"),
+    QuantForm("fp8_fp32_block128", "compressed-tensors fp8 e4m3 128x128 blocks", 8, 128, torch.float32, False,
+              code_format="e4m3"),
 )
 
 #: Llama-3.1-8B's decode linears as the decoder fuses them: (site, N outputs, K inputs).
@@ -581,6 +586,11 @@ def random_quantized(form: QuantForm, n: int, k: int, device: torch.device, gen:
     if form.bits == 4:
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
         code_mean, code_std = 7.5, math.sqrt((16 ** 2 - 1) / 12)
+    elif form.code_format == "e4m3":  # finite FP8 numbers of magnitude 2^-3 .. 2^3 (bytes 0x30..0x57)
+        mag = torch.randint(0x30, 0x58, (n, k), dtype=torch.int32, device=device, generator=gen)
+        sign = torch.randint(0, 2, (n, k), dtype=torch.int32, device=device, generator=gen) << 7
+        codes = (mag | sign).to(torch.uint8).view(torch.int8)
+        code_mean, code_std = 0.0, 2.0
     else:
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
         code_mean, code_std = -0.5, math.sqrt((256 ** 2 - 1) / 12)
@@ -588,7 +598,8 @@ def random_quantized(form: QuantForm, n: int, k: int, device: torch.device, gen:
     mins = (-code_mean * scales).to(form.scale_dtype) if form.mins else None
     # One permutation per K (drawn on the host: a checkpoint's g_idx order is read at load).
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)).to(device) if form.act_order else None
-    return QuantizedWeight(form.bits, codes, scales.to(form.scale_dtype), mins, g, perm, form.checkpoints)
+    return QuantizedWeight(form.bits, codes, scales.to(form.scale_dtype), mins, g, perm, form.checkpoints,
+                           form.code_format)
 
 
 def quantized_linear(qw, device: torch.device) -> torch.nn.Module:
@@ -689,7 +700,7 @@ def run_quant(args, device: torch.device, copy_gbps: float) -> None:
                     "device": where, "op": "quant_linear", "format": form.name, "checkpoints": form.checkpoints,
                     "site": site, "M": m, "N": n, "K": k, "bits": form.bits, "group_size": probe.group_size,
                     "scales": str(probe.scales.dtype).removeprefix("torch."), "mins": form.mins,
-                    "act_order": form.act_order, "activations": "bfloat16",
+                    "act_order": form.act_order, "codes": form.code_format, "activations": "bfloat16",
                     "launch": dataclasses.asdict(launch_of(probe, m, device)), "rotated_copies": copies_q,
                     "us": round(us, 2), "weight_bytes": nbytes, "weight_GBps": round(gbps, 1),
                     "frac_of_copy_bw": round(gbps / copy_gbps, 3), "dense_bf16_us": round(dense_us[m], 2),

@@ -3,27 +3,31 @@ compiled for sm_90 (H100) with the installed Triton and read from its SASS. Need
 one JSON object (figures, never pass/fail).
 
     python bench/sass.py                                   # llama3.1-8b, qwen2.5-7b, gemma2-9b
-    python bench/sass.py --families llama3.1-8b --batches 1 --kernels w4_gemv,split_k
+    python bench/sass.py --families llama3.1-8b --batches 1 --kernels w4_gemv,decode
 
 How the variants are found: the backend's own launchers run at each shape on CPU tensors (never
 read: empty tensors of the real sizes) with the device-dependent choices answered as on the GPU
 (the launch-config tables' device name, the SM count, no interpreter), and every `kernel[grid](...)`
 they make is recorded instead of launched. Each recorded launch is then compiled exactly as
 Triton's launcher would compile it (its own argument specialization: dtypes, 16-byte alignment,
-integers equal to 1 or divisible by 16), for `GPUTarget("cuda", 90, 32)`, by a stand-in driver
-that reports that target; nothing is launched. Launches of one specialization share a variant.
+integers equal to 1 or divisible by 16; engine.backends.triton.variants), for
+`GPUTarget("cuda", 90, 32)`, by a stand-in driver that reports that target; nothing is launched.
+Launches of one specialization share a variant.
 
 The sites, per family and per decode batch B (`--batches`; one token per sequence, each of
-`--context` keys, every token on an adapter of rank `--rank` for the LoRA launches): the decode
-layer's launches in the order DecoderLayer.forward makes them (norms, the four W4A16 linears and
-their split-K sums, RoPE + KV write, decode attention and its reduction, the gated activation,
-the four LoRA groups' BGMV shrink + expand); and one prefill chunk of `--prefill` tokens (the
-W4A16 GEMM path, prefill attention, SGMV). The lm_head is a dense torch matmul (not Triton): it
-enters the per-token estimate as its bytes at the bandwidth bound. Beside them, the four linears
-of one family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint format in
-`--formats` (QUANT_FORMATS: the W4A16 kernels with a K-quant's fp32 scales, the W8A16 kernels for
-8-bit codes), at the same batches and prefill chunk; their sites are named "{family} {format}
-decode T=..." and stay out of the per-token figures (which are the engine's default 4-bit layer).
+`--context` keys): the decode layer's launches in the order DecoderLayer.forward makes them
+(norms, the four W4A16 linears with K split where the grid is small, RoPE + KV write, decode
+attention, the gated activation, where it is its own launch), once without LoRA ("{family}
+decode T=B", whose one-row down projection takes the gated activation as its input) and once with
+every token on an adapter of rank `--rank` ("{family} decode+lora T=B": the four LoRA groups'
+grouped shrink + expand); and one prefill chunk of `--prefill` tokens (the W4A16 GEMM path,
+prefill attention, SGMV). The lm_head is a dense torch matmul (not Triton): it enters the
+per-token estimate as its bytes at the bandwidth bound. Beside them, the four linears of one
+family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint format in `--formats`
+(QUANT_FORMATS: the W4A16 kernels with a K-quant's fp32 scales, the W8A16 kernels for 8-bit
+integer or FP8 codes), at the same batches and prefill chunk; their sites are named "{family}
+{format} decode T=..." and stay out of the per-token figures (which are the engine's default
+4-bit layer).
 
 Per variant (from `cuobjdump -res-usage` and `-sass` of the cubin Triton built): registers,
 spill stores / loads (STL / LDL instructions; Triton kernels use local memory only to spill) and
@@ -84,6 +88,8 @@ QUANT_FORMATS = {
     "q6_k": (8, 16, "float32", False),  # GGUF Q6_K: d x sc per 16, codes shifted to -32..31
     "q5_k": (8, 32, "float32", True),  # GGUF Q5_K: codes 0..31 with d x sc and -dmin x m
     "w8-channel": (8, 0, "float16", False),  # compressed-tensors W8A16: one scale a row
+    "fp8-channel": (8, 0, "float32", False, "e4m3"),  # compressed-tensors FP8: E4M3 codes, one scale a row
+    "fp8-block": (8, 128, "float32", False, "e4m3"),  # FP8 in 128 x 128 blocks: a scale per 128 inputs
 }
 
 
@@ -187,8 +193,10 @@ def _shapes(name: str):
 
 
 def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context: int, rank: int,
-                  group_size: int, block_size: int = 16, num_slots: int = 4) -> None:
-    """Run the backend's launchers for one family's decode layer at each batch, and one prefill chunk."""
+                  group_size: int, block_size: int = 16, num_slots: int = 4, lora: bool = True) -> None:
+    """Run the backend's launchers for one family's decode layer at each batch (without LoRA, and
+    with it as its own layer, "decode+lora", where `lora`), and one prefill chunk (its LoRA sites
+    named " lora ")."""
     import torch
 
     import punica_kernels as pk
@@ -225,8 +233,8 @@ def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context
     layer_windows = [cfg.window(i) for i in range(cfg.num_layers)]
     windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
 
-    def layer(kind: str, T: int, keys: int):
-        tag = f"{family} {kind} T={T}"
+    def layer(kind: str, T: int, keys: int, with_lora: bool):
+        tag = f"{family} {kind}{'+lora' if with_lora and kind == 'decode' else ''} T={T}"
         # A cache of exactly the keys these sequences hold, plus the sink block (the engine's).
         seqs = T if kind == "decode" else 1
         blocks = -(-keys // block_size)
@@ -250,8 +258,9 @@ def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context
         h = norms.rms_norm(x, norm_w, 1e-5)
         at("qkv_proj")
         qkv = w4a16.w4a16_matmul(h, linears["qkv_proj"])
-        at("lora qkv")
-        pk.add_lora(qkv, h, stacks["qkv"], meta=meta, impl="triton")
+        if with_lora:
+            at("lora qkv")
+            pk.add_lora(qkv, h, stacks["qkv"], meta=meta, impl="triton")
         if cfg.qk_norm:
             at("qk_norm")
             norms.rms_norm(torch.empty(T * Hq, D, dtype=dt), torch.empty(D, dtype=dt), 1e-6)
@@ -270,8 +279,9 @@ def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context
         o = torch.empty(T, q_size, dtype=dt)
         at("o_proj")
         out = w4a16.w4a16_matmul(o, linears["o_proj"])
-        at("lora o")
-        pk.add_lora(out, o, stacks["o"], meta=meta, impl="triton")
+        if with_lora:
+            at("lora o")
+            pk.add_lora(out, o, stacks["o"], meta=meta, impl="triton")
         if cfg.sandwich_norms:
             at("attn_out_norm")
             norms.rms_norm(out, norm_w, 1e-6)
@@ -279,22 +289,32 @@ def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context
         x, h = norms.add_rms_norm(x, out, norm_w, 1e-5)
         at("gate_up_proj")
         gu = w4a16.w4a16_matmul(h, linears["gate_up_proj"])
-        at("lora gate_up")
-        pk.add_lora(gu, h, stacks["gate_up"], meta=meta, impl="triton")
-        at(act + "_mul")
-        m = norms.gelu_tanh_mul(gu) if act == "gelu_tanh" else norms.silu_mul(gu)
-        at("down_proj")
-        d = w4a16.w4a16_matmul(m, linears["down_proj"])
-        at("lora down")
-        pk.add_lora(d, m, stacks["down"], meta=meta, impl="triton")
+        if with_lora:
+            at("lora gate_up")
+            pk.add_lora(gu, h, stacks["gate_up"], meta=meta, impl="triton")
+        if not with_lora and T <= w4a16.GATED_MAX_M:
+            # The engine's down projection without LoRA (TritonBackend.gated_linear): the gated
+            # activation computed as the matmul loads its input, no launch of its own.
+            at("down_proj")
+            d = w4a16.w4a16_matmul(gu, linears["down_proj"], act=act)
+        else:
+            at(act + "_mul")
+            m = norms.gelu_tanh_mul(gu) if act == "gelu_tanh" else norms.silu_mul(gu)
+            at("down_proj")
+            d = w4a16.w4a16_matmul(m, linears["down_proj"])
+            if with_lora:
+                at("lora down")
+                pk.add_lora(d, m, stacks["down"], meta=meta, impl="triton")
         if cfg.sandwich_norms:
             at("mlp_out_norm")
             norms.rms_norm(d, norm_w, 1e-6)
 
     for b in batches:
-        layer("decode", b, context)
+        layer("decode", b, context, False)
+        if lora:
+            layer("decode", b, context, True)
     if prefill:
-        layer("prefill", prefill, prefill)
+        layer("prefill", prefill, prefill, lora)
 
 
 def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, prefill: int) -> None:
@@ -306,7 +326,8 @@ def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, 
     from engine.backends.triton import w4a16, w8a16
     from engine.loader.quantized import QuantizedWeight
 
-    bits, group, scale_dtype, has_mins = QUANT_FORMATS[fmt]
+    bits, group, scale_dtype, has_mins, *codes = QUANT_FORMATS[fmt]
+    code_format = codes[0] if codes else "int"
     sd = getattr(torch, scale_dtype)
     cfg = _shapes(family)
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -321,7 +342,8 @@ def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, 
         if bits == 4:
             return w4a16.W4Weight(torch.empty(n, k // 2, dtype=torch.uint8), scales,
                                   torch.zeros_like(scales) if mins is None else mins, g)
-        return QuantizedWeight(8, torch.empty(n, k, dtype=torch.int8), scales, mins, g, source=fmt)
+        return QuantizedWeight(8, torch.empty(n, k, dtype=torch.int8), scales, mins, g, source=fmt,
+                               code_format=code_format)
 
     matmul = w4a16.w4a16_matmul if bits == 4 else w8a16.w8a16_matmul
     weights = {name: weight(n, k) for name, (n, k) in shapes.items()}
@@ -336,44 +358,19 @@ def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, 
 # ----------------------------------------------------------------------------- compiling
 
 
-class _TargetDriver:
-    """The driver Triton's launcher asks for a device, a stream and a target: it answers sm_90,
-    so `JITFunction.run(..., warmup=True)` compiles a launch without a GPU (and launches nothing)."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def __getattr__(self, name):
-        raise RuntimeError(f"bench/sass.py's stand-in driver has no {name!r}: this Triton asked for more "
-                           "than compiling needs")
-
-
 def compile_launches(launches: list[Launch], capability: int = 90) -> dict[str, object]:
-    """Compile each launch as Triton's launcher would for sm_`capability`; -> {variant hash: kernel}."""
+    """Compile each launch as Triton's launcher would for sm_`capability`
+    (engine.backends.triton.variants.compile_launch); -> {variant hash: kernel}."""
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
+
+    from engine.backends.triton.variants import compile_launch, compiling_for
 
     kernels: dict[str, object] = {}
-    previous = driver._active if hasattr(driver, "_active") else None
-    driver.set_active(_TargetDriver(GPUTarget("cuda", capability, 32)))
-    try:
+    with compiling_for(GPUTarget("cuda", capability, 32)):
         for launch in launches:
-            k = JITFunction.run(launch.fn, *launch.args, grid=launch.grid, warmup=True, **launch.kwargs)
+            k = compile_launch(launch.fn, launch.args, launch.kwargs, launch.grid)
             launch.variant = k.hash
             kernels.setdefault(k.hash, k)
-    finally:
-        if previous is not None or hasattr(driver, "_active"):
-            driver._active = previous
     return kernels
 
 
@@ -512,14 +509,16 @@ def launch_model(launch: Launch) -> dict:
     if k in ("w4_gemv_kernel", "w4_gemm_kernel", "w8_gemv_kernel", "w8_gemm_kernel"):
         # Without mins (HAS_MIN off) the W8A16 kernels read none: m_ptr is a stand-in.
         weights = _nbytes(a["q_ptr"]) + _nbytes(a["s_ptr"]) + (_nbytes(a["m_ptr"]) if a.get("HAS_MIN", True) else 0)
-        other = int(a["M"]) * int(a["K"]) * a["x_ptr"].element_size() + _nbytes(a["out_ptr"])
+        # x (gate | up for a gated input: twice the K columns), y; with K split, each chunk's fp32
+        # partial tile written and read back once by the tile's last program.
+        gated = a.get("ACT", "none") != "none"
+        other = int(a["M"]) * int(a["K"]) * a["x_ptr"].element_size() * (2 if gated else 1) + _nbytes(a["y_ptr"])
+        if a.get("SPLIT"):
+            other += 2 * _nbytes(a["out_ptr"])
         # The last K chunk may be shorter: all chunks together hold cdiv(K, BLOCK_K) tiles.
         tiles = cdiv(a["K"], a["BLOCK_K"]) * (programs // int(launch.grid[-1]))
         return {"weight_bytes": weights, "other_bytes": other, "max_trips": cdiv(a["K_CHUNK"], a["BLOCK_K"]),
                     "total_trips": tiles}
-    if k == "split_k_sum_kernel":
-        return {"weight_bytes": 0, "other_bytes": _nbytes(a["ws_ptr"]) + _nbytes(a["y_ptr"]),
-                    "max_trips": int(a["SPLIT_K"]), "total_trips": int(a["SPLIT_K"]) * programs}
     if k == "rms_norm_kernel":
         T, H, item = int(a["T"]), int(a["H"]), a["x_ptr"].element_size()
         moved = T * H * item * (4 if a["ADD"] else 2) + H * item
@@ -539,12 +538,13 @@ def launch_model(launch: Launch) -> dict:
         window = int(a["window"]) if a["SLIDING"] else None
         keys = [min(int(n), window) if window else int(n) for n in lens.tolist()]
         kv = sum(keys) * hkv * D * 2 * item
-        per = [cdiv(cdiv(n, splits), bn) for n in keys]
-        return {"weight_bytes": kv, "other_bytes": 2 * len(keys) * int(a["NUM_HEADS"]) * D * item,
-                    "max_trips": max(per), "total_trips": sum(per) * hkv * splits}
-    if k == "decode_reduce_kernel":
-        return {"weight_bytes": 0, "other_bytes": sum(_nbytes(a[n]) for n in ("mid_o_ptr", "mid_m_ptr", "mid_l_ptr"))
-                    + _nbytes(a["out_ptr"]), "max_trips": 0, "total_trips": 0}
+        # Each row uses the splits its own length needs (at most the grid's); a split row's
+        # partials (fp32 o, m, l per head) are written once and read back once by its last split.
+        used = [1 if splits == 1 else min(splits, max(1, cdiv(n, a["split_min_tokens"]))) for n in keys]
+        per = [cdiv(cdiv(n, u), bn) for n, u in zip(keys, used)]
+        partials = sum(u for u in used if u > 1) * int(a["NUM_HEADS"]) * (D + 2) * 4 * 2
+        return {"weight_bytes": kv, "other_bytes": 2 * len(keys) * int(a["NUM_HEADS"]) * D * item + partials,
+                    "max_trips": max(per), "total_trips": sum(p * u for p, u in zip(per, used)) * hkv}
     if k == "prefill_kernel":
         ctx = [int(n) for n in a["ctx_ptr"].tolist()]
         qs = a["qs_ptr"].tolist()
@@ -584,6 +584,31 @@ def launch_model(launch: Launch) -> dict:
             trips = cdiv(R, a["BLOCK_R"])
             active = programs
         return {"weight_bytes": weights, "other_bytes": other, "max_trips": trips, "total_trips": trips * active}
+    if k in ("grouped_shrink_kernel", "grouped_expand_kernel"):
+        # Decode rows grouped by slot: each slot with rows reads its A (B) once, every row tile of
+        # it in one program's loop; programs of slots without rows return at once.
+        bounds = [int(b) for b in a["bounds_ptr"].tolist()]
+        S = len(bounds) - 2
+        rows = [bounds[s + 1] - bounds[s] for s in range(S) if bounds[s + 1] > bounds[s]]
+        L, T, bm = launch.grid[2], bounds[-1], int(a["BLOCK_M"])
+        tiles = [cdiv(r, bm) for r in rows]
+        if k == "grouped_shrink_kernel":
+            K, split = int(a["K"]), int(a["SPLIT_K"])
+            R = int(a["stride_as"]) // K
+            weights = len(rows) * L * R * K * a["a0_ptr"].element_size()
+            other = T * K * a["x_ptr"].element_size() + T * L * R * 4
+            if split > 1:
+                other += 2 * split * L * T * int(a["BLOCK_R"]) * 4
+            k_trips = cdiv(cdiv(K, split), a["BLOCK_K"])
+            return {"weight_bytes": weights, "other_bytes": other, "max_trips": k_trips * max(tiles, default=0),
+                    "total_trips": k_trips * sum(tiles) * split * L}
+        widths = [int(w) for w in a["geo_ptr"].flatten()[:L].tolist()]
+        R = int(a["R"])
+        weights = len(rows) * sum(widths) * R * a["b0_ptr"].element_size()
+        other = T * L * R * 4 + 2 * T * sum(widths) * a["y_ptr"].element_size()
+        r_trips = cdiv(R, a["BLOCK_R"])
+        return {"weight_bytes": weights, "other_bytes": other, "max_trips": r_trips * max(tiles, default=0),
+                "total_trips": r_trips * sum(tiles) * launch.grid[1] * L}
     return {"weight_bytes": 0, "other_bytes": 0, "max_trips": 0, "total_trips": 0}
 
 
@@ -669,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     with recording() as rec:
         for f in families:
             record_family(rec, f, batches=batches, prefill=args.prefill, context=args.context, rank=args.rank,
-                          group_size=args.group_size)
+                          group_size=args.group_size, lora=not args.no_lora)
         for fmt in formats:
             record_quantized_linears(rec, args.formats_family, fmt, batches=batches, prefill=args.prefill)
     launches = [x for x in rec.launches if not (args.no_lora and " lora " in x.site)
@@ -701,10 +726,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _shapes(f)
             lm_head = cfg.vocab_size * cfg.hidden_size * 2 / HBM_BYTES_PER_S * 1e6
             for b in batches:
-                tag = f"{f} decode T={b} "
                 for lora in (False, True):
-                    sel = [r for r in rows if r["site"].startswith(tag) and (lora or " lora " not in r["site"])]
-                    if lora and (args.no_lora or not any(" lora " in r["site"] for r in sel)):
+                    tag = f"{f} decode{'+lora' if lora else ''} T={b} "
+                    sel = [r for r in rows if r["site"].startswith(tag)]
+                    if not sel:
                         continue
                     layer = sum(r["t_est_us"] * r["share_of_layers"] for r in sel)
                     mem = sum(r["t_mem_us"] * r["share_of_layers"] for r in sel)

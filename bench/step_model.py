@@ -248,7 +248,7 @@ def run_case(engine, tokenizer, batch: int, adapters: list[str], steps: int, rea
 
 def real_shape_launches(family: str, batches: list[int], lora: bool) -> dict:
     """{(batch, lora): {kernel: launches}} of one decode layer at the real family's shapes, as
-    the backend's launchers choose them on an H100 (split-K sums, decode attention's reduction),
+    the backend's launchers choose them on an H100 (split-K, decode attention's splits),
     recorded by bench/sass.py --count-only in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(Path(__file__).with_name("sass.py")), "--families", family, "--batches",
@@ -258,8 +258,8 @@ def real_shape_launches(family: str, batches: list[int], lora: bool) -> dict:
     out = {}
     for b in batches:
         for with_lora in ((False, True) if lora else (False,)):
-            tag = f"{family} decode T={b} "
-            sel = [x for x in launches if x["site"].startswith(tag) and (with_lora or " lora " not in x["site"])]
+            tag = f"{family} decode{'+lora' if with_lora else ''} T={b} "
+            sel = [x for x in launches if x["site"].startswith(tag)]
             counts = collections.Counter()
             for x in sel:  # a launch made by a share of the layers (attention by window) counts that share
                 counts[x["kernel"]] += x["share_of_layers"]

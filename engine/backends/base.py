@@ -154,6 +154,12 @@ class Backend(ABC):
             return self.gelu_tanh_mul(gu)
         raise ValueError(f"unknown activation {act!r}")
 
+    def gated_linear(self, linear: nn.Module, gu: torch.Tensor, act: str) -> torch.Tensor:
+        """`linear` (a module of this backend's `linear`) applied to the gated activation of gu
+        [T, 2I] (gate | up): linear(act_mul(gu, act)) -> [T, out], the MLP's down projection. A
+        backend may compute it without materializing the activation, with the same result."""
+        return linear(self.act_mul(gu, act))
+
     # -- attention ----------------------------------------------------------------------------
 
     @abstractmethod
@@ -219,14 +225,17 @@ class Backend(ABC):
     def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host tensors -> the same tensors on the device. On CPU they are returned as they are;
         elsewhere they are packed into one pinned host buffer and copied with one transfer, the
-        device tensors being views into it (8-byte aligned)."""
+        device tensors being views into it, each at an offset that is a multiple of 16 bytes
+        (the buffer itself starts 256-byte aligned): Triton specializes a pointer argument on
+        16-byte alignment, so a view that started 8 bytes off in one step and aligned in the
+        next would be a second variant of the same kernel, compiled mid-serving."""
         if self.device.type == "cpu":
             return tensors
         offsets, nbytes = [], 0
         for t in tensors:
             offsets.append(nbytes)
-            nbytes += -(-t.numel() * t.element_size() // 8) * 8
-        staging = torch.empty(max(nbytes, 8), dtype=torch.uint8, pin_memory=True)
+            nbytes += -(-t.numel() * t.element_size() // 16) * 16
+        staging = torch.empty(max(nbytes, 16), dtype=torch.uint8, pin_memory=True)
         for t, off in zip(tensors, offsets):
             n = t.numel() * t.element_size()
             if n:

@@ -106,9 +106,11 @@ class DecoderLayer(nn.Module):
         gu = self.gate_up_proj(h)
         if lora is not None:
             lora.apply(self.idx, "gate_up", h, gu)
-        m = be.act_mul(gu, cfg.hidden_act)
-        d = self.down_proj(m)
-        if lora is not None:
+        if lora is None:
+            d = be.gated_linear(self.down_proj, gu, cfg.hidden_act)
+        else:  # the down group's shrink reads the activation: materialize it
+            m = be.act_mul(gu, cfg.hidden_act)
+            d = self.down_proj(m)
             lora.apply(self.idx, "down", m, d)
         if self.mlp_out_norm is not None:
             d = be.rms_norm(d, self.mlp_out_norm.weight, self.mlp_out_norm.eps)

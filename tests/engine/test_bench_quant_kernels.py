@@ -22,7 +22,7 @@ from engine.loader.gguf_writer import quantize_tensor
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
 FORMATS = ("w4_fp16_g32", "w4_fp16_g128", "w4_fp32_g32_mins", "w4_fp32_g128_perm", "w8_fp16_g32", "w8_fp32_g16",
-           "w8_fp32_g32_mins", "w8_fp32_channel")
+           "w8_fp32_g32_mins", "w8_fp32_channel", "fp8_fp32_channel", "fp8_fp32_block128")
 SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ROWS = (1, 64)
 #: The GGUF types each benchmarked form stands for (gguf_quants converts them to it).
@@ -91,6 +91,25 @@ def test_gguf_forms_are_what_the_loader_makes_of_those_types(rows, name):
         # (Q4_0 too has mins: its -8 d, read by the kernels like Q4_1's m.)
         assert (qw.bits, qw.group_size, str(qw.scales.dtype), qw.mins is not None) == (
             row["bits"], row["group_size"], "torch." + row["scales"], row["mins"]), qtype
+
+
+@pytest.mark.parametrize("name,strategy,block", [("fp8_fp32_channel", "channel", None),
+                                                  ("fp8_fp32_block128", "block", (128, 128))])
+def test_fp8_forms_are_what_the_loader_makes_of_fp8_checkpoints(rows, name, strategy, block):
+    from engine.loader.hf_quantized import quantization_of
+    from engine.loader.quantized_writer import compressed_fp8
+
+    row = _form(rows, name)
+    assert row["codes"] == "e4m3" and row["bits"] == 8 and not row["mins"]
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+               "block_structure": list(block) if block else None}
+    scheme = quantization_of({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}})
+    qw = scheme.convert("model.layers.0.mlp.down_proj", compressed_fp8(torch.randn(256, 384), strategy=strategy,
+                                                                        block=block))
+    assert (qw.code_format, qw.bits, str(qw.scales.dtype), qw.mins is None) == ("e4m3", 8, "torch.float32", True)
+    assert qw.group_size == (384 if block is None else 128) and (row["group_size"] == row["K"]) == (block is None)
 
 
 def test_load_time_form_is_what_quantizing_a_dense_weight_gives(rows):

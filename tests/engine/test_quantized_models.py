@@ -5,7 +5,7 @@ For each format a small random-weight model of two families (Llama 3.1 with llam
 Qwen2.5 with q/k/v biases; hidden 256, so every layer matrix takes whole 256-weight K-quant
 super-blocks) is built with transformers, saved, and written in the format by this project's
 writers (engine.loader.gguf_writer: llama.cpp's mixes; engine.loader.quantized_writer: AWQ, GPTQ,
-compressed-tensors). The engine loads the quantized checkpoint, its layer matrices as
+compressed-tensors int and FP8). The engine loads the quantized checkpoint, its layer matrices as
 QuantizedWeights (the file's codes and scales). The reference is transformers' model of the
 family with those weights dequantized (QuantizedWeight.dequantize, checked bit-exact against each
 format's own dequantization in test_gguf_kquants.py and test_hf_quantized.py), run in float64.
@@ -89,6 +89,11 @@ def _write(fmt: str, src: Path, out: Path) -> Path:
         bits, group, sym, act = variant.split("-")
         return quantized_writer.write_gptq(src, out, bits=int(bits), group_size=int(group), sym=sym == "sym",
                                            desc_act=act == "act")
+    if kind == "fp8":
+        strategy, _, size = variant.partition("-")
+        return quantized_writer.write_compressed_fp8(src, out, strategy=strategy,
+                                                     group_size=int(size) if strategy == "group" else None,
+                                                     block=(int(size), int(size)) if strategy == "block" else None)
     if kind == "ct":
         bits, strategy, group, sym = variant.split("-")
         return quantized_writer.write_compressed(src, out, bits=int(bits), strategy=strategy,
@@ -109,8 +114,8 @@ def _reference(checkpoint, family: str):
 
 #: (format, family): every format on the CPU backend and on the Triton backend (under the
 #: interpreter): 4-bit codes with fp16 or fp32 scales, with and without mins or zero points, an
-#: act-order permutation; 8-bit codes in groups of 16 or 32 or one scale per output channel; the
-#: Q4_K_M and Q5_K_M mixes' q/k/v of two forms. tests/engine/test_w4a16.py and test_w8a16.py
+#: act-order permutation; 8-bit codes in groups of 16 or 32 or one scale per output channel; FP8
+#: E4M3 codes per channel and in 128 x 128 blocks; the Q4_K_M and Q5_K_M mixes' q/k/v of two forms. tests/engine/test_w4a16.py and test_w8a16.py
 #: check every weight form's kernels alone.
 CASES = [
     ("gguf:q4_k_m", "llama3.1"),
@@ -125,13 +130,15 @@ CASES = [
     ("ct:4-group-128-sym", "llama3.1"),
     ("ct:4-group-64-asym", "qwen2.5"),
     ("ct:8-channel-0-sym", "qwen2.5"),
+    ("fp8:channel", "llama3.1"),
+    ("fp8:block-128", "qwen2.5"),
 ]
 
 
 def _engine(path: Path, backend: str, device: str) -> LLMEngine:
     fmt = "fp32" if backend == "cpu" else "auto"
     cfg = EngineConfig(backend=backend, device=device, weight_format=fmt, dtype=torch.float32, block_size=16,
-                       num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2)
+                       num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, startup_warmup=False)
     return LLMEngine(path, cfg, tokenizer=TextTokenizer.from_gguf_metadata(tokenizer_metadata(VOCAB)))
 
 

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.backends.triton import w4a16
+from engine.backends.triton import norms, w4a16
 from engine.backends.triton.w4a16 import (KernelConfig, W4A16Linear, dequantize, from_quantized, pack_gguf, quantize,
                                           w4a16_matmul)
 from engine.loader.quantized import QuantizedWeight
@@ -202,6 +202,108 @@ def test_matmul_empty_and_refused(device):
         w4a16_matmul(torch.randn(2, 64, device=device), w, path="gemv")
 
 
+def slice_k(w: w4a16.W4Weight, k0: int, k1: int) -> w4a16.W4Weight:
+    """Inputs k0..k1 of w (k0 a multiple of its group size) as a W4Weight of their own."""
+    g = w.group_size
+    return w4a16.W4Weight(w.qweight[:, k0 // 2:k1 // 2].contiguous(), w.scales[:, k0 // g:-(-k1 // g)].contiguous(),
+                          w.mins[:, k0 // g:-(-k1 // g)].contiguous(), g)
+
+
+def ordered_chunk_sum(matmul, x: torch.Tensor, w, slicer, plan: w4a16.LaunchPlan, path: str) -> torch.Tensor:
+    """The result of a split-K launch by `plan` as the previous two-launch form gave it: each K
+    chunk's fp32 partial product (`matmul` on that chunk alone, `slicer(w, k0, k1)` its weights,
+    one K chunk, the same tiles), added in chunk order in fp32, then cast to x's dtype."""
+    one = KernelConfig(block_n=plan.block_n, block_k=plan.block_k, split_k=1, block_m=plan.block_m)
+    k = x.shape[1]
+    total = torch.zeros(x.shape[0], w.N, dtype=torch.float32, device=x.device)
+    for k0 in range(0, k, plan.k_chunk):
+        k1 = min(k0 + plan.k_chunk, k)
+        total += matmul(x[:, k0:k1].float(), slicer(w, k0, k1), path=path, config=one)
+    return total.to(x.dtype)
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    return w4a16.split_k_counters(device, 0)
+
+
+# K = 224: seven 32-input tiles, so 2, 3 and 5 programs along K leave a shorter last chunk (4 + 3
+# tiles, 3 + 3 + 1, 2 + 2 + 2 + 1); on the GEMM 20 rows are two M tiles, 40 outputs three N tiles.
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 1), ("gemm", 20)])
+def test_split_k_sums_the_chunks_in_order_in_one_launch(device, split, path, m):
+    """Each output tile's last K program adds the tile's partial sums in chunk order: the result is
+    bit for bit the ordered fp32 sum of the chunks' products (the previous split-K sum kernel's),
+    the same on every call, and every per-tile counter is back at 0 after each call."""
+    w = weights("q4_0", 40, 224, seed=split + m).to(device)
+    x = torch.randn(m, 224, generator=torch.Generator().manual_seed(split)).to(device)
+    config = KernelConfig(block_n=16, block_k=32, split_k=split, block_m=16)
+    plan = w4a16.launch_plan(m, 40, 224, device, path=path, config=config)
+    assert plan.split_k > 1 and plan.split_k * plan.k_chunk > 224  # a shorter last chunk
+    want = ordered_chunk_sum(w4a16_matmul, x, w, slice_k, plan, path)
+    for _ in range(3):
+        y = w4a16_matmul(x, w, path=path, config=config)
+        assert torch.equal(y, want)
+        assert not split_counters(device).any()
+    check_product(y, x, w, 0.0)
+
+
+def test_split_k_counters_grow_and_keep_the_old_buffer(device, monkeypatch):
+    """A launch with more output tiles than the counter buffer holds gets a larger one; the old
+    buffer (which a captured CUDA graph may still use) stays allocated, and both stay 0."""
+    monkeypatch.setattr(w4a16, "INITIAL_COUNTERS", 2)
+    monkeypatch.setattr(w4a16, "_COUNTERS", {})
+    monkeypatch.setattr(w4a16, "_RETIRED_COUNTERS", [])
+    w = weights("g32", 40, 96, seed=1).to(device)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(1)).to(device)
+    config = KernelConfig(block_n=16, block_k=32, split_k=3, block_m=16)
+    check_product(w4a16_matmul(x[:1], w, path="gemv", config=config), x[:1], w, 0.0)  # 3 tiles
+    first = split_counters(device)
+    assert first.numel() >= 3
+    y = w4a16_matmul(x, w, path="gemm", config=config)  # 2 x 3 tiles
+    check_product(y, x, w, 0.0)
+    assert split_counters(device).numel() >= 6 and w4a16._RETIRED_COUNTERS == [first]
+    assert not first.any() and not split_counters(device).any()
+
+
+def gated_input(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """gate | up rows [m, 2k] as a view with a row stride wider than 2k (an MLP's gu is a matmul's
+    output, but the kernels take any row stride), gates spread wide enough to reach both tails of
+    the activations."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(m, 2 * k + 32, generator=gen) * 3
+    wide[:, :k:7] *= 10
+    return wide.to(dtype)[:, :2 * k]
+
+
+GATED = {"silu": norms.silu_mul, "gelu_tanh": norms.gelu_tanh_mul}
+
+
+@pytest.mark.parametrize("act", sorted(GATED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 1), ("gemm", 20)])
+def test_gated_input_equals_the_activation_then_the_product(device, act, dtype, path, m):
+    """With `act`, the matmul of gate | up rows equals the activation kernel's output multiplied
+    by the same kernel, bit for bit: the activation is computed with the same numerics as it is
+    loaded. Split K and one chunk, fp32 and bf16."""
+    w = weights("g32", 40, 96, seed=m).to(device)
+    gu = gated_input(m, 96, dtype, seed=m + 1).to(device)
+    activated = GATED[act](gu)
+    for split in (1, 3):
+        config = KernelConfig(block_n=16, block_k=32, split_k=split, block_m=16)
+        fused = w4a16_matmul(gu, w, path=path, config=config, act=act)
+        assert torch.equal(fused, w4a16_matmul(activated, w, path=path, config=config))
+    if dtype == torch.float32:
+        check_product(fused, activated, w, 0.0)
+
+
+def test_gated_input_refused_where_it_does_not_fit(device):
+    w = weights("g32", 24, 64, seed=0).to(device)
+    with pytest.raises(ValueError, match="act must be"):
+        w4a16_matmul(torch.randn(1, 128, device=device), w, act="relu")
+    with pytest.raises(ValueError, match=r"\[M, 128\]"):
+        w4a16_matmul(torch.randn(1, 64, device=device), w, act="silu")  # gate without up
+
+
 def test_pick_config_falls_back_to_the_untuned_default(monkeypatch):
     tuned = KernelConfig(block_n=64, block_k=128, split_k=4)
     monkeypatch.setitem(w4a16.CONFIGS, ("NVIDIA H100 80GB HBM3", "gemm", 4096, 4096), tuned)
@@ -242,14 +344,16 @@ assert not _common.INTERPRETED
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # What the launchers' calls give Triton's specialization: 16-byte aligned tensors, and K, its
 # chunk, x's row stride and the rows' byte stride multiples of 16.
-ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "m_ptr", "out_ptr", "K", "K_CHUNK", "stride_xm", "stride_q", "stride_om")
+ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "m_ptr", "out_ptr", "y_ptr", "cnt_ptr", "K", "K_CHUNK", "stride_xm", "stride_q",
+           "stride_om")
 
 def build(name, fn, codes, scales, consts, **opts):
     # One product kernel for sm_90: prints its global loads (PTX), MMA count, registers and
     # local (spill) bytes (cuobjdump, where this Triton ships it) as one JSON line.
-    sig = {"x_ptr": "*bf16", "q_ptr": codes, "s_ptr": scales, "m_ptr": scales, "out_ptr": "*fp32", "M": "i32",
-           "N": "i32", "K": "i32", "K_CHUNK": "i32", "stride_xm": "i32", "stride_q": "i32", "stride_s": "i32",
-           "stride_om": "i32", "stride_ok": "i32", **{c: "constexpr" for c in consts}}
+    sig = {"x_ptr": "*bf16", "q_ptr": codes, "s_ptr": scales, "m_ptr": scales, "out_ptr": "*fp32", "y_ptr": "*bf16",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_CHUNK": "i32", "stride_xm": "i32",
+           "stride_q": "i32", "stride_s": "i32", "stride_om": "i32", "stride_ok": "i32",
+           **{c: "constexpr" for c in consts}}
     attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
@@ -272,15 +376,17 @@ def build(name, fn, codes, scales, consts, **opts):
 COMPILE_W4_FOR_SM90 = SM90_BUILD + r"""
 from engine.backends.triton import w4a16 as W
 
+# Split K (the decode shapes') with the plain and the gated input (the down projection's), and
+# one K chunk (prefill's).
 for scales in ("*fp16", "*fp32"):
-    build(f"gemv {scales}", W._w4_gemv_kernel, "*u8", scales, {"G": 32, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256},
-          num_warps=2, num_stages=2)
-    for bm in (16, 64):  # decode's M tile, prefill's
-        build(f"gemm m{bm} {scales}", W._w4_gemm_kernel, "*u8", scales,
-              {"G": 32, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False}, num_warps=4, num_stages=3)
-src = ASTSource(fn=W._split_k_sum_kernel, signature={"ws_ptr": "*fp32", "y_ptr": "*bf16", "MN": "i32",
-                "SPLIT_K": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 1024})
-triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    for split, act in ((True, "none"), (True, "silu"), (False, "none")):
+        build(f"gemv {scales} split={split} {act}", W._w4_gemv_kernel, "*u8", scales,
+              {"G": 32, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": split, "ACT": act},
+              num_warps=2, num_stages=2)
+    for bm, split, act in ((16, True, "none"), (16, True, "gelu_tanh"), (64, False, "none")):  # decode, prefill
+        build(f"gemm m{bm} {scales} split={split} {act}", W._w4_gemm_kernel, "*u8", scales,
+              {"G": 32, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False, "SPLIT": split, "ACT": act},
+              num_warps=4, num_stages=3)
 """
 
 
@@ -314,11 +420,11 @@ def check_no_spills(variants: dict[str, dict]) -> None:
 
 def test_kernels_compile_for_the_gpu_with_16_byte_weight_loads(tmp_path):
     """The interpreter accepts what a GPU build may refuse (tile shapes, dtypes, ops) and hides
-    alignment: build the kernels for sm_90 (no GPU needed), with fp16 and fp32 scales, and read
-    the weight loads (16 bytes at once, direct or as asynchronous copies to shared memory), the
+    alignment: build the kernels for sm_90 (no GPU needed), with fp16 and fp32 scales, split K
+    (the last program's sum) or not, the plain and the gated input, and read the weight loads (16 bytes at once, direct or as asynchronous copies to shared memory), the
     tensor-core instructions and every variant's registers."""
     variants = compile_for_sm90(COMPILE_W4_FOR_SM90, tmp_path)
-    assert len(variants) == 6, variants
+    assert len(variants) == 12, variants
     for name, v in variants.items():
         assert {"ld.global.v4.b32", "ld.global.v4.u32", "cp.async.16"} & set(v["loads"]), (name, v)
         if name.startswith("gemm"):
@@ -370,3 +476,19 @@ def test_linear_fp32_scales_and_act_order_permutation(device, m):
     sym = W4A16Linear(dataclasses.replace(qw, mins=None), device=device, dtype=torch.float32)
     assert sym.mins.dtype == torch.float32 and not sym.mins.any()
     check_dense_product(sym(x), x, dataclasses.replace(qw, mins=None).dequantize(), 0.0)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_linear_forward_gated_with_act_order_permutation(device, m):
+    """forward_gated(gu, act) is forward(act_mul(gu, act)), an act-order permutation included
+    (applied to the gate and the up halves alike), on both paths."""
+    n, k = 24, 128
+    kq = random_k_quant(n, k, seed=m)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(9))
+    for p in (perm, None):
+        qw = QuantizedWeight(4, kq.qweight, kq.scales, kq.mins, 32, perm=p)
+        lin = W4A16Linear(qw, device=device, dtype=torch.float32)
+        gu = gated_input(m, k, torch.float32, seed=m).to(device)
+        for act, op in GATED.items():
+            assert torch.equal(lin.forward_gated(gu, act), lin(op(gu)))
+    assert "gated_perm" not in lin.state_dict()  # derived from perm, never saved

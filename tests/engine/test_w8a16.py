@@ -15,7 +15,8 @@ from engine.backends.triton import w4a16, w8a16
 from engine.backends.triton.w4a16 import KernelConfig
 from engine.backends.triton.w8a16 import W8A16Linear, w8a16_matmul
 from engine.loader.quantized import QuantizedWeight
-from tests.engine.test_w4a16 import SM90_BUILD, check_dense_product, check_no_spills, compile_for_sm90
+from tests.engine.test_w4a16 import (GATED, SM90_BUILD, check_dense_product, check_no_spills, compile_for_sm90,
+                                     gated_input, ordered_chunk_sum, split_counters)
 
 
 def random_w8(n: int, k: int, group: int, scale_dtype: torch.dtype, mins: bool, seed: int, min_exp: int = -6,
@@ -54,6 +55,79 @@ def test_matmul_fp32_equals_dequantize_then_matmul(device, m, n, k, group, scale
     for path in (["gemv", "gemm"] if m <= w8a16.GEMV_KERNEL_MAX_M else ["gemm"]):
         # forced, with tiles smaller than the shape and K split over programs
         check(w8a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
+
+
+def random_fp8(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
+    """FP8 E4M3 codes drawn over every finite bit pattern (subnormals, both zeros and +-448
+    included), fp32 scales per row and group."""
+    gen = torch.Generator().manual_seed(seed)
+    patterns = torch.arange(256, dtype=torch.int32)
+    finite = patterns[(patterns & 0x7F) != 0x7F]
+    codes = finite[torch.randint(0, finite.numel(), (n, k), generator=gen)].to(torch.uint8).view(torch.int8)
+    scales = (0.5 + torch.rand(n, -(-k // group), generator=gen)) / 448
+    return QuantizedWeight(8, codes, scales, None, group, source="test fp8", code_format="e4m3")
+
+
+@pytest.mark.parametrize("m,n,k,group", [(1, 40, 256, 256), (3, 33, 96, 32), (20, 24, 256, 128)])
+def test_fp8_codes_equal_dequantize_then_matmul(device, m, n, k, group):
+    """FP8 E4M3 codes are decoded in the kernels to exactly the numbers they encode (torch's
+    float8_e4m3fn): the product equals x @ dequantize().T on both paths, split or not."""
+    w = random_fp8(n, k, group, seed=m + n).to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(device)
+    check(w8a16_matmul(x, w), x, w, 0.0)
+    for path in (["gemv", "gemm"] if m <= w8a16.GEMV_KERNEL_MAX_M else ["gemm"]):
+        check(w8a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
+    # every code alone: one row of the identity picks each weight out exactly
+    eye = torch.eye(k, device=device)[:16]
+    got = w8a16_matmul(eye, w, path="gemm", exact=True)
+    assert torch.equal(got, w.dequantize()[:, :16].t().contiguous())
+    lin = W8A16Linear(w, device=device, dtype=torch.float32)
+    assert lin.weight8.code_format == "e4m3" and "e4m3" in repr(lin)
+    check(lin(x), x, w, 0.0)
+
+
+def slice_k(w: QuantizedWeight, k0: int, k1: int) -> QuantizedWeight:
+    """Inputs k0..k1 of w (k0 a multiple of its group size; no permutation) as a weight of their own."""
+    g = w.group_size
+    part = lambda t: None if t is None else t[:, k0 // g:-(-k1 // g)].contiguous()
+    return QuantizedWeight(8, w.codes[:, k0:k1].contiguous(), part(w.scales), part(w.mins), g)
+
+
+# K = 208: thirteen 16-input runs in seven 32-input tiles (the last half full), so 2, 3 and 5
+# programs along K leave a shorter last chunk; 20 rows are two GEMM M tiles, 40 outputs three N tiles.
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv", 3), ("gemm", 20)])
+def test_split_k_sums_the_chunks_in_order_in_one_launch(device, split, path, m):
+    """As the 4-bit kernels (w4a16.split_k_store): bit for bit the chunks' products added in chunk
+    order, the same on every call, the per-tile counters back at 0."""
+    w = random_w8(40, 208, 16, torch.float32, True, seed=split + m).to(device)
+    x = torch.randn(m, 208, generator=torch.Generator().manual_seed(split)).to(device)
+    config = KernelConfig(block_n=16, block_k=32, split_k=split, block_m=16)
+    plan = w8a16.plan(m, 40, 208, device, path=path, config=config)
+    assert plan.split_k > 1 and plan.split_k * plan.k_chunk > 208
+    want = ordered_chunk_sum(w8a16_matmul, x, w, slice_k, plan, path)
+    for _ in range(3):
+        y = w8a16_matmul(x, w, path=path, config=config)
+        assert torch.equal(y, want)
+        assert not split_counters(device).any()
+    check(y, x, w, 0.0)
+
+
+@pytest.mark.parametrize("act", sorted(GATED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv", 3), ("gemm", 20)])
+def test_gated_input_equals_the_activation_then_the_product(device, act, dtype, path, m):
+    """With `act`, the matmul of gate | up rows equals the activation kernel's output multiplied
+    by the same kernel, bit for bit; an act-order permutation applies to both halves."""
+    w = random_w8(40, 96, 32, torch.float16, True, seed=m, perm=True).to(device)
+    gu = gated_input(m, 96, dtype, seed=m + 1).to(device)
+    activated = GATED[act](gu)
+    for split in (1, 3):
+        config = KernelConfig(block_n=16, block_k=32, split_k=split, block_m=16)
+        fused = w8a16_matmul(gu, w, path=path, config=config, act=act)
+        assert torch.equal(fused, w8a16_matmul(activated, w, path=path, config=config))
+    lin = W8A16Linear(w.to("cpu"), device=device, dtype=dtype)
+    assert torch.equal(lin.forward_gated(gu, act), lin(activated))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -139,22 +213,39 @@ from engine.backends.triton import w8a16 as W
 for label, scales, g, has_min in (("q8_0", "*fp16", 32, False), ("q6_k", "*fp32", 16, False),
                                   ("q5_k", "*fp32", 32, True), ("channel", "*fp16", 4096, False)):
     build(f"gemv {label}", W._w8_gemv_kernel, "*i8", scales,
-          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4)
+          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT": True, "ACT": "none",
+           "E4M3": False}, num_warps=4)
     build(f"gemv m16 {label}", W._w8_gemv_kernel, "*i8", scales,
-          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4)
+          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT": True, "ACT": "silu",
+           "E4M3": False}, num_warps=4)
     build(f"gemm {label}", W._w8_gemm_kernel, "*i8", scales,
-          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False},
-          num_warps=4, num_stages=3)
+          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "SPLIT": False,
+           "ACT": "none", "E4M3": False}, num_warps=4, num_stages=3)
+    build(f"gemm m16 gated {label}", W._w8_gemm_kernel, "*i8", scales,
+          {"G": g, "HAS_MIN": has_min, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "SPLIT": True,
+           "ACT": "gelu_tanh", "E4M3": False}, num_warps=4, num_stages=3)
+# FP8 E4M3 codes (compressed-tensors float-quantized): per channel, and 128 x 128 blocks (G 128)
+for label, g in (("fp8 channel", 4096), ("fp8 block", 128)):
+    build(f"gemv {label}", W._w8_gemv_kernel, "*i8", "*fp32",
+          {"G": g, "HAS_MIN": False, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT": True, "ACT": "none",
+           "E4M3": True}, num_warps=4)
+    build(f"gemm {label}", W._w8_gemm_kernel, "*i8", "*fp32",
+          {"G": g, "HAS_MIN": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "SPLIT": False,
+           "ACT": "none", "E4M3": True}, num_warps=4, num_stages=3)
 """
 
 
 def test_kernels_compile_for_the_gpu_with_16_byte_code_loads(tmp_path):
-    """Every W8A16 variant the formats make (scale dtype, mins or none, group 16 to K; the GEMV at
-    one row and at 16, the GEMM) builds for sm_90 with no spills; the one-row GEMV loads each
+    """Every W8A16 variant the formats make (scale dtype, mins or none, group 16 to K, integer or
+    FP8 E4M3 codes; the GEMV at one row and at 16, the GEMM; K split or not, the plain or the
+    gated input) builds for sm_90
+    with no spills; the one-row GEMV loads each
     run's 16 codes as one vector, and the GEMM runs on the tensor cores."""
     variants = compile_for_sm90(COMPILE_W8_FOR_SM90, tmp_path)
-    assert len(variants) == 12, variants
-    for label in ("q8_0", "q6_k", "q5_k", "channel"):
+    assert len(variants) == 20, variants
+    for label in ("q8_0", "q6_k", "q5_k", "channel", "fp8 channel", "fp8 block"):
         assert "ld.global.v4.b32" in variants[f"gemv {label}"]["loads"], variants
         assert variants[f"gemm {label}"]["mma"] > 0, variants
+    for label in ("q8_0", "q6_k", "q5_k", "channel"):
+        assert variants[f"gemm m16 gated {label}"]["mma"] > 0, variants
     check_no_spills(variants)

@@ -1,5 +1,5 @@
-"""The Triton backend: punica_kernels' Triton SGMV (prefill segments) and BGMV (decode tokens)
-for the LoRA term; W4A16 and W8A16 matmuls on quantized base weights (w4a16.py, w8a16.py),
+"""The Triton backend: punica_kernels' Triton SGMV (prefill segments) and grouped (decode tokens)
+kernels for the LoRA term; W4A16 and W8A16 matmuls on quantized base weights (w4a16.py, w8a16.py),
 paged attention with a fused RoPE + KV write (attention.py) and fused norms (norms.py) in
 Triton; the lm_head and "fp32"/"bf16" layers as dense torch matmuls. A step's inputs are block
 tables (engine.backends.inputs.paged_inputs) uploaded in one transfer; decode-only steps on
@@ -40,14 +40,20 @@ class DenseLinear(nn.Module):
 
 class TritonLoRABatch(LoRABatch):
     """The step's LoRA metadata, built on the host and uploaded with the step's other inputs
-    (one copy); each (layer, group) is one `punica_kernels.add_lora(impl="triton")`: BGMV shrink
-    and expand over the decode tokens, SGMV over the prefill chunks' segments."""
+    (one copy); each (layer, group) is one `punica_kernels.add_lora(impl="triton")`: the grouped
+    shrink and expand over the decode tokens, SGMV over the prefill chunks' segments.
+
+    The decode rows' grouping by slot (`punica_kernels.group_decode_tokens`) is computed on the
+    device from the uploaded slots once per forward, at its first `apply`, and shared by every
+    layer and group: a captured decode graph replays that computation from its static slot buffer
+    (the first (layer, group) of a forward starts each forward, capture's warm-up run included)."""
 
     def __init__(self, slots, token_slots: list[int], num_decode: int):
         self.slots = slots
         self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots, num_decode=num_decode)
         self._fields = [f.name for f in dataclasses.fields(self.meta)
                         if isinstance(getattr(self.meta, f.name), torch.Tensor)]
+        self._first_apply: tuple[int, str] | None = None  # the (layer, group) a forward starts with
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [getattr(self.meta, name) for name in self._fields]
@@ -56,6 +62,10 @@ class TritonLoRABatch(LoRABatch):
         self.meta = dataclasses.replace(self.meta, **dict(zip(self._fields, tensors)))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self._first_apply in (None, (layer, group)) and self.meta.num_decode:
+            self._first_apply = (layer, group)
+            self.meta.decode_groups = punica_kernels.group_decode_tokens(self.meta.decode_slots,
+                                                                         self.slots.num_slots)
         x = x if x.is_contiguous() else x.contiguous()
         punica_kernels.add_lora(y, x, self.slots.stacks[(layer, group)], meta=self.meta, impl="triton")
 
@@ -148,6 +158,18 @@ class TritonBackend(Backend):
         from engine.backends.triton import norms
 
         return norms.gelu_tanh_mul(gu)
+
+    def gated_linear(self, linear, gu, act):
+        """One launch where the linear's kernels take the gated input (W4A16Linear and
+        W8A16Linear's `forward_gated`) and the rows are few enough that recomputing the
+        activation in every N tile's program costs no more than its own launch
+        (w4a16.GATED_MAX_M); else the activation kernel, then the linear."""
+        from engine.backends.triton import w4a16
+
+        fused = getattr(linear, "forward_gated", None)
+        if fused is not None and gu.shape[0] <= w4a16.GATED_MAX_M:
+            return fused(gu, act)
+        return linear(self.act_mul(gu, act))
 
     # -- attention ----------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ LlamaRMSNorm):
         gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (F.gelu(approximate="tanh"))
 Each product is rounded to the output dtype once, as torch's element-wise ops on CPU and GPU do
 (F.silu(g) * u and F.gelu(g, approximate="tanh") * u round the activation, then the product).
+`gated_act_mul` is that computation for loaded values: the W4A16/W8A16 matmuls' gated input
+(w4a16.py, the down projection) calls it too, so the fused and the unfused MLP agree bit for bit.
 
 Both activations are x * sigmoid(z): silu with z = x, gelu_tanh with z = 2 sqrt(2/pi) (x +
 0.044715 x^3), since 0.5 (1 + tanh(y)) = sigmoid(2 y). So one kernel serves both (a constexpr
@@ -127,16 +129,12 @@ _GELU_2C = tl.constexpr(1.5957691216057308)
 
 
 @triton.jit
-def _gated_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o,
-                      ACT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # ACT: "silu" or "gelu_tanh" (compile-time: each activation is its own build, no branch).
-    # grid = (cdiv(T, ROWS), cdiv(I, BLOCK)): columns [pid1 * BLOCK, +BLOCK) of rows [pid0 * ROWS, +ROWS).
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < T)[:, None] & (offs < I)[None, :]
-    g_ptrs = gu_ptr + rows[:, None] * stride_gu + offs[None, :]
-    g = tl.load(g_ptrs, mask=mask, other=0.0)
-    u = tl.load(g_ptrs + I, mask=mask, other=0.0)
+def gated_act_mul(g, u, ACT: tl.constexpr):
+    """act(g) * u in g's dtype, elementwise (the Semantics above): act in fp32, rounded to the
+    dtype, then the product in fp32, rounded again. ACT: "silu" or "gelu_tanh" (compile-time:
+    each activation is its own build, no branch). The one definition of the gated activation's
+    numerics: the kernel below and the W4A16/W8A16 matmuls' gated input (w4a16.py) call it, so a
+    fused down projection reads exactly the values silu_mul / gelu_tanh_mul would write."""
     gf = g.to(tl.float32)
     # act(x) = x * sigmoid(z) (module docstring); rounded to the dtype, as F.silu / F.gelu.
     if ACT == "gelu_tanh":
@@ -144,8 +142,20 @@ def _gated_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o,
     else:
         z = gf
     a = (gf / (1.0 + tl.exp(-z))).to(g.dtype)
-    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
-             mask=mask)
+    return (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def _gated_mul_kernel(gu_ptr, out_ptr, T, I, stride_gu, stride_o,
+                      ACT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # grid = (cdiv(T, ROWS), cdiv(I, BLOCK)): columns [pid1 * BLOCK, +BLOCK) of rows [pid0 * ROWS, +ROWS).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < T)[:, None] & (offs < I)[None, :]
+    g_ptrs = gu_ptr + rows[:, None] * stride_gu + offs[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0)
+    u = tl.load(g_ptrs + I, mask=mask, other=0.0)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], gated_act_mul(g, u, ACT), mask=mask)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -194,6 +204,10 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     h = torch.empty(x.shape, dtype=x.dtype, device=device)
     _launch_norm(x, a, weight, eps, h)
     return x, h
+
+
+#: The gated activations `gated_act_mul` computes (ModelConfig.hidden_act values).
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _gated_mul(gu: torch.Tensor, act: str) -> torch.Tensor:

@@ -5,6 +5,8 @@ Semantics:
     # w: W4Weight of N x K weights, groups of G inputs along K (the last group may be shorter)
     W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]      # fp32, q in 0..15
     y[m, :] = x[m, :] @ W.T                                      # fp32 accumulation, y in x's dtype
+    # gated (act "silu" / "gelu_tanh"; x = gu [M, 2K], gate | up, the MLP's down projection):
+    y[m, :] = act_mul(gu, act)[m, :] @ W.T    # act_mul as norms.silu_mul / gelu_tanh_mul, bit for bit
 
 The format (`W4Weight`):
 - `qweight` uint8 [N, K/2], K % 32 == 0, nibbles in input order: byte j holds input 2j in its low
@@ -46,14 +48,22 @@ back into input order in registers (`tl.join`) and rounds them to x's dtype for 
 (fp32 tiles with IEEE products for fp32 activations, for `exact=True`, and under the
 interpreter, whose bf16 tl.dot is wrong). Neither reduces across threads inside the K loop.
   With SPLIT_K > 1 each program writes its partial sums to its own slice of an fp32 workspace
-  [SPLIT_K, M, N] and a second small kernel adds the slices in a fixed order and casts: no program
-  writes what another writes, no atomics, no zeroing launch, and the same input gives the same
-  bits on every run (atomic adds would sum in arrival order). The workspace is SPLIT_K x M x N x 4
-  bytes, written and read back at once, so it stays in L2.
+  [SPLIT_K, M, N], then counts itself done on its output tile's int32 counter (one atomic add,
+  acquire-release, after a barrier so the whole program's stores come first); the program that
+  counts last adds the tile's SPLIT_K slices in chunk order (reading through L2, `.cg`), casts
+  into y, and sets the counter back to 0 (`split_k_store`). One launch, no zeroing launch (the
+  counters are 0 between calls: `split_k_counters`), and the same input gives the same bits on
+  every run whichever program finishes last, because the sum's order is the chunks', not the
+  arrival order (atomic adds of the partials would sum in arrival order). The workspace is
+  SPLIT_K x M x N x 4 bytes, written and read back at once, so it stays in L2.
+  The gated mode (`act`) computes each loaded element of its input as act(gate) * up from the two
+  halves of gu (norms.gated_act_mul: the activation kernel's own numerics), so the MLP's down
+  projection needs no activation launch; every N tile's program recomputes its rows' values,
+  which is why the Triton backend fuses only up to GATED_MAX_M rows (the one-row GEMV).
 Block sizes come from `CONFIGS` (data, keyed by device name, path, N, K; `pick_config`): BLOCK_M
-is the rows' next power of two from 16 up to the config's. The launch plan, the split-K sum and
-the activation checks are shared with the 8-bit kernels (w8a16.py, whose CUDA-core GEMV takes
-up to 16 rows: `launch_plan(gemv_max_m=...)`).
+is the rows' next power of two from 16 up to the config's. The launch plan, the split-K store,
+the gated input and the activation checks are shared with the 8-bit kernels (w8a16.py, whose
+CUDA-core GEMV takes up to 16 rows: `launch_plan(gemv_max_m=...)`).
 
 `W4A16Linear` takes a float weight (quantized at load) or a checkpoint's 4-bit QuantizedWeight
 (its codes, scales and mins to the device as they are, the codes' nibbles reordered there). A QuantizedWeight with an input
@@ -74,6 +84,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from engine.backends.triton.norms import GATED_ACTIVATIONS, gated_act_mul
 from engine.loader.quantized import QuantizedWeight
 from punica_kernels.kernels import _common
 
@@ -89,6 +100,12 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 #: Widest M the CUDA-core GEMV takes (one row: a decode step of one sequence); wider goes to the
 #: tensor-core kernel, whose time does not grow with M up to its 16-row tile.
 GEMV_MAX_M = 1
+#: Widest M for which the Triton backend computes the MLP's gated activation inside the down
+#: projection's kernel (TritonBackend.gated_linear): one row, the GEMV. Every N tile's program
+#: recomputes the activation of the rows it reads; on the one-row GEMV that costs about the
+#: activation launch it saves, while the tensor-core kernel, whose loop is cheap per row, would
+#: spend more on it than the launch costs.
+GATED_MAX_M = 1
 #: Most products one GEMV program holds at once (BLOCK_M x BLOCK_N x BLOCK_K / inputs per
 #: product); past it the tile shrinks so the fp32 products fit in registers (128 threads x 64
 #: each).
@@ -388,14 +405,60 @@ def _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride
 
 
 @triton.jit
+def load_input(x_ptr, offs, mask, K, ACT: tl.constexpr):
+    """The product's input at element offsets `offs` of x: x itself (ACT "none"), or the gated
+    activation of a gate | up row, act(x[offs]) * x[K + offs] in x's dtype (norms.gated_act_mul,
+    the numerics of silu_mul / gelu_tanh_mul). 0 where masked."""
+    if ACT == "none":
+        return tl.load(x_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    u = tl.load(x_ptr + K + offs, mask=mask, other=0.0)
+    return gated_act_mul(g, u, ACT)
+
+
+@triton.jit
+def split_k_store(acc, base, offs, mask, tile, pid_k, num_k, out_ptr, y_ptr, cnt_ptr, stride_ok,
+                  SPLIT: tl.constexpr):
+    """Store a program's fp32 result tile `acc` of y (element offsets base + offs into y [M, N]:
+    `base` the tile's, a 64-bit scalar, `offs` within the tile, 32-bit, so no tile of 64-bit
+    offsets or pointers stays live; `mask` inside y). SPLIT off (one K chunk): acc is the
+    result, written to y in y's dtype.
+    SPLIT on: acc is K chunk `pid_k`'s partial sum of output tile `tile`, one of `num_k`; it goes
+    to the fp32 workspace slice out[pid_k] (stride_ok elements a slice), and the tile's last
+    program to finish (the one whose increment of cnt[tile] sees num_k - 1) adds the num_k slices
+    in chunk order, writes y and sets cnt[tile] back to 0 (see the module docstring)."""
+    y_tile = y_ptr + base
+    if SPLIT:
+        ws_tile = out_ptr + base  # slice 0's tile; slice s is stride_ok elements further
+        tl.store(ws_tile + pid_k.to(tl.int64) * stride_ok + offs, acc, mask=mask)
+        # Every thread's partial stores are issued before the one atomic (a single thread's),
+        # whose release orders them before the count; its acquire orders the reads below after
+        # the other programs' stores.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == num_k - 1:
+            total = tl.zeros_like(acc)
+            for _ in range(num_k):
+                # .cg: from L2, where the other programs' stores are; never a stale L1 line.
+                total += tl.load(ws_tile + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                ws_tile += stride_ok  # a scalar 64-bit pointer: num_k x M x N may pass 2^31
+            tl.store(y_tile + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+    else:
+        tl.store(y_tile + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _w4_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ACT: tl.constexpr,
 ):
-    # One row of x (M == 1). grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) alone writes
-    # out[s, 0, n-block]. Each thread keeps its products in registers, [BLOCK_N, NB, 4] fp32 (a
-    # word's 8 products summed into one), and the block reduces once, after the K loop.
+    # One row of x (M == 1). grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk
+    # s of output tile n (split_k_store). Each thread keeps its products in registers,
+    # [BLOCK_N, NB, 4] fp32 (a word's 8 products summed into one), and the block reduces once,
+    # after the K loop.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 32
@@ -414,8 +477,8 @@ def _w4_gemv_kernel(
         words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, NB)
         # x of word (b, i): inputs k0 + 32 b + 8 i + P, as [NB, 4, 8] split into its 8 planes P
         # (the same halving as the weights' joins: the last axis of 2 is P's lowest bit).
-        xv = tl.load(x_ptr + k0 + b[:, None, None] * 32 + i[None, :, None] * 8 + j[None, None, :],
-                     mask=mask_b[:, None, None], other=0.0).to(tl.float32)
+        xv = load_input(x_ptr, k0 + b[:, None, None] * 32 + i[None, :, None] * 8 + j[None, None, :],
+                     mask_b[:, None, None], K, ACT).to(tl.float32)
         x_even, x_odd = tl.split(tl.reshape(xv, (NB, 4, 4, 2)))
         x04, x26 = tl.split(tl.reshape(x_even, (NB, 4, 2, 2)))
         x15, x37 = tl.split(tl.reshape(x_odd, (NB, 4, 2, 2)))
@@ -432,18 +495,19 @@ def _w4_gemv_kernel(
         acc += x6[None] * _weight_plane(words, sc, mn, 6)
         acc += x7[None] * _weight_plane(words, sc, mn, 7)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(out_ptr + pid_k.to(tl.int64) * stride_ok + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    split_k_store(y, 0, offs_n, mask_n, pid_n, pid_k, tl.num_programs(1), out_ptr, y_ptr, cnt_ptr, stride_ok, SPLIT)
 
 
 @triton.jit
 def _w4_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
 ):
-    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) alone writes
-    # out[s, m-block, n-block]. M blocks vary fastest: programs running together share weight tiles.
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
+    # of output tile (m, n) (split_k_store). M blocks vary fastest: programs running together
+    # share weight tiles.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -465,27 +529,17 @@ def _w4_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, BLOCK_K // 32, dtype)
         e = k0 + kk
-        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + e[:, None], mask=mask_m[None, :] & (e < K)[:, None],
-                    other=0.0).to(dtype)
+        x = load_input(x_ptr, offs_m[None, :] * stride_xm + e[:, None], mask_m[None, :] & (e < K)[:, None], K,
+                    ACT).to(dtype)
         if IEEE:
             acc += tl.dot(w, x, input_precision="ieee")
         else:
             acc += tl.dot(w, x)
-    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
-
-
-@triton.jit
-def _split_k_sum_kernel(ws_ptr, y_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
-    # y.flat[i] = sum over s in order of ws[s].flat[i]; each program owns its BLOCK of y.
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = ws_ptr + offs  # advanced by MN a slice: 64-bit pointers, so SPLIT_K x MN may pass 2^31
-    for _ in range(0, SPLIT_K):
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-        ptrs += MN
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tile = pid_n * tl.num_programs(0) + pid_m
+    base = pid_m.to(tl.int64) * BLOCK_M * stride_om
+    offs = tl.arange(0, BLOCK_M)[None, :] * stride_om + offs_n[:, None]  # < BLOCK_M x N: 32 bits
+    split_k_store(acc, base, offs, mask_m[None, :] & mask_n[:, None], tile, pid_k, tl.num_programs(2), out_ptr, y_ptr,
+                  cnt_ptr, stride_ok, SPLIT)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -499,7 +553,7 @@ class LaunchPlan:
     block_m: int
     block_n: int
     block_k: int
-    split_k: int  # programs along K; > 1: partial sums to a workspace, then _split_k_sum_kernel
+    split_k: int  # programs along K; > 1: partial sums to a workspace, summed by each tile's last program
     k_chunk: int  # inputs per K program, a multiple of block_k
     num_warps: int
     num_stages: int
@@ -565,41 +619,97 @@ def check_activations(x: torch.Tensor, k: int, device: torch.device) -> torch.Te
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def run_split_k(y: torch.Tensor, plan: LaunchPlan, launch: Callable[[torch.Tensor, int], None]) -> torch.Tensor:
-    """Run a product kernel into y [M, N] by `plan`: `launch(out, stride_ok)` launches it writing
-    `out` with K chunk s at offset s * stride_ok; with one chunk out is y itself (stride 0),
-    else an fp32 workspace [split_k, M, N] that _split_k_sum_kernel then adds in chunk order into
-    y (see the module docstring: deterministic, no atomics). Returns y."""
+#: Counters the first split-K counter buffer of a device holds (64 KiB): an automatic split
+#: (_auto_split) happens only below _TARGET_PROGRAMS output tiles, so this covers every launch of
+#: the default tables many times over and is grown only for a tuned config that splits a wide grid.
+INITIAL_COUNTERS = 1 << 14
+#: The split-K counter buffer of each device (split_k_counters).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+#: Buffers a larger one replaced, kept alive (see split_k_counters).
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The int32 counter buffer split-K launches on `device` use (split_k_store: one counter per
+    output tile, each program adds 1, the tile's last sets it back to 0), with at least `tiles`
+    counters, all 0 between launches.
+
+    One buffer per device, shared by every W4A16/W8A16 launch: launches on one stream run one
+    after another and each leaves its counters at 0, so they never need their own (launches of
+    two streams at once would: the engine runs its steps on one). Allocated zeroed at first use
+    with INITIAL_COUNTERS (more if `tiles` asks for more); a launch needing more tiles gets a new,
+    larger buffer, and the old one is kept alive, never freed or shrunk: a CUDA graph captured
+    earlier keeps launching with the old pointer, and finds the old buffer still there, at 0.
+    Allocating zeroes the buffer with a launch that a CUDA graph capture would record instead of
+    running, so allocating during a capture is refused (RuntimeError): run the shape once before
+    capturing it (the decode graphs' warm-up does)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the split-K counters of {device} must grow to {tiles} during a CUDA graph capture: "
+                           "run this shape once before capturing it")
+    if buf is not None:
+        _RETIRED_COUNTERS.append(buf)
+    size = max(INITIAL_COUNTERS, _common.next_pow2(tiles))
+    buf = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
+def run_split_k(y: torch.Tensor, plan: LaunchPlan, tiles: int,
+                launch: Callable[[torch.Tensor, torch.Tensor, int], None]) -> torch.Tensor:
+    """Run a product kernel into y [M, N] by `plan`, one launch: `launch(out, counters,
+    stride_ok)` launches it with SPLIT = plan.split_k > 1 over `tiles` output tiles. With one
+    K chunk out is y itself (stride 0); else an fp32 workspace [split_k, M, N] (K chunk s at
+    offset s * stride_ok) whose slices each tile's last program adds in chunk order into y, with
+    `counters` (split_k_counters) counting the programs done per tile (see the module
+    docstring: deterministic, no second launch, no zeroing launch). Returns y."""
     m, n = y.shape
+    counters = split_k_counters(y.device, tiles if plan.split_k > 1 else 0)
     if plan.split_k == 1:
-        launch(y, 0)
+        launch(y, counters, 0)
         return y
     ws = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=y.device)
-    launch(ws, ws.stride(0))
-    block = 1024
-    _split_k_sum_kernel[(triton.cdiv(m * n, block),)](ws, y, m * n, plan.split_k, BLOCK=block)
+    launch(ws, counters, ws.stride(0))
     return y
 
 
+def check_gated(act: str | None) -> str:
+    """The kernels' ACT for a call's `act`: "none" for None (x is the input), else `act` itself
+    when it is a gated activation (x is then gate | up, [M, 2K]); ValueError otherwise."""
+    if act is None:
+        return "none"
+    if act not in GATED_ACTIVATIONS:
+        raise ValueError(f"act must be one of {GATED_ACTIVATIONS} or None, not {act!r}")
+    return act
+
+
 def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str | None = None,
-                 config: KernelConfig | None = None) -> torch.Tensor:
-    """y = x @ dequantize(w).T with the weights dequantized in the kernels. Semantics: see the
-    module docstring.
+                 config: KernelConfig | None = None, act: str | None = None) -> torch.Tensor:
+    """y = x @ dequantize(w).T with the weights dequantized in the kernels; with `act`, x is a
+    gate | up row block gu and y = act_mul(gu, act) @ dequantize(w).T, the gated activation
+    computed as x is loaded. Semantics: see the module docstring.
 
     Args:
-        x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
+        x: [M, K] (with act: [M, 2K]) bf16 / fp16 / fp32 on w's device; any row stride, unit
+            column stride.
         w: the 4-bit weights (fp16 or fp32 scales and mins).
         exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (fp32 x always is; the
             GEMV's products are always fp32).
         path: "gemv" or "gemm"; None picks by M (the GEMV for GEMV_MAX_M rows).
         config: launch parameters; None takes pick_config's for the device and shape.
+        act: None, or "silu" / "gelu_tanh": the input is act(x[:, :K]) * x[:, K:] rounded to
+            x's dtype, exactly what norms.silu_mul / gelu_tanh_mul give (norms.gated_act_mul).
     Returns:
         [M, N] in x's dtype, a new tensor.
     Raises:
-        ValueError on a bad dtype, shape, device, layout or config; RuntimeError where this
+        ValueError on a bad dtype, shape, device, layout, config or act; RuntimeError where this
         module's kernels cannot run on x's device (check_runnable).
     """
-    x = check_activations(x, w.K, w.device)
+    gate = check_gated(act)
+    x = check_activations(x, w.K * (1 if act is None else 2), w.device)
     m, n, k = x.shape[0], w.N, w.K
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -613,22 +723,29 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
         raise ValueError("qweight's data must start 16-byte aligned (a tensor of its own, not an offset view)")
     plan = launch_plan(m, n, k, x.device, path=path, config=config)
     common = dict(G=w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-                  num_warps=plan.num_warps, num_stages=plan.num_stages)
+                  SPLIT=plan.split_k > 1, ACT=gate, num_warps=plan.num_warps, num_stages=plan.num_stages)
     n_blocks = triton.cdiv(n, plan.block_n)
+    m_blocks = 1 if plan.path == "gemv" else triton.cdiv(m, plan.block_m)
 
-    def launch(out: torch.Tensor, stride_ok: int) -> None:
-        args = (x, w.qweight, w.scales, w.mins, out, m, n, k, plan.k_chunk, x.stride(0), w.qweight.stride(0),
-                w.scales.stride(0), n, stride_ok)
+    def launch(out: torch.Tensor, counters: torch.Tensor, stride_ok: int) -> None:
+        args = (x, w.qweight, w.scales, w.mins, out, y, counters, m, n, k, plan.k_chunk, x.stride(0),
+                w.qweight.stride(0), w.scales.stride(0), n, stride_ok)
         if plan.path == "gemv":
             _w4_gemv_kernel[(n_blocks, plan.split_k)](*args, **common)
         else:
             ieee = exact or _common.dot_in_fp32(x.dtype)
-            _w4_gemm_kernel[(triton.cdiv(m, plan.block_m), n_blocks, plan.split_k)](*args, IEEE=ieee, **common)
+            _w4_gemm_kernel[(m_blocks, n_blocks, plan.split_k)](*args, IEEE=ieee, **common)
 
-    return run_split_k(y, plan, launch)
+    return run_split_k(y, plan, m_blocks * n_blocks, launch)
 
 
 # ----------------------------------------------------------------------------- module
+
+
+def gated_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """An input permutation of K as one of a gate | up row of 2K (both halves permuted alike):
+    gu[:, gated_permutation(perm)] = cat(gu[:, :K][:, perm], gu[:, K:][:, perm])."""
+    return torch.cat([perm, perm + perm.numel()])
 
 
 def device_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -664,6 +781,9 @@ class W4A16Linear(nn.Module):
         self.register_buffer("scales", device_copy(packed.scales, device))
         self.register_buffer("mins", device_copy(packed.mins, device))
         self.register_buffer("perm", None if perm is None else perm.to(device))
+        # forward_gated's gather of gate | up: the permutation applied to both halves.
+        self.register_buffer("gated_perm", None if perm is None else gated_permutation(perm).to(device),
+                             persistent=False)
         self.group_size = packed.group_size
         self.dtype = dtype
         self.exact = exact
@@ -680,6 +800,14 @@ class W4A16Linear(nn.Module):
             # order (one gather of the activations, T x K, before the kernel).
             x = x.index_select(1, self.perm)
         return w4a16_matmul(x, self.weight4, exact=self.exact)
+
+    def forward_gated(self, gu: torch.Tensor, act: str) -> torch.Tensor:
+        """forward(act_mul(gu, act)) in one kernel: gu [T, 2 in] (gate | up) -> [T, out] in gu's
+        dtype, the gated activation ("silu" or "gelu_tanh") computed as the kernel loads its
+        input, with the numerics of norms.silu_mul / gelu_tanh_mul (w4a16_matmul's `act`)."""
+        if self.gated_perm is not None:
+            gu = gu.index_select(1, self.gated_perm)
+        return w4a16_matmul(gu, self.weight4, exact=self.exact, act=act)
 
     def extra_repr(self) -> str:
         order = ", act-order perm" if self.perm is not None else ""

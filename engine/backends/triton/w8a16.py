@@ -1,12 +1,14 @@
 """W8A16: 8-bit base weights on the device, multiplied by 16-bit (or fp32) activations with the
 weights dequantized inside the Triton kernels, so an 8-bit checkpoint (GGUF Q8_0, the K-quants
-whose codes fit in 8 bits, GPTQ 8-bit, compressed-tensors W8A16) stays 8-bit on the GPU.
+whose codes fit in 8 bits, GPTQ 8-bit, compressed-tensors W8A16 and FP8) stays 8-bit on the GPU.
 
 Semantics:
     # w: an 8-bit engine.loader.quantized.QuantizedWeight, N x K, groups of G inputs along K
-    Wp[n, k] = codes[n, k] * scales[n, k // G] (+ mins[n, k // G])   # fp32, codes in -128..127
+    Wp[n, k] = value(codes[n, k]) * scales[n, k // G] (+ mins[n, k // G])   # fp32
+    # value: the integer -128..127, or (code_format "e4m3") the FP8 E4M3 number the byte encodes
     y[m, :] = x[m, perm] @ Wp.T                                       # = x @ w.dequantize().T
     # fp32 accumulation, y in x's dtype; perm None: x as it is
+    # gated (act; x = gu [M, 2K], gate | up): x = norms' act_mul(gu, act), as in w4a16
 
 The format is QuantizedWeight's own (bits 8), read as it is:
 - `codes` int8 [N, K], contiguous: each row is K bytes, so with K a multiple of 16 (every served
@@ -16,14 +18,19 @@ The format is QuantizedWeight's own (bits 8), read as it is:
   always shares one group: the kernels load one scale (and min) a run, in the stored dtype, and
   widen it to fp32. A per-channel scale is G = K. Without mins (symmetric formats) the kernels
   are built with HAS_MIN off and read no mins at all.
+- `code_format` "e4m3" (FP8 checkpoints): the codes are FP8 E4M3 bit patterns, decoded in the
+  kernels by integer operations into the fp32 value each encodes (`_e4m3_value`: no FP8
+  instruction, so any GPU and the interpreter run it), then scaled as integer codes are.
 - `perm` (GPTQ act-order): x is gathered through it once a call (T x K elements) before the
   kernel, which then reads the codes in their stored order.
 
 Kernels (`w8a16_matmul`), the two paths of w4a16.py with 8-bit tiles, sharing its launch plan
 (`w4a16.launch_plan`: the path by M, the GEMV tile shrunk to the register budget, split-K into
-whole nonempty chunks), its split-K sum (`w4a16.run_split_k`: each K chunk's partial sums in
-its own slice of an fp32 workspace, added in a fixed order by one more kernel, no atomics, the
-same bits on every run) and its activation checks:
+whole nonempty chunks), its split-K store (`w4a16.split_k_store`, `run_split_k`: each K chunk's
+partial sums in its own slice of an fp32 workspace, added in chunk order by each output tile's
+last program, in the same launch, the same bits on every run), its gated input
+(`w4a16.load_input`: act(gate) * up computed as loaded, for the MLP's down projection) and its
+activation checks:
 - M <= GEMV_MAX_M (one row): split-K GEMV on the CUDA cores. Each program dequantizes a
   BLOCK_N x BLOCK_K tile once (16-byte loads of codes, one scale a 16-input run) and multiplies
   it by the row (fp32 products and accumulation). The kernel takes up to 16 rows, but its cost
@@ -44,8 +51,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from engine.backends.triton.w4a16 import (KernelConfig, LaunchPlan, check_activations, check_runnable,
-                                          device_copy, launch_plan, run_split_k)
+from engine.backends.triton.w4a16 import (KernelConfig, LaunchPlan, check_activations, check_gated, check_runnable,
+                                          device_copy, gated_permutation, launch_plan, load_input, run_split_k,
+                                          split_k_store)
 from engine.loader.quantized import QuantizedWeight
 from punica_kernels.kernels import _common
 
@@ -84,8 +92,20 @@ def plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = Non
 
 
 @triton.jit
+def _e4m3_value(q):
+    """fp32 value of FP8 E4M3 bit patterns `q` (int8; never NaN): normal numbers by building
+    their fp32 bits (exponent rebiased from 7 to 127, mantissa moved up), subnormals as mantissa
+    x 2^-9; no fp32 denormal is formed, so no flush-to-zero mode can change a value."""
+    b = q.to(tl.int32) & 0xFF
+    mag = b & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(mag >= 8, normal, (mag & 7).to(tl.float32) * 0.001953125)
+    return tl.where(b >= 0x80, -v, v)
+
+
+@triton.jit
 def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                  G: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr):
+                  G: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr, E4M3: tl.constexpr):
     """fp32 weights of one K tile of NR runs of 16 inputs as [BLOCK_N, NR, 16], with the input
     index of each [NR, 16] and its mask (inside K). Run r holds inputs k0 + 16 r + j, j < 16.
     Scales and mins load once a run ([BLOCK_N, NR]), not once a weight."""
@@ -104,7 +124,10 @@ def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
     s_off = rows[:, None] * stride_s + g[None, :]
     mask_s = mask_n[:, None] & ((k0 + r * 16) < K)[None, :]
     sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
-    w = q.to(tl.float32) * sc
+    if E4M3:
+        w = _e4m3_value(q) * sc
+    else:
+        w = q.to(tl.float32) * sc
     if HAS_MIN:
         w += tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     return w, e, mask_e
@@ -112,11 +135,13 @@ def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
 
 @triton.jit
 def _w8_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ACT: tl.constexpr, E4M3: tl.constexpr,
 ):
-    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) alone writes out[s, :, n-block].
+    # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk s of output tile n, all
+    # M rows (w4a16.split_k_store).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,25 +154,26 @@ def _w8_gemv_kernel(
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         w, e, mask_e = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                                     G, BLOCK_K // 16, HAS_MIN)
+                                     G, BLOCK_K // 16, HAS_MIN, E4M3)
         # x is small and shared by all programs (L2); nothing is assumed of its row stride.
-        xt = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + e[None, :, :],
-                     mask=mask_m[:, None, None] & mask_e[None, :, :], other=0.0).to(tl.float32)
+        xt = load_input(x_ptr, offs_m[:, None, None] * stride_xm + e[None, :, :],
+                     mask_m[:, None, None] & mask_e[None, :, :], K, ACT).to(tl.float32)
         prod = xt[:, None, :, :] * w[None, :, :, :]
         acc += tl.sum(tl.sum(prod, axis=3), axis=2)
-    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    split_k_store(acc, 0, offs_m[:, None] * stride_om + offs_n[None, :], mask_m[:, None] & mask_n[None, :], pid_n,
+                  pid_k, tl.num_programs(1), out_ptr, y_ptr, cnt_ptr, stride_ok, SPLIT)
 
 
 @triton.jit
 def _w8_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, E4M3: tl.constexpr,
 ):
-    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) alone writes
-    # out[s, m-block, n-block]. M blocks vary fastest: programs running together share weight tiles.
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
+    # of output tile (m, n) (w4a16.split_k_store). M blocks vary fastest: programs running
+    # together share weight tiles.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -162,18 +188,20 @@ def _w8_gemm_kernel(
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         w3, _, _ = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                                 G, BLOCK_K // 16, HAS_MIN)
+                                 G, BLOCK_K // 16, HAS_MIN, E4M3)
         # [BLOCK_N, NR, 16] -> [BLOCK_K, BLOCK_N]: flattened in input order, transposed for tl.dot.
         w = tl.trans(tl.reshape(w3, (BLOCK_N, BLOCK_K)))
         e = k0 + p
-        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + e[None, :], mask=mask_m[:, None] & (e < K)[None, :],
-                     other=0.0)
+        xt = load_input(x_ptr, offs_m[:, None] * stride_xm + e[None, :], mask_m[:, None] & (e < K)[None, :], K, ACT)
         if IEEE:
             acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(xt, w.to(xt.dtype))
-    out = out_ptr + pid_k.to(tl.int64) * stride_ok + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tile = pid_n * tl.num_programs(0) + pid_m
+    base = pid_m.to(tl.int64) * BLOCK_M * stride_om
+    offs = tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_n[None, :]  # < BLOCK_M x N: 32 bits
+    split_k_store(acc, base, offs, mask_m[:, None] & mask_n[None, :], tile, pid_k, tl.num_programs(2), out_ptr, y_ptr,
+                  cnt_ptr, stride_ok, SPLIT)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -196,25 +224,30 @@ def _check_weight(w: QuantizedWeight) -> None:
 
 
 def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, path: str | None = None,
-                 config: KernelConfig | None = None) -> torch.Tensor:
-    """y = x @ w.dequantize().T with the 8-bit weights dequantized in the kernels. Semantics: see
-    the module docstring.
+                 config: KernelConfig | None = None, act: str | None = None) -> torch.Tensor:
+    """y = x @ w.dequantize().T with the 8-bit weights dequantized in the kernels; with `act`, x is
+    a gate | up row block gu and y = act_mul(gu, act) @ w.dequantize().T, the gated activation
+    computed as x is loaded. Semantics: see the module docstring.
 
     Args:
-        x: [M, K] bf16 / fp16 / fp32 on w's device; any row stride, unit column stride.
+        x: [M, K] (with act: [M, 2K]) bf16 / fp16 / fp32 on w's device; any row stride, unit
+            column stride.
         w: an 8-bit QuantizedWeight (contiguous tensors on one device; mins and perm optional).
         exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
         path: "gemv" (up to GEMV_KERNEL_MAX_M rows) or "gemm"; None picks by M (GEMV up to
             GEMV_MAX_M rows).
         config: launch parameters; None takes this module's CONFIGS for the device and shape.
+        act: None, or "silu" / "gelu_tanh": the input is act(x[:, :K]) * x[:, K:] rounded to
+            x's dtype, as w4a16_matmul's `act` (the numerics of norms.silu_mul / gelu_tanh_mul).
     Returns:
         [M, N] in x's dtype, a new tensor.
     Raises:
-        ValueError on a bad weight, dtype, shape, device, layout or config; RuntimeError where
-        the kernels cannot run on x's device (w4a16.check_runnable).
+        ValueError on a bad weight, dtype, shape, device, layout, config or act; RuntimeError
+        where the kernels cannot run on x's device (w4a16.check_runnable).
     """
     _check_weight(w)
-    x = check_activations(x, w.K, w.codes.device)
+    gate = check_gated(act)
+    x = check_activations(x, w.K * (1 if act is None else 2), w.codes.device)
     m, n, k = x.shape[0], w.N, w.K
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -224,24 +257,26 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
     check_runnable(x.device, "the W8A16")
     lp = plan(m, n, k, x.device, path=path, config=config)
     if w.perm is not None:
-        x = x.index_select(1, w.perm)
+        x = x.index_select(1, w.perm if act is None else gated_permutation(w.perm))
     has_min = w.mins is not None
     common = dict(G=w.group_size, HAS_MIN=has_min, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k,
-                  num_warps=lp.num_warps, num_stages=lp.num_stages)
+                  SPLIT=lp.split_k > 1, ACT=gate, E4M3=w.code_format == "e4m3", num_warps=lp.num_warps,
+                  num_stages=lp.num_stages)
     n_blocks = triton.cdiv(n, lp.block_n)
+    m_blocks = 1 if lp.path == "gemv" else triton.cdiv(m, lp.block_m)
     # Without mins the kernels never read m_ptr (HAS_MIN off): the scales stand in for it.
     mins = w.mins if has_min else w.scales
 
-    def launch(out: torch.Tensor, stride_ok: int) -> None:
-        args = (x, w.codes, w.scales, mins, out, m, n, k, lp.k_chunk, x.stride(0), w.codes.stride(0),
+    def launch(out: torch.Tensor, counters: torch.Tensor, stride_ok: int) -> None:
+        args = (x, w.codes, w.scales, mins, out, y, counters, m, n, k, lp.k_chunk, x.stride(0), w.codes.stride(0),
                 w.scales.stride(0), n, stride_ok)
         if lp.path == "gemv":
             _w8_gemv_kernel[(n_blocks, lp.split_k)](*args, **common)
         else:
             ieee = exact or _common.dot_in_fp32(x.dtype)
-            _w8_gemm_kernel[(triton.cdiv(m, lp.block_m), n_blocks, lp.split_k)](*args, IEEE=ieee, **common)
+            _w8_gemm_kernel[(m_blocks, n_blocks, lp.split_k)](*args, IEEE=ieee, **common)
 
-    return run_split_k(y, lp, launch)
+    return run_split_k(y, lp, m_blocks * n_blocks, launch)
 
 
 # ----------------------------------------------------------------------------- module
@@ -265,6 +300,7 @@ class W8A16Linear(nn.Module):
         self.register_buffer("mins", None if qw.mins is None else device_copy(qw.mins, device))
         self.register_buffer("perm", None if qw.perm is None else qw.perm.to(device))
         self.group_size = qw.group_size
+        self.code_format = qw.code_format
         self.source = qw.source or "8-bit"
         self.dtype = dtype
         self.exact = exact
@@ -273,13 +309,21 @@ class W8A16Linear(nn.Module):
     @property
     def weight8(self) -> QuantizedWeight:
         """The weight as the kernels read it (dequantize(weight8) is the layer's fp32 weight)."""
-        return QuantizedWeight(8, self.codes, self.scales, self.mins, self.group_size, self.perm, self.source)
+        return QuantizedWeight(8, self.codes, self.scales, self.mins, self.group_size, self.perm, self.source,
+                               self.code_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return w8a16_matmul(x, self.weight8, exact=self.exact)
 
+    def forward_gated(self, gu: torch.Tensor, act: str) -> torch.Tensor:
+        """forward(act_mul(gu, act)) in one kernel: gu [T, 2 in] (gate | up) -> [T, out] in gu's
+        dtype, the gated activation ("silu" or "gelu_tanh") computed as the kernel loads its
+        input, with the numerics of norms.silu_mul / gelu_tanh_mul (w8a16_matmul's `act`)."""
+        return w8a16_matmul(gu, self.weight8, exact=self.exact, act=act)
+
     def extra_repr(self) -> str:
         order = ", act-order perm" if self.perm is not None else ""
         mins = "" if self.mins is not None else ", no mins"
-        return (f"in={self.in_features}, out={self.out_features}, {self.source} g{self.group_size}{order}, "
+        codes = "" if self.code_format == "int" else f", {self.code_format} codes"
+        return (f"in={self.in_features}, out={self.out_features}, {self.source} g{self.group_size}{order}{codes}, "
                 f"scales {self.scales.dtype}{mins}, activations {self.dtype}")
