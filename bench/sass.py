@@ -46,7 +46,9 @@ and out) and a roofline estimate of its H100 time:
     t_est   = max(t_mem, t_issue)
 (4 warp schedulers per SM, 132 SMs, ~1.7 GHz boost, one instruction per scheduler per cycle; the
 second term is one warp issuing its own instructions back to back.) `other` counts the
-instructions outside the main loop once (an upper bound: not every branch runs). The issue term
+instructions outside the main loop once for every program that does work (an upper bound: not
+every branch runs; programs that return at once, as a grouped LoRA kernel's for a slot without
+rows or a decode split a short row does not use, are left out). The issue term
 is a lower bound on issue time: it assumes every scheduler issues every cycle (no stall on
 latency, enough warps resident). The per-token figure sums a decode layer's launches, times the
 layer count, plus the lm_head: an estimate from SASS, never a GPU measurement.
@@ -544,7 +546,8 @@ def launch_model(launch: Launch) -> dict:
         per = [cdiv(cdiv(n, u), bn) for n, u in zip(keys, used)]
         partials = sum(u for u in used if u > 1) * int(a["NUM_HEADS"]) * (D + 2) * 4 * 2
         return {"weight_bytes": kv, "other_bytes": 2 * len(keys) * int(a["NUM_HEADS"]) * D * item + partials,
-                    "max_trips": max(per), "total_trips": sum(p * u for p, u in zip(per, used)) * hkv}
+                    "max_trips": max(per), "total_trips": sum(p * u for p, u in zip(per, used)) * hkv,
+                    "active_programs": sum(used) * hkv}
     if k == "prefill_kernel":
         ctx = [int(n) for n in a["ctx_ptr"].tolist()]
         qs = a["qs_ptr"].tolist()
@@ -601,14 +604,16 @@ def launch_model(launch: Launch) -> dict:
                 other += 2 * split * L * T * int(a["BLOCK_R"]) * 4
             k_trips = cdiv(cdiv(K, split), a["BLOCK_K"])
             return {"weight_bytes": weights, "other_bytes": other, "max_trips": k_trips * max(tiles, default=0),
-                    "total_trips": k_trips * sum(tiles) * split * L}
+                    "total_trips": k_trips * sum(tiles) * split * L,
+                    "active_programs": (len(rows) * split + (1 if T > sum(rows) else 0)) * L}
         widths = [int(w) for w in a["geo_ptr"].flatten()[:L].tolist()]
         R = int(a["R"])
         weights = len(rows) * sum(widths) * R * a["b0_ptr"].element_size()
         other = T * L * R * 4 + 2 * T * sum(widths) * a["y_ptr"].element_size()
         r_trips = cdiv(R, a["BLOCK_R"])
         return {"weight_bytes": weights, "other_bytes": other, "max_trips": r_trips * max(tiles, default=0),
-                "total_trips": r_trips * sum(tiles) * launch.grid[1] * L}
+                "total_trips": r_trips * sum(tiles) * launch.grid[1] * L,
+                "active_programs": len(rows) * launch.grid[1] * L}
     return {"weight_bytes": 0, "other_bytes": 0, "max_trips": 0, "total_trips": 0}
 
 
@@ -617,7 +622,9 @@ def estimate(stats: dict, model: dict, launch: Launch) -> dict:
     moved = model["weight_bytes"] + model["other_bytes"]
     t_mem = moved / HBM_BYTES_PER_S
     loop, other, warps = stats["loop_instructions"], stats["other_instructions"], stats["num_warps"]
-    warp_instr = warps * (loop * model["total_trips"] + other * launch.programs)
+    # Programs that return at once (a slot without rows, a split a short row does not use) are
+    # left out of the `other` term: their few instructions are not the body's.
+    warp_instr = warps * (loop * model["total_trips"] + other * model.get("active_programs", launch.programs))
     t_all = warp_instr / (SCHEDULERS_PER_SM * NUM_SMS * CLOCK_HZ)
     t_chain = (loop * model["max_trips"] + other) / CLOCK_HZ
     t_issue = max(t_all, t_chain)

@@ -73,6 +73,9 @@ class EngineParts:
     max_model_len: int
     #: The forward over the KV cache, with the backend's decode graphs (`runner.graphs`) if any.
     runner: ModelRunner
+    #: What the start-up warm-up did (`warm_up`'s figures: graphs captured, forwards, seconds);
+    #: None when it did not run.
+    warmup: dict | None = None
 
 
 def build_engine_parts(config: EngineConfig, *, model_path: str | Path | None = None, checkpoint=None,
@@ -118,12 +121,13 @@ def build_engine_parts(config: EngineConfig, *, model_path: str | Path | None = 
         runner, max_batch=ec.max_num_seqs, block_width=-(-max_model_len // ec.block_size),
         sink_block=num_blocks, lora_slots=lora_manager.slots if lora_manager else None)
     warm = ec.startup_warmup if ec.startup_warmup is not None else backend.device.type == "cuda"
+    warmup = None
     if warm and backend.kv_sink_blocks:
-        warm_up(runner, sink_block=num_blocks, max_model_len=max_model_len, config=ec,
-                lora_slots=lora_manager.slots if lora_manager else None)
+        warmup = warm_up(runner, sink_block=num_blocks, max_model_len=max_model_len, config=ec,
+                         lora_slots=lora_manager.slots if lora_manager else None)
     return EngineParts(model_config=model_cfg, tokenizer=tokenizer, backend=backend, model=model,
                        format_timings=format_timings, lora_manager=lora_manager, kv=kv,
-                       num_kv_blocks=num_blocks, max_model_len=max_model_len, runner=runner)
+                       num_kv_blocks=num_blocks, max_model_len=max_model_len, runner=runner, warmup=warmup)
 
 
 def kv_cache_blocks(backend: Backend, model_cfg: ModelConfig, config: EngineConfig) -> int:

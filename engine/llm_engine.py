@@ -79,6 +79,7 @@ class LLMEngine:
         self.model = parts.model
         #: What the backend measured or chose at start (CPU: the weight formats' crossovers).
         self.format_timings: dict = parts.format_timings
+        self.startup_warmup: dict | None = parts.warmup  # engine_builder.warm_up's figures, if it ran
         self.lora_manager = parts.lora_manager
         self.kv = parts.kv
         self.runner = parts.runner
