@@ -68,18 +68,22 @@ def random_fp8(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
     return QuantizedWeight(8, codes, scales, None, group, source="test fp8", code_format="e4m3")
 
 
+@pytest.mark.parametrize("fp8", ["hardware", "bits"])
 @pytest.mark.parametrize("m,n,k,group", [(1, 40, 256, 256), (3, 33, 96, 32), (20, 24, 256, 128)])
-def test_fp8_codes_equal_dequantize_then_matmul(device, m, n, k, group):
+def test_fp8_codes_equal_dequantize_then_matmul(device, m, n, k, group, fp8):
     """FP8 E4M3 codes are decoded in the kernels to exactly the numbers they encode (torch's
-    float8_e4m3fn): the product equals x @ dequantize().T on both paths, split or not."""
+    float8_e4m3fn), by the hardware's conversion or by bit moves: the product equals
+    x @ dequantize().T on both paths, split or not, and every weight comes out exact."""
+    if fp8 == "hardware" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("no FP8 conversion on this GPU")
     w = random_fp8(n, k, group, seed=m + n).to(device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(device)
-    check(w8a16_matmul(x, w), x, w, 0.0)
+    check(w8a16_matmul(x, w, fp8=fp8), x, w, 0.0)
     for path in (["gemv", "gemm"] if m <= w8a16.GEMV_KERNEL_MAX_M else ["gemm"]):
-        check(w8a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
+        check(w8a16_matmul(x, w, path=path, config=SMALL, fp8=fp8), x, w, 0.0)
     # every code alone: one row of the identity picks each weight out exactly
     eye = torch.eye(k, device=device)[:16]
-    got = w8a16_matmul(eye, w, path="gemm", exact=True)
+    got = w8a16_matmul(eye, w, path="gemm", exact=True, fp8=fp8)
     assert torch.equal(got, w.dequantize()[:, :16].t().contiguous())
     lin = W8A16Linear(w, device=device, dtype=torch.float32)
     assert lin.weight8.code_format == "e4m3" and "e4m3" in repr(lin)
@@ -214,24 +218,25 @@ for label, scales, g, has_min in (("q8_0", "*fp16", 32, False), ("q6_k", "*fp32"
                                   ("q5_k", "*fp32", 32, True), ("channel", "*fp16", 4096, False)):
     build(f"gemv {label}", W._w8_gemv_kernel, "*i8", scales,
           {"G": g, "HAS_MIN": has_min, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT": True, "ACT": "none",
-           "E4M3": False}, num_warps=4)
+           "CODES": 0}, num_warps=4)
     build(f"gemv m16 {label}", W._w8_gemv_kernel, "*i8", scales,
           {"G": g, "HAS_MIN": has_min, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT": True, "ACT": "silu",
-           "E4M3": False}, num_warps=4)
+           "CODES": 0}, num_warps=4)
     build(f"gemm {label}", W._w8_gemm_kernel, "*i8", scales,
           {"G": g, "HAS_MIN": has_min, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "SPLIT": False,
-           "ACT": "none", "E4M3": False}, num_warps=4, num_stages=3)
+           "ACT": "none", "CODES": 0}, num_warps=4, num_stages=3)
     build(f"gemm m16 gated {label}", W._w8_gemm_kernel, "*i8", scales,
           {"G": g, "HAS_MIN": has_min, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "SPLIT": True,
-           "ACT": "gelu_tanh", "E4M3": False}, num_warps=4, num_stages=3)
-# FP8 E4M3 codes (compressed-tensors float-quantized): per channel, and 128 x 128 blocks (G 128)
-for label, g in (("fp8 channel", 4096), ("fp8 block", 128)):
+           "ACT": "gelu_tanh", "CODES": 0}, num_warps=4, num_stages=3)
+# FP8 E4M3 codes (compressed-tensors float-quantized): per channel by the hardware's conversion,
+# 128 x 128 blocks (G 128) by bit moves (the path of GPUs without FP8)
+for label, g, codes in (("fp8 channel", 4096, W.CODES_E4M3_HW), ("fp8 block", 128, W.CODES_E4M3_BITS)):
     build(f"gemv {label}", W._w8_gemv_kernel, "*i8", "*fp32",
           {"G": g, "HAS_MIN": False, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT": True, "ACT": "none",
-           "E4M3": True}, num_warps=4)
+           "CODES": codes}, num_warps=4)
     build(f"gemm {label}", W._w8_gemm_kernel, "*i8", "*fp32",
           {"G": g, "HAS_MIN": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "SPLIT": False,
-           "ACT": "none", "E4M3": True}, num_warps=4, num_stages=3)
+           "ACT": "none", "CODES": codes}, num_warps=4, num_stages=3)
 """
 
 

@@ -19,8 +19,10 @@ The format is QuantizedWeight's own (bits 8), read as it is:
   widen it to fp32. A per-channel scale is G = K. Without mins (symmetric formats) the kernels
   are built with HAS_MIN off and read no mins at all.
 - `code_format` "e4m3" (FP8 checkpoints): the codes are FP8 E4M3 bit patterns, decoded in the
-  kernels by integer operations into the fp32 value each encodes (`_e4m3_value`: no FP8
-  instruction, so any GPU and the interpreter run it), then scaled as integer codes are.
+  kernels into the value each encodes (`_e4m3_value`), then scaled as integer codes are: by the
+  GPU's FP8 conversion where it has one (compute capability 8.9 and up; the interpreter), else by
+  moving the bits into an fp16's place (exact, subnormals included), its 2^-8 folded into the
+  run's scale (`fp8_conversion`). Either gives the same bits.
 - `perm` (GPTQ act-order): x is gathered through it once a call (T x K elements) before the
   kernel, which then reads the codes in their stored order.
 
@@ -91,21 +93,26 @@ def plan(m: int, n: int, k: int, device: torch.device, *, path: str | None = Non
 # ----------------------------------------------------------------------------- kernels
 
 
+#: `CODES` of the kernels: integer codes, or E4M3 codes decoded by bit moves or by the hardware.
+CODES_INT, CODES_E4M3_BITS, CODES_E4M3_HW = 0, 1, 2
+
+
 @triton.jit
-def _e4m3_value(q):
-    """fp32 value of FP8 E4M3 bit patterns `q` (int8; never NaN): normal numbers by building
-    their fp32 bits (exponent rebiased from 7 to 127, mantissa moved up), subnormals as mantissa
-    x 2^-9; no fp32 denormal is formed, so no flush-to-zero mode can change a value."""
-    b = q.to(tl.int32) & 0xFF
-    mag = b & 0x7F
-    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where(mag >= 8, normal, (mag & 7).to(tl.float32) * 0.001953125)
-    return tl.where(b >= 0x80, -v, v)
+def _e4m3_value(q, CODES: tl.constexpr):
+    """fp32 of FP8 E4M3 bit patterns `q` (int8; never NaN). CODES_E4M3_HW: the value, by the
+    GPU's FP8 conversion. CODES_E4M3_BITS: the value x 2^-8, exactly: the sign and the 7 exponent
+    and mantissa bits moved into an fp16's places (E4M3's bias 7 is fp16's 15 less 8, and its
+    subnormals land on fp16 subnormals), then widened; the caller's scale carries the 2^8."""
+    if CODES == 2:
+        return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    u = q.to(tl.int32) & 0xFF
+    h = ((u & 0x7F) << 7) | ((u & 0x80) << 8)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                  G: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr, E4M3: tl.constexpr):
+                  G: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr, CODES: tl.constexpr):
     """fp32 weights of one K tile of NR runs of 16 inputs as [BLOCK_N, NR, 16], with the input
     index of each [NR, 16] and its mask (inside K). Run r holds inputs k0 + 16 r + j, j < 16.
     Scales and mins load once a run ([BLOCK_N, NR]), not once a weight."""
@@ -124,10 +131,12 @@ def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
     s_off = rows[:, None] * stride_s + g[None, :]
     mask_s = mask_n[:, None] & ((k0 + r * 16) < K)[None, :]
     sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
-    if E4M3:
-        w = _e4m3_value(q) * sc
-    else:
+    if CODES == 0:
         w = q.to(tl.float32) * sc
+    elif CODES == 1:
+        w = _e4m3_value(q, CODES) * (sc * 256.0)  # exact: a power of two; one rounding, as below
+    else:
+        w = _e4m3_value(q, CODES) * sc
     if HAS_MIN:
         w += tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     return w, e, mask_e
@@ -138,7 +147,7 @@ def _w8_gemv_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, ACT: tl.constexpr, E4M3: tl.constexpr,
+    SPLIT: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
 ):
     # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk s of output tile n, all
     # M rows (w4a16.split_k_store).
@@ -154,7 +163,7 @@ def _w8_gemv_kernel(
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         w, e, mask_e = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                                     G, BLOCK_K // 16, HAS_MIN, E4M3)
+                                     G, BLOCK_K // 16, HAS_MIN, CODES)
         # x is small and shared by all programs (L2); nothing is assumed of its row stride.
         xt = load_input(x_ptr, offs_m[:, None, None] * stride_xm + e[None, :, :],
                      mask_m[:, None, None] & mask_e[None, :, :], K, ACT).to(tl.float32)
@@ -169,7 +178,7 @@ def _w8_gemm_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
     G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, E4M3: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
     # of output tile (m, n) (w4a16.split_k_store). M blocks vary fastest: programs running
@@ -188,7 +197,7 @@ def _w8_gemm_kernel(
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         w3, _, _ = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                                 G, BLOCK_K // 16, HAS_MIN, E4M3)
+                                 G, BLOCK_K // 16, HAS_MIN, CODES)
         # [BLOCK_N, NR, 16] -> [BLOCK_K, BLOCK_N]: flattened in input order, transposed for tl.dot.
         w = tl.trans(tl.reshape(w3, (BLOCK_N, BLOCK_K)))
         e = k0 + p
@@ -205,6 +214,14 @@ def _w8_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+
+
+def fp8_conversion(device: torch.device) -> str:
+    """How the kernels decode E4M3 codes on `device`: "hardware" (FP8 conversion instructions:
+    compute capability 8.9 and up, and the interpreter) or "bits" (any GPU)."""
+    if device.type == "cuda":
+        return "hardware" if torch.cuda.get_device_capability(device) >= (8, 9) else "bits"
+    return "hardware"
 
 
 def _check_weight(w: QuantizedWeight) -> None:
@@ -224,7 +241,8 @@ def _check_weight(w: QuantizedWeight) -> None:
 
 
 def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, path: str | None = None,
-                 config: KernelConfig | None = None, act: str | None = None) -> torch.Tensor:
+                 config: KernelConfig | None = None, act: str | None = None,
+                 fp8: str | None = None) -> torch.Tensor:
     """y = x @ w.dequantize().T with the 8-bit weights dequantized in the kernels; with `act`, x is
     a gate | up row block gu and y = act_mul(gu, act) @ w.dequantize().T, the gated activation
     computed as x is loaded. Semantics: see the module docstring.
@@ -239,6 +257,7 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
         config: launch parameters; None takes this module's CONFIGS for the device and shape.
         act: None, or "silu" / "gelu_tanh": the input is act(x[:, :K]) * x[:, K:] rounded to
             x's dtype, as w4a16_matmul's `act` (the numerics of norms.silu_mul / gelu_tanh_mul).
+        fp8: for E4M3 codes, "hardware" or "bits" (module docstring); None: `fp8_conversion`.
     Returns:
         [M, N] in x's dtype, a new tensor.
     Raises:
@@ -255,13 +274,18 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
     if k == 0:
         return y.zero_()
     check_runnable(x.device, "the W8A16")
+    codes = CODES_INT
+    if w.code_format == "e4m3":
+        fp8 = fp8 or fp8_conversion(x.device)
+        if fp8 not in ("hardware", "bits"):
+            raise ValueError(f"fp8 must be 'hardware' or 'bits', not {fp8!r}")
+        codes = CODES_E4M3_HW if fp8 == "hardware" else CODES_E4M3_BITS
     lp = plan(m, n, k, x.device, path=path, config=config)
     if w.perm is not None:
         x = x.index_select(1, w.perm if act is None else gated_permutation(w.perm))
     has_min = w.mins is not None
     common = dict(G=w.group_size, HAS_MIN=has_min, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k,
-                  SPLIT=lp.split_k > 1, ACT=gate, E4M3=w.code_format == "e4m3", num_warps=lp.num_warps,
-                  num_stages=lp.num_stages)
+                  SPLIT=lp.split_k > 1, ACT=gate, CODES=codes, num_warps=lp.num_warps, num_stages=lp.num_stages)
     n_blocks = triton.cdiv(n, lp.block_n)
     m_blocks = 1 if lp.path == "gemv" else triton.cdiv(m, lp.block_m)
     # Without mins the kernels never read m_ptr (HAS_MIN off): the scales stand in for it.
