@@ -545,12 +545,13 @@ class QuantForm:
     mins: bool  # whether the form has per-group mins (asymmetric formats)
     act_order: bool = False  # an input permutation (GPTQ desc_act): one gather of x a call
     code_format: str = "int"  # "e4m3": FP8 codes (compressed-tensors float-quantized)
+    super_size: int = 0  # > 0: two levels, uint8 scales and mins (scale_dtype) x fp16 factors per super_size inputs
 
 
 QUANT_FORMS = (
     QuantForm("w4_fp16_g32", "gguf q4_0 / q4_1", 4, 32, torch.float16, True),
     QuantForm("w4_fp16_g128", "dense checkpoint quantized at load", 4, 128, torch.float16, True),
-    QuantForm("w4_fp32_g32_mins", "gguf q4_k", 4, 32, torch.float32, True),
+    QuantForm("w4_kquant_g32", "gguf q4_k", 4, 32, torch.uint8, True, super_size=256),
     QuantForm("w4_fp32_g128_perm", "gptq 4-bit g128 act-order", 4, 128, torch.float32, True, act_order=True),
     QuantForm("w8_fp16_g32", "gguf q8_0", 8, 32, torch.float16, False),
     QuantForm("w8_fp32_g16", "gguf q6_k", 8, 16, torch.float32, False),
@@ -594,10 +595,21 @@ def random_quantized(form: QuantForm, n: int, k: int, device: torch.device, gen:
     else:
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
         code_mean, code_std = -0.5, math.sqrt((256 ** 2 - 1) / 12)
-    scales = (torch.rand(n, groups, device=device, generator=gen) + 0.5) / (code_std * math.sqrt(k))
-    mins = (-code_mean * scales).to(form.scale_dtype) if form.mins else None
     # One permutation per K (drawn on the host: a checkpoint's g_idx order is read at load).
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)).to(device) if form.act_order else None
+    if form.super_size:
+        # Two levels (a K-quant): 6-bit sub-block values around 36 times fp16 factors, scale and
+        # min per group as the one-level forms' below.
+        supers = -(-k // form.super_size)
+        factor = (torch.rand(n, supers, device=device, generator=gen) + 0.5) / (36 * code_std * math.sqrt(k))
+        sub = lambda: torch.randint(24, 49, (n, groups), device=device, generator=gen).to(form.scale_dtype)
+        mins = sub() if form.mins else None
+        return QuantizedWeight(form.bits, codes, sub(), mins, g, perm, form.checkpoints, form.code_format,
+                               super_scales=factor.half(),
+                               super_mins=(-code_mean * factor).half() if form.mins else None,
+                               super_size=form.super_size)
+    scales = (torch.rand(n, groups, device=device, generator=gen) + 0.5) / (code_std * math.sqrt(k))
+    mins = (-code_mean * scales).to(form.scale_dtype) if form.mins else None
     return QuantizedWeight(form.bits, codes, scales.to(form.scale_dtype), mins, g, perm, form.checkpoints,
                            form.code_format)
 

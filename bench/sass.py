@@ -24,7 +24,7 @@ grouped shrink + expand); and one prefill chunk of `--prefill` tokens (the W4A16
 prefill attention, SGMV). The lm_head is a dense torch matmul (not Triton): it enters the
 per-token estimate as its bytes at the bandwidth bound. Beside them, the four linears of one
 family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint format in `--formats`
-(QUANT_FORMATS: the W4A16 kernels with a K-quant's fp32 scales, the W8A16 kernels for 8-bit
+(QUANT_FORMATS: the W4A16 kernels with Q4_K's two-level scales, the W8A16 kernels for 8-bit
 integer or FP8 codes), at the same batches and prefill chunk; their sites are named "{family}
 {format} decode T=..." and stay out of the per-token figures (which are the engine's default
 4-bit layer).
@@ -83,9 +83,10 @@ CLOCK_HZ = 1.7e9
 DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_FAMILIES = ("llama3.1-8b", "qwen2.5-7b", "gemma2-9b")
 #: Checkpoint formats whose layer linears are compiled beside the default 4-bit layer (`--formats`):
-#: name -> (code bits, group size (0: one group a row, G = K), scale and min dtype, mins or none).
+#: name -> (code bits, group size (0: one group a row, G = K), scale and min dtype, mins or none
+#: [, code format [, super-block size: two levels, uint8 sub-block values x fp16 factors]]).
 QUANT_FORMATS = {
-    "q4_k": (4, 32, "float32", True),  # GGUF Q4_K: d x sc and -dmin x m per 32 inputs, exact in fp32
+    "q4_k": (4, 32, "uint8", True, "int", 256),  # GGUF Q4_K: 6-bit sc, m per 32 inputs x fp16 d, -dmin per 256
     "q8_0": (8, 32, "float16", False),  # GGUF Q8_0: fp16 d per 32, int8 codes
     "q6_k": (8, 16, "float32", False),  # GGUF Q6_K: d x sc per 16, codes shifted to -32..31
     "q5_k": (8, 32, "float32", True),  # GGUF Q5_K: codes 0..31 with d x sc and -dmin x m
@@ -328,8 +329,9 @@ def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, 
     from engine.backends.triton import w4a16, w8a16
     from engine.loader.quantized import QuantizedWeight
 
-    bits, group, scale_dtype, has_mins, *codes = QUANT_FORMATS[fmt]
-    code_format = codes[0] if codes else "int"
+    bits, group, scale_dtype, has_mins, *rest = QUANT_FORMATS[fmt]
+    code_format = rest[0] if rest else "int"
+    super_size = rest[1] if len(rest) > 1 else 0
     sd = getattr(torch, scale_dtype)
     cfg = _shapes(family)
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -342,8 +344,12 @@ def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, 
         scales = torch.empty(n, -(-k // g), dtype=sd)
         mins = torch.empty_like(scales) if has_mins else None
         if bits == 4:
+            two = {}
+            if super_size:
+                factors = torch.empty(n, -(-k // super_size), dtype=torch.float16)
+                two = {"super_scales": factors, "super_mins": torch.empty_like(factors), "super_size": super_size}
             return w4a16.W4Weight(torch.empty(n, k // 2, dtype=torch.uint8), scales,
-                                  torch.zeros_like(scales) if mins is None else mins, g)
+                                  torch.zeros_like(scales) if mins is None else mins, g, **two)
         return QuantizedWeight(8, torch.empty(n, k, dtype=torch.int8), scales, mins, g, source=fmt,
                                code_format=code_format)
 
@@ -511,6 +517,8 @@ def launch_model(launch: Launch) -> dict:
     if k in ("w4_gemv_kernel", "w4_gemm_kernel", "w8_gemv_kernel", "w8_gemm_kernel"):
         # Without mins (HAS_MIN off) the W8A16 kernels read none: m_ptr is a stand-in.
         weights = _nbytes(a["q_ptr"]) + _nbytes(a["s_ptr"]) + (_nbytes(a["m_ptr"]) if a.get("HAS_MIN", True) else 0)
+        if a.get("SUPER", 0):  # two levels: the W4 kernels read the super-block factors too
+            weights += _nbytes(a["ss_ptr"]) + _nbytes(a["sm_ptr"])
         # x (gate | up for a gated input: twice the K columns), y; with K split, each chunk's fp32
         # partial tile written and read back once by the tile's last program.
         gated = a.get("ACT", "none") != "none"

@@ -16,7 +16,7 @@ outputs, K inputs, each row whole blocks of its type. Per type (`SERVED_TYPES`):
 | Q8_0 | 32: d, 32 int8 | 8 | 32 | q | d fp16 | None |
 | Q2_K | 256: 16 x (4-bit sc, 4-bit m), d, dmin | 8 | 16 | q (0..3) | d sc fp32 | -(dmin m) fp32 |
 | Q3_K | 256: 16 x 6-bit signed sc, d | 8 | 16 | q (-4..3) | d sc fp32 | None |
-| Q4_K | 256: 8 x (6-bit sc, 6-bit m), d, dmin | 4 | 32 | repacked nibbles | d sc fp32 | -(dmin m) fp32 |
+| Q4_K | 256: 8 x (6-bit sc, 6-bit m), d, dmin | 4 | 32 | repacked nibbles | sc uint8 x d fp16 | m uint8 x -dmin fp16 |
 | Q5_K | 256: as Q4_K, a fifth bit in qh | 8 | 32 | q (0..31) | d sc fp32 | -(dmin m) fp32 |
 | Q6_K | 256: 16 x int8 sc, d | 8 | 16 | q - 32 (-32..31) | d sc fp32 | None |
 
@@ -36,6 +36,11 @@ Dense types (F32, F16, BF16) are not converted: a layer weight stored dense is r
 as are the non-layer tensors (token embedding, norms, an output matrix the loader keeps dense)
 of any type gguf-py dequantizes. Any other type for a layer weight (IQ*, TQ*, MXFP4, ...) is
 UnsupportedQuantizationError.
+
+Q4_K keeps the file's two levels (QuantizedWeight's `super_size` 256): uint8 sc and m per 32
+inputs, fp16 d and -dmin per 256 (`super_scales`, `super_mins`): 4.625 bits a weight (the file's
+4.5 with its 6-bit values in whole bytes). Its group_scales() / group_mins() are the fp32 d sc
+and -(dmin m) of the table, bit for bit.
 
 `q4_1_blocks` goes back: the GGUF Q4_1 blocks of a Q4_0/Q4_1-sourced weight, which the CPU
 backend's Q4_1 kernel reads.
@@ -111,7 +116,8 @@ def _product(d: np.ndarray, sc: np.ndarray) -> np.ndarray:
 
 
 # Each converter: blocks uint8 [N, blocks, type size] -> (bits, codes, scales, mins, group_size),
-# codes [N, ...] in input order (4-bit: the W4 layout), scales/mins [N, blocks, groups per block].
+# codes [N, ...] in input order (4-bit: the W4 layout), scales/mins [N, blocks, groups per block];
+# a two-level one adds (super_scales, super_mins) [N, blocks], one per block (super_size QK_K).
 
 
 def _q4_0(b):
@@ -175,9 +181,9 @@ def _q4_k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(b):
-    # d | dmin | scales[12] | qs[128]
+    # d | dmin | scales[12] | qs[128]; two levels: sc, m as stored, d and -dmin per super-block.
     sc, m = _k_scale_min(b[..., 4:16])
-    return 4, _q4_k_nibbles(b[..., 16:144]), _product(_f16(b, 0), sc), -_product(_f16(b, 2), m), 32
+    return 4, _q4_k_nibbles(b[..., 16:144]), sc, m, 32, _f16(b, 0), -_f16(b, 2)
 
 
 def _q5_k(b):
@@ -239,14 +245,14 @@ def quantized_weight(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
                                            f"(served: {_served_list()}, and dense {dense_list})")
     blocks = _blocks(raw, qtype, shape)
     n = blocks.shape[0]
-    bits, codes, scales, mins, group = convert(blocks)
+    bits, codes, scales, mins, group, *supers = convert(blocks)
 
-    def tensor(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.array(a.reshape(n, -1), order="C", copy=True))
+    def tensor(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.array(a.reshape(n, -1), order="C", copy=True))
 
-    return QuantizedWeight(bits=bits, codes=tensor(codes), scales=tensor(scales),
-                           mins=None if mins is None else tensor(mins), group_size=group,
-                           source=f"gguf {qtype.name.lower()}")
+    two = {"super_scales": tensor(supers[0]), "super_mins": tensor(supers[1]), "super_size": QK_K} if supers else {}
+    return QuantizedWeight(bits=bits, codes=tensor(codes), scales=tensor(scales), mins=tensor(mins),
+                           group_size=group, source=f"gguf {qtype.name.lower()}", **two)
 
 
 def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
@@ -284,8 +290,8 @@ def q4_1_blocks(qw: QuantizedWeight) -> np.ndarray | None:
     scales and mins and no input permutation, i.e. of every Q4_0/Q4_1-sourced weight (the CPU
     backend's Q4_1 kernel reads these); None for any other weight. The W4 nibble layout is
     GGUF's, so quantized_weight(q4_1_blocks(qw), Q4_1, qw.shape) is qw again."""
-    if (qw.bits != 4 or qw.group_size != PACK or qw.scales.dtype != torch.float16 or qw.mins is None
-            or qw.perm is not None):
+    if (qw.bits != 4 or qw.group_size != PACK or qw.super_size or qw.scales.dtype != torch.float16
+            or qw.mins is None or qw.perm is not None):
         return None
     n, groups = qw.N, qw.K // PACK
     out = np.empty((n, groups, Q4_1_BLOCK_BYTES), dtype=np.uint8)

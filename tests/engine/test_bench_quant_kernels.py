@@ -21,13 +21,15 @@ from engine.loader.gguf_quants import quantized_weight
 from engine.loader.gguf_writer import quantize_tensor
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
-FORMATS = ("w4_fp16_g32", "w4_fp16_g128", "w4_fp32_g32_mins", "w4_fp32_g128_perm", "w8_fp16_g32", "w8_fp32_g16",
+FORMATS = ("w4_fp16_g32", "w4_fp16_g128", "w4_kquant_g32", "w4_fp32_g128_perm", "w8_fp16_g32", "w8_fp32_g16",
            "w8_fp32_g32_mins", "w8_fp32_channel", "fp8_fp32_channel", "fp8_fp32_block128")
 SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ROWS = (1, 64)
 #: The GGUF types each benchmarked form stands for (gguf_quants converts them to it).
-GGUF_FORMS = {"w4_fp16_g32": (T.Q4_0, T.Q4_1), "w4_fp32_g32_mins": (T.Q4_K,), "w8_fp16_g32": (T.Q8_0,),
+GGUF_FORMS = {"w4_fp16_g32": (T.Q4_0, T.Q4_1), "w4_kquant_g32": (T.Q4_K,), "w8_fp16_g32": (T.Q8_0,),
               "w8_fp32_g16": (T.Q6_K,), "w8_fp32_g32_mins": (T.Q5_K,)}
+#: Forms with two levels of scales: inputs per super-block (fp16 factors; uint8 scales and mins per group).
+SUPER_SIZES = {"w4_kquant_g32": 256}
 
 
 def _run(*args: str, interpret: bool) -> subprocess.CompletedProcess:
@@ -60,11 +62,15 @@ def test_every_format_site_and_width_is_measured_against_its_reference(rows):
         # The kernels' product against the fp32 product of QuantizedWeight.dequantize() (the
         # permutation applied): only the bf16 output's rounding (the interpreter truncates: 2^-7).
         assert r["rel_err"] < 1e-2, r
-        # The bytes reported are the form's: codes, then scales (and mins) per group.
+        # The bytes reported are the form's: codes, then scales (and mins) per group, then (two
+        # levels) fp16 factors per super-block.
         groups = -(-r["K"] // r["group_size"])
-        elem = {"float16": 2, "float32": 4}[r["scales"]]
+        elem = {"uint8": 1, "float16": 2, "float32": 4}[r["scales"]]
         codes = r["N"] * r["K"] // (2 if r["bits"] == 4 else 1)
-        assert r["weight_bytes"] == codes + r["N"] * groups * elem * (2 if r["mins"] else 1), r
+        supers = -(-r["K"] // SUPER_SIZES[r["format"]]) if r["format"] in SUPER_SIZES else 0
+        per_group = r["N"] * (groups * elem + supers * 2)
+        assert r["weight_bytes"] == codes + per_group * (2 if r["mins"] else 1), r
+        assert (r["scales"] == "uint8") == (r["format"] in SUPER_SIZES), r
     channel = [r for r in linears if r["format"] == "w8_fp32_channel"]
     assert all(r["group_size"] == r["K"] for r in channel)
     assert all(r["act_order"] == (r["format"] == "w4_fp32_g128_perm") for r in linears)
@@ -91,6 +97,7 @@ def test_gguf_forms_are_what_the_loader_makes_of_those_types(rows, name):
         # (Q4_0 too has mins: its -8 d, read by the kernels like Q4_1's m.)
         assert (qw.bits, qw.group_size, str(qw.scales.dtype), qw.mins is not None) == (
             row["bits"], row["group_size"], "torch." + row["scales"], row["mins"]), qtype
+        assert qw.super_size == SUPER_SIZES.get(name, 0), qtype
 
 
 @pytest.mark.parametrize("name,strategy,block", [("fp8_fp32_channel", "channel", None),

@@ -15,7 +15,7 @@ from engine.loader.gguf_loader import contract_tensor_names, contract_tensor_sha
 from engine.loader.gguf_quants import SERVED_TYPES, dense, q4_1_blocks, quantized_weight
 from engine.loader.gguf_writer import (K_QUANTIZERS, PlannedTensor, gguf_plan, permute_rope, quantize_k,
                                        tensor_type, use_more_bits, write_gguf)
-from engine.loader.quantized import UnsupportedQuantizationError
+from engine.loader.quantized import UnsupportedQuantizationError, cat_rows, same_form
 from engine.loader.synthetic import family_model_config
 
 T = GGMLQuantizationType
@@ -63,11 +63,17 @@ def test_every_served_type_converts_bit_exactly(qtype):
     assert qw.shape == torch.Size(shape) and qw.perm is None and qw.source == f"gguf {qtype.name.lower()}"
     assert_exact(qw, raw, qtype, shape)
     # The representation the module docstring states: 4-bit codes for Q4_*, fp16 scales where the
-    # file stores one value, fp32 where it multiplies two, 16-weight groups for Q2_K/Q3_K/Q6_K.
+    # file stores one value, fp32 where it multiplies two, Q4_K's two levels as the file stores
+    # them, 16-weight groups for Q2_K/Q3_K/Q6_K.
     assert qw.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
     assert qw.group_size == (16 if qtype in (T.Q2_K, T.Q3_K, T.Q6_K) else 32)
     k_quant = qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-    assert qw.scales.dtype == (torch.float32 if k_quant else torch.float16)
+    if qtype == T.Q4_K:
+        assert qw.super_size == 256 and qw.scales.dtype == qw.mins.dtype == torch.uint8
+        assert qw.super_scales.dtype == qw.super_mins.dtype == torch.float16
+        assert qw.group_scales().dtype == torch.float32
+    else:
+        assert qw.super_size == 0 and qw.scales.dtype == (torch.float32 if k_quant else torch.float16)
     assert (qw.mins is None) == (qtype in (T.Q5_0, T.Q8_0, T.Q3_K, T.Q6_K))
     # The copy is the weight's own: changing the file's bytes afterwards changes nothing.
     before = qw.dequantize()
@@ -80,7 +86,40 @@ def test_rows_and_reshaped_input_are_read_alike():
     a = quantized_weight(raw, T.Q4_K, (3, 512))
     b = quantized_weight(raw.reshape(-1), T.Q4_K, (3, 512))
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.mins, b.mins)
+    assert torch.equal(a.super_scales, b.super_scales) and torch.equal(a.super_mins, b.super_mins)
     assert torch.equal(quantized_weight(raw[1:2], T.Q4_K, (1, 512)).dequantize(), a.dequantize()[1:2])
+
+
+def test_q4_k_keeps_the_files_bits_per_weight_and_its_one_level_twin_is_identical():
+    """A Q4_K layer holds 4.625 bits a weight (the file's 144 bytes per 256 with its 6-bit sc and m
+    unpacked to bytes: 148), not 6, and the
+    fp32 one-level form of the same weights (what it used to be) dequantizes bit for bit alike,
+    through every row operation."""
+    n, k = 6, 1024
+    raw = random_blocks(T.Q4_K, n, k, seed=9)
+    qw = quantized_weight(raw, T.Q4_K, (n, k))
+    assert qw.nbytes() == n * k * 4.625 / 8 == raw.nbytes + n * (k // 256) * 4
+    flat = qw.one_level()
+    assert flat.super_size == 0 and flat.scales.dtype == flat.mins.dtype == torch.float32
+    assert flat.nbytes() == n * k * 6 / 8
+    assert torch.equal(qw.dequantize().view(torch.int32), flat.dequantize().view(torch.int32))
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    for a, b in ((qw.rows(1, 4), flat.rows(1, 4)), (qw.permute_rows(order), flat.permute_rows(order)),
+                 (cat_rows([qw, qw.rows(0, 2)]), cat_rows([flat, flat.rows(0, 2)])), (qw.to("cpu"), flat)):
+        assert a.super_size == 256
+        assert torch.equal(a.dequantize().view(torch.int32), b.dequantize().view(torch.int32))
+    # Q4_K and Q6_K parts (llama.cpp's attn_v) cannot stack; nor can one- and two-level Q4_K.
+    q6 = quantized_weight(random_blocks(T.Q6_K, 2, k, seed=10), T.Q6_K, (2, k))
+    assert not same_form([qw, q6]) and not same_form([qw, flat]) and same_form([qw, qw.rows(0, 1)])
+    # The form refuses what its semantics cannot read.
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        dataclasses.replace(qw, super_size=48)
+    with pytest.raises(ValueError, match="uint8"):
+        dataclasses.replace(qw, scales=flat.scales, mins=flat.mins)
+    with pytest.raises(ValueError, match="super_mins"):
+        dataclasses.replace(qw, super_mins=None)
+    with pytest.raises(ValueError, match="need a super_size"):
+        dataclasses.replace(flat, super_scales=qw.super_scales)
 
 
 def test_q4_0_scales_too_large_for_fp16_mins_are_fp32():
@@ -159,7 +198,7 @@ def test_k_quantizer_reads_back_within_its_step(qtype):
     ref = dequantize(raw, qtype).reshape(x.shape)
     qw = quantized_weight(raw, qtype, x.shape)
     assert np.array_equal(qw.dequantize().numpy().view(np.int32), ref.view(np.int32))
-    step = qw.scales.float().repeat_interleave(qw.group_size, dim=1).numpy()
+    step = qw.group_scales().repeat_interleave(qw.group_size, dim=1).numpy()
     assert np.all(np.abs(ref - x) <= 0.5 * step + 1e-6 * np.abs(x))
     assert np.all(ref[0, :256] == 0)
     normal = np.r_[5:12]

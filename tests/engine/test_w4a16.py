@@ -53,6 +53,27 @@ def random_k_quant(n: int, k: int, seed: int, min_exp: int = -6) -> w4a16.W4Weig
     return w4a16.W4Weight(codes, d * sc, -dmin * m, 32)
 
 
+def random_two_level(n: int, k: int, seed: int, super_size: int = 256, min_exp: int = -6) -> QuantizedWeight:
+    """A Q4_K-like QuantizedWeight in the two-level form (group 32): uint8 6-bit sub-scales and
+    sub-mins, fp16 d and -dmin per `super_size` inputs (of 10^min_exp .. 1, both signs, one zero
+    d); K need not be whole super-blocks (the last one partial). Random nibbles."""
+    gen = torch.Generator().manual_seed(seed)
+    groups, supers = -(-k // 32), -(-k // super_size)
+
+    def fp16_factor() -> torch.Tensor:
+        exp = torch.randint(min_exp, 1, (n, supers), generator=gen)
+        sign = torch.randint(0, 2, (n, supers), generator=gen) * 2 - 1
+        return (sign * (0.5 + torch.rand(n, supers, generator=gen)) * 10.0 ** exp).half()
+
+    d, dmin = fp16_factor(), fp16_factor()
+    d[0, 0] = 0.0
+    sc = torch.randint(0, 64, (n, groups), generator=gen).to(torch.uint8)
+    m = torch.randint(0, 64, (n, groups), generator=gen).to(torch.uint8)
+    codes = torch.randint(0, 256, (n, k // 2), generator=gen).to(torch.uint8)
+    return QuantizedWeight(4, codes, sc, m, 32, source="gguf q4_k", super_scales=d, super_mins=-dmin,
+                           super_size=super_size)
+
+
 # ----------------------------------------------------------------------------- the format
 
 
@@ -78,6 +99,24 @@ def test_quantized_weight_converts_without_changing_a_weight():
     w = from_quantized(sym)
     assert w.mins.dtype == torch.float16 and not w.mins.any()
     assert torch.equal(dequantize(w), sym.dequantize())
+
+
+def test_two_level_form_stays_two_level_on_the_device_and_dequantizes_alike():
+    """A Q4_K weight's uint8 sub-block values and fp16 super-block factors reach the W4Weight as
+    they are (2 bytes a 32-weight group plus 4 a super-block, not 8 a group), dequantizing to exactly the checkpoint's weights and to its fp32 one-level twin."""
+    qw = random_two_level(8, 512, seed=3)
+    w = from_quantized(qw)
+    assert w.super_size == 256 and w.scales.dtype == w.mins.dtype == torch.uint8
+    assert w.super_scales.dtype == w.super_mins.dtype == torch.float16
+    assert w.nbytes() == 8 * 512 * 4.625 / 8
+    flat = from_quantized(qw.one_level())
+    assert flat.scales.dtype == torch.float32 and flat.nbytes() == 8 * 512 * 6 / 8
+    assert torch.equal(dequantize(w), qw.dequantize())
+    assert torch.equal(dequantize(w).view(torch.int32), dequantize(flat).view(torch.int32))
+    with pytest.raises(ValueError, match="uint8"):
+        w4a16.W4Weight(w.qweight, flat.scales, flat.mins, 32, w.super_scales, w.super_mins, 256)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        w4a16.W4Weight(w.qweight, w.scales, w.mins, 32, w.super_scales, w.super_mins, 48)
 
 
 def test_quantize_error_within_half_a_step():
@@ -170,6 +209,27 @@ def test_matmul_fp32_equals_dequantize_then_matmul(device, fmt, m, n, k):
     for path in ["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]:
         # tiles smaller than the shape (one 32-input run a tile) and K split over programs
         check_product(w4a16_matmul(x, w, path=path, config=SMALL), x, w, 0.0)
+
+
+# (M, N, K, super_size): K of whole super-blocks, of a partial last one, of super-blocks wider
+# than a tile (SMALL's 32-input tiles: every super-block spans tiles and K chunks).
+TWO_LEVEL_CASES = [(1, 40, 512, 256), (1, 33, 320, 256), (3, 24, 320, 256), (20, 17, 512, 128), (1, 24, 96, 64)]
+
+
+@pytest.mark.parametrize("m,n,k,super_size", TWO_LEVEL_CASES)
+def test_two_level_matmul_equals_dequantize_and_its_one_level_twin_bit_for_bit(device, m, n, k, super_size):
+    qw = random_two_level(n, k, seed=m + n + k, super_size=super_size)
+    w, flat = from_quantized(qw).to(device), from_quantized(qw.one_level()).to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(device)
+    configs = [None, SMALL, dataclasses.replace(SMALL, split_k=1), KernelConfig(block_n=16, block_k=512, split_k=1)]
+    for path in ["gemv", "gemm"] if m <= w4a16.GEMV_MAX_M else ["gemm"]:
+        for config in configs:
+            y = w4a16_matmul(x, w, path=path, config=config)
+            check_product(y, x, w, 0.0)
+            # the group's fp32 scale and min as the one-level form stores them: the same bits
+            assert torch.equal(y.view(torch.int32), w4a16_matmul(x, flat, path=path, config=config).view(torch.int32))
+    xb = x.bfloat16()  # 16-bit activations: the GEMM's weight tiles rounded to bf16 alike
+    assert torch.equal(w4a16_matmul(xb, w).view(torch.int16), w4a16_matmul(xb, flat).view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -344,17 +404,19 @@ assert not _common.INTERPRETED
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # What the launchers' calls give Triton's specialization: 16-byte aligned tensors, and K, its
 # chunk, x's row stride and the rows' byte stride multiples of 16.
-ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "m_ptr", "out_ptr", "y_ptr", "cnt_ptr", "K", "K_CHUNK", "stride_xm", "stride_q",
+ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "m_ptr", "ss_ptr", "sm_ptr", "out_ptr", "y_ptr", "cnt_ptr", "K", "K_CHUNK", "stride_xm", "stride_q",
            "stride_om")
 
-def build(name, fn, codes, scales, consts, **opts):
+def build(name, fn, codes, scales, consts, supers="*fp16", **opts):
     # One product kernel for sm_90: prints its global loads (PTX), MMA count, registers and
-    # local (spill) bytes (cuobjdump, where this Triton ships it) as one JSON line.
-    sig = {"x_ptr": "*bf16", "q_ptr": codes, "s_ptr": scales, "m_ptr": scales, "out_ptr": "*fp32", "y_ptr": "*bf16",
-           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_CHUNK": "i32", "stride_xm": "i32",
-           "stride_q": "i32", "stride_s": "i32", "stride_om": "i32", "stride_ok": "i32",
-           **{c: "constexpr" for c in consts}}
-    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
+    # local (spill) bytes (cuobjdump, where this Triton ships it) as one JSON line. `supers`:
+    # the dtype of the W4 kernels' super-block factors (ss_ptr, sm_ptr; unread with SUPER 0).
+    types = {"x_ptr": "*bf16", "q_ptr": codes, "s_ptr": scales, "m_ptr": scales, "ss_ptr": supers, "sm_ptr": supers,
+             "out_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+             "K_CHUNK": "i32", "stride_xm": "i32", "stride_q": "i32", "stride_s": "i32", "stride_ss": "i32",
+             "stride_om": "i32", "stride_ok": "i32"}
+    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
+    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in sig}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     usage = {}
@@ -377,16 +439,17 @@ COMPILE_W4_FOR_SM90 = SM90_BUILD + r"""
 from engine.backends.triton import w4a16 as W
 
 # Split K (the decode shapes') with the plain and the gated input (the down projection's), and
-# one K chunk (prefill's).
-for scales in ("*fp16", "*fp32"):
+# one K chunk (prefill's); one-level fp16 and fp32 scales, and Q4_K's two levels (uint8 sub-block
+# values, fp16 factors per 256 inputs: SUPER 8 groups).
+for scales, sup in (("*fp16", 0), ("*fp32", 0), ("*u8", 8)):
     for split, act in ((True, "none"), (True, "silu"), (False, "none")):
         build(f"gemv {scales} split={split} {act}", W._w4_gemv_kernel, "*u8", scales,
-              {"G": 32, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": split, "ACT": act},
+              {"G": 32, "SUPER": sup, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": split, "ACT": act},
               num_warps=2, num_stages=2)
     for bm, split, act in ((16, True, "none"), (16, True, "gelu_tanh"), (64, False, "none")):  # decode, prefill
         build(f"gemm m{bm} {scales} split={split} {act}", W._w4_gemm_kernel, "*u8", scales,
-              {"G": 32, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False, "SPLIT": split, "ACT": act},
-              num_warps=4, num_stages=3)
+              {"G": 32, "SUPER": sup, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False, "SPLIT": split,
+               "ACT": act}, num_warps=4, num_stages=3)
 """
 
 
@@ -420,11 +483,12 @@ def check_no_spills(variants: dict[str, dict]) -> None:
 
 def test_kernels_compile_for_the_gpu_with_16_byte_weight_loads(tmp_path):
     """The interpreter accepts what a GPU build may refuse (tile shapes, dtypes, ops) and hides
-    alignment: build the kernels for sm_90 (no GPU needed), with fp16 and fp32 scales, split K
+    alignment: build the kernels for sm_90 (no GPU needed), with fp16 and fp32 scales and the
+    two-level (uint8 x fp16) form, split K
     (the last program's sum) or not, the plain and the gated input, and read the weight loads (16 bytes at once, direct or as asynchronous copies to shared memory), the
     tensor-core instructions and every variant's registers."""
     variants = compile_for_sm90(COMPILE_W4_FOR_SM90, tmp_path)
-    assert len(variants) == 12, variants
+    assert len(variants) == 18, variants
     for name, v in variants.items():
         assert {"ld.global.v4.b32", "ld.global.v4.u32", "cp.async.16"} & set(v["loads"]), (name, v)
         if name.startswith("gemm"):

@@ -3,7 +3,11 @@ weights dequantized inside the Triton kernels, so a 4-bit checkpoint stays 4-bit
 
 Semantics:
     # w: W4Weight of N x K weights, groups of G inputs along K (the last group may be shorter)
-    W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]      # fp32, q in 0..15
+    W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]        # fp32, q in 0..15
+    one level:  scale = scales, min = mins
+    two levels (super_size S, R = S // G groups a super-block; a K-quant's own form):
+        scale[n, g] = super_scales[n, g // R] * scales[n, g]       # fp32, exact; scales uint8
+        min[n, g]   = super_mins[n, g // R] * mins[n, g]
     y[m, :] = x[m, :] @ W.T                                      # fp32 accumulation, y in x's dtype
     # gated (act "silu" / "gelu_tanh"; x = gu [M, 2K], gate | up, the MLP's down projection):
     y[m, :] = act_mul(gu, act)[m, :] @ W.T    # act_mul as norms.silu_mul / gelu_tanh_mul, bit for bit
@@ -28,6 +32,14 @@ The format (`W4Weight`):
   bytes of scale and min per 128 weights add 6% to the 4-bit bytes where G = 32 adds 25%. The
   price is a step set by a wider range (each weight is within half its group's step,
   `quantize`); `W4A16Linear(group_size=32)` takes the other side.
+- Two levels (`super_size` S > 0, a multiple of G; a GGUF Q4_K's form, QuantizedWeight's
+  `super_size`): `scales`, `mins` uint8 [N, ceil(K / G)], the checkpoint's integer sub-block
+  values, and `super_scales`, `super_mins` fp16 or fp32 [N, ceil(K / S)] the super-block's
+  factors (Q4_K's d and -dmin). The kernels multiply the two as they load a group's parameters:
+  the product (an 11-bit fp16 by an 8-bit integer) is exact in fp32, so every weight is bit for
+  bit that of the fp32 one-level form, for 2 bytes a group and 4 a super-block instead of 8 a
+  group (Q4_K: 4.625 bits a weight, not 6). A super-block may span K tiles and K chunks: each run
+  indexes its super-block by its own k.
 
 The kernels (`w4a16_matmul`), both split-K where a layer's N blocks alone would leave SMs idle:
 - M <= GEMV_MAX_M (one row): a GEMV on the CUDA cores. Each thread multiplies its weights by x
@@ -130,9 +142,12 @@ class W4Weight:
     """N x K 4-bit weights (see the module docstring for the layout)."""
 
     qweight: torch.Tensor  # uint8 [N, K/2]: byte j = input 2j | input 2j + 1 << 4
-    scales: torch.Tensor  # fp16 or fp32 [N, ceil(K / group_size)]
-    mins: torch.Tensor  # scales' dtype [N, ceil(K / group_size)]: W = q * scale + min
+    scales: torch.Tensor  # fp16 or fp32 [N, ceil(K / group_size)]; two levels: uint8 sub-block scales
+    mins: torch.Tensor  # scales' dtype and shape: W = q * scale + min; two levels: uint8 sub-block mins
     group_size: int  # inputs per (scale, min), a multiple of 32
+    super_scales: torch.Tensor | None = None  # two levels: fp16 or fp32 [N, ceil(K / super_size)]
+    super_mins: torch.Tensor | None = None  # two levels: super_scales' dtype and shape
+    super_size: int = 0  # inputs per super-block, a multiple of group_size; 0: one level
 
     def __post_init__(self):
         q, s, m, g = self.qweight, self.scales, self.mins, self.group_size
@@ -142,16 +157,33 @@ class W4Weight:
             raise ValueError(f"group_size must be a positive multiple of {PACK}, not {g}")
         if q.shape[1] % (PACK // 2):
             raise ValueError(f"K must be a multiple of {PACK}: qweight has {q.shape[1]} bytes a row")
+        two = self.super_size != 0
+        if two and (self.super_size < 0 or self.super_size % g):
+            raise ValueError(f"super_size must be a positive multiple of group_size {g}, not {self.super_size}")
+        if not two and (self.super_scales is not None or self.super_mins is not None):
+            raise ValueError("super_scales and super_mins need a super_size (two levels)")
         groups = (self.K + g - 1) // g
-        for name, t in (("scales", s), ("mins", m)):
-            if t.dtype not in SCALE_DTYPES or tuple(t.shape) != (self.N, groups):
-                raise ValueError(f"{name} must be float16/float32 [{self.N}, {groups}], not {t.dtype} {tuple(t.shape)}")
+        kinds, what = ((torch.uint8,), "uint8 (two levels)") if two else (SCALE_DTYPES, "float16/float32")
+        checks = [("scales", s, kinds, what, groups), ("mins", m, kinds, what, groups)]
+        if two:
+            supers = (self.K + self.super_size - 1) // self.super_size
+            checks += [(name, t, SCALE_DTYPES, "float16/float32", supers)
+                       for name, t in (("super_scales", self.super_scales), ("super_mins", self.super_mins))]
+        for name, t, dtypes, what, cols in checks:
+            if t is None or t.dtype not in dtypes or tuple(t.shape) != (self.N, cols):
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise ValueError(f"{name} must be {what} [{self.N}, {cols}], not {got}")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device}, qweight on {q.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
         if m.dtype != s.dtype:
             raise ValueError(f"scales ({s.dtype}) and mins ({m.dtype}) must share a dtype")
-        if not (q.is_contiguous() and s.is_contiguous() and m.is_contiguous()):
-            raise ValueError("qweight, scales and mins must be contiguous")
+        if two and self.super_mins.dtype != self.super_scales.dtype:
+            raise ValueError(f"super_scales ({self.super_scales.dtype}) and super_mins ({self.super_mins.dtype}) "
+                             "must share a dtype")
+        if not q.is_contiguous():
+            raise ValueError("qweight must be contiguous")
 
     @property
     def N(self) -> int:
@@ -166,11 +198,28 @@ class W4Weight:
         return self.qweight.device
 
     def nbytes(self) -> int:
-        """Bytes the kernels read for the weights: nibbles, scales and mins."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+        """Bytes the kernels read for the weights: nibbles, scales and mins (and super-block factors)."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.mins, self.super_scales, self.super_mins) if t is not None)
 
     def to(self, device: torch.device | str) -> W4Weight:
-        return W4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
+        move = lambda t: None if t is None else t.to(device)
+        return W4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size,
+                        move(self.super_scales), move(self.super_mins), self.super_size)
+
+    def group_scales(self) -> torch.Tensor:
+        """Each group's scale, fp32 [N, ceil(K / group_size)] (two levels: the exact products)."""
+        return self._per_group(self.scales, self.super_scales)
+
+    def group_mins(self) -> torch.Tensor:
+        """Each group's min, fp32 [N, ceil(K / group_size)]."""
+        return self._per_group(self.mins, self.super_mins)
+
+    def _per_group(self, values: torch.Tensor, factors: torch.Tensor | None) -> torch.Tensor:
+        if not self.super_size:
+            return values.float()
+        r = self.super_size // self.group_size
+        return factors.float().repeat_interleave(r, dim=1)[:, :values.shape[1]] * values.float()
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -182,14 +231,19 @@ def supported(weight: torch.Tensor) -> bool:
 def from_quantized(qw: QuantizedWeight) -> W4Weight:
     """A checkpoint's 4-bit QuantizedWeight as a W4Weight, without its input permutation (the
     caller gathers x through `qw.perm`): the codes' nibbles reordered into this module's layout
-    (`sequential_from_blocked`), scales as they are, mins None -> zeros in the scales' dtype.
-    ValueError for another bit width."""
+    (`sequential_from_blocked`), scales as they are (two levels stay two levels), mins None ->
+    zeros in the scales' dtype (and the super-block factors'). ValueError for another bit width."""
     if not isinstance(qw, QuantizedWeight) or qw.bits != 4:
         what = f"{qw.bits}-bit QuantizedWeight" if isinstance(qw, QuantizedWeight) else type(qw).__name__
         raise ValueError(f"the W4A16 format takes 4-bit QuantizedWeights, not a {what}")
     mins = torch.zeros_like(qw.scales) if qw.mins is None else qw.mins
+    two = {}
+    if qw.super_size:
+        super_mins = torch.zeros_like(qw.super_scales) if qw.super_mins is None else qw.super_mins
+        two = {"super_scales": qw.super_scales.contiguous(), "super_mins": super_mins.contiguous(),
+               "super_size": qw.super_size}
     return W4Weight(sequential_from_blocked(qw.codes.contiguous()), qw.scales.contiguous(), mins.contiguous(),
-                    qw.group_size)
+                    qw.group_size, **two)
 
 
 def pack_gguf(raw: torch.Tensor, qtype: str) -> W4Weight:
@@ -285,8 +339,8 @@ def quantize(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> W4We
 def dequantize(w: W4Weight) -> torch.Tensor:
     """The reference: fp32 [N, K] = q * scale + min, in torch on w's device."""
     q = _unpack_nibbles(w.qweight).float()
-    scales = w.scales.float().repeat_interleave(w.group_size, dim=1)[:, :w.K]
-    mins = w.mins.float().repeat_interleave(w.group_size, dim=1)[:, :w.K]
+    scales = w.group_scales().repeat_interleave(w.group_size, dim=1)[:, :w.K]
+    mins = w.group_mins().repeat_interleave(w.group_size, dim=1)[:, :w.K]
     return q * scales + mins
 
 
@@ -362,11 +416,14 @@ def _weight_plane(words, sc, mn, P: tl.constexpr):
 
 
 @triton.jit
-def _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G: tl.constexpr, NB: tl.constexpr):
+def _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss,
+                G: tl.constexpr, NB: tl.constexpr, SUPER: tl.constexpr):
     """One K tile's codes and group parameters for `rows`: (uint32 words [BLOCK_N, NB, 4], fp32
     scales and mins [BLOCK_N, NB, 1], mask of the tile's 32-input runs [NB]). Run b holds inputs
     k0 + 32 b .. + 31 of each row: 4 words of one 16-byte load, one group's scale and min (loaded
-    once a run, not once a weight); 0 past K and for masked rows."""
+    once a run, not once a weight); 0 past K and for masked rows. SUPER > 0 (two levels, SUPER
+    groups a super-block): the scale and min are the group's uint8 values times its super-block's
+    factors (ss_ptr, sm_ptr; row stride stride_ss), exact in fp32; SUPER 0 ignores those."""
     b = tl.arange(0, NB)
     i = tl.arange(0, 4)
     # Alignment: k0 % 32 == 0 (chunks and steps are whole tiles), so the first word is a multiple
@@ -379,16 +436,25 @@ def _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s
     g = (k0 + b * 32) // G  # G % 32 == 0: a run shares one group
     s_off = rows[:, None] * stride_s + g[None, :]
     mask_s = mask_n[:, None] & mask_b[None, :]
-    sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
-    mn = tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+    if SUPER > 0:
+        # A super-block may span tiles and K chunks: each run indexes its own by its group.
+        f_off = rows[:, None] * stride_ss + (g // SUPER)[None, :]
+        sc = (tl.load(s_ptr + s_off, mask=mask_s, other=0).to(tl.float32)
+              * tl.load(ss_ptr + f_off, mask=mask_s, other=0.0).to(tl.float32))[:, :, None]
+        mn = (tl.load(m_ptr + s_off, mask=mask_s, other=0).to(tl.float32)
+              * tl.load(sm_ptr + f_off, mask=mask_s, other=0.0).to(tl.float32))[:, :, None]
+    else:
+        sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+        mn = tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     return words, sc, mn, mask_b
 
 
 @triton.jit
-def _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s,
-                  G: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr):
+def _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss,
+                  G: tl.constexpr, NB: tl.constexpr, SUPER: tl.constexpr, DTYPE: tl.constexpr):
     """One K tile of weights, [BLOCK_N, NB * 32] in input order and DTYPE (see _load_words)."""
-    words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, NB)
+    words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s,
+                                   stride_ss, G, NB, SUPER)
     p0 = _weight_plane(words, sc, mn, 0).to(DTYPE)
     p1 = _weight_plane(words, sc, mn, 1).to(DTYPE)
     p2 = _weight_plane(words, sc, mn, 2).to(DTYPE)
@@ -450,9 +516,9 @@ def split_k_store(acc, base, offs, mask, tile, pid_k, num_k, out_ptr, y_ptr, cnt
 
 @triton.jit
 def _w4_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
+    G: tl.constexpr, SUPER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ACT: tl.constexpr,
 ):
     # One row of x (M == 1). grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk
@@ -474,7 +540,8 @@ def _w4_gemv_kernel(
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, NB)
+        words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w,
+                                            stride_s, stride_ss, G, NB, SUPER)
         # x of word (b, i): inputs k0 + 32 b + 8 i + P, as [NB, 4, 8] split into its 8 planes P
         # (the same halving as the weights' joins: the last axis of 2 is P's lowest bit).
         xv = load_input(x_ptr, k0 + b[:, None, None] * 32 + i[None, :, None] * 8 + j[None, None, :],
@@ -500,9 +567,9 @@ def _w4_gemv_kernel(
 
 @triton.jit
 def _w4_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
+    G: tl.constexpr, SUPER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
@@ -527,7 +594,8 @@ def _w4_gemm_kernel(
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w = _dequant_tile(words_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_w, stride_s, G, BLOCK_K // 32, dtype)
+        w = _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss,
+                          G, BLOCK_K // 32, SUPER, dtype)
         e = k0 + kk
         x = load_input(x_ptr, offs_m[None, :] * stride_xm + e[:, None], mask_m[None, :] & (e < K)[:, None], K,
                     ACT).to(dtype)
@@ -695,7 +763,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     Args:
         x: [M, K] (with act: [M, 2K]) bf16 / fp16 / fp32 on w's device; any row stride, unit
             column stride.
-        w: the 4-bit weights (fp16 or fp32 scales and mins).
+        w: the 4-bit weights (fp16 or fp32 scales and mins, or two levels).
         exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (fp32 x always is; the
             GEMV's products are always fp32).
         path: "gemv" or "gemm"; None picks by M (the GEMV for GEMV_MAX_M rows).
@@ -722,14 +790,18 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     if w.qweight.data_ptr() % 16:
         raise ValueError("qweight's data must start 16-byte aligned (a tensor of its own, not an offset view)")
     plan = launch_plan(m, n, k, x.device, path=path, config=config)
-    common = dict(G=w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-                  SPLIT=plan.split_k > 1, ACT=gate, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    # One level: the super-block factors are never read (SUPER 0); scales and mins stand in.
+    two = w.super_size != 0
+    ss, sm = (w.super_scales, w.super_mins) if two else (w.scales, w.mins)
+    common = dict(G=w.group_size, SUPER=w.super_size // w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                  BLOCK_K=plan.block_k, SPLIT=plan.split_k > 1, ACT=gate, num_warps=plan.num_warps,
+                  num_stages=plan.num_stages)
     n_blocks = triton.cdiv(n, plan.block_n)
     m_blocks = 1 if plan.path == "gemv" else triton.cdiv(m, plan.block_m)
 
     def launch(out: torch.Tensor, counters: torch.Tensor, stride_ok: int) -> None:
-        args = (x, w.qweight, w.scales, w.mins, out, y, counters, m, n, k, plan.k_chunk, x.stride(0),
-                w.qweight.stride(0), w.scales.stride(0), n, stride_ok)
+        args = (x, w.qweight, w.scales, w.mins, ss, sm, out, y, counters, m, n, k, plan.k_chunk, x.stride(0),
+                w.qweight.stride(0), w.scales.stride(0), ss.stride(0) if two else 0, n, stride_ok)
         if plan.path == "gemv":
             _w4_gemv_kernel[(n_blocks, plan.split_k)](*args, **common)
         else:
@@ -780,6 +852,10 @@ class W4A16Linear(nn.Module):
         self.register_buffer("qweight", device_copy(packed.qweight, device))
         self.register_buffer("scales", device_copy(packed.scales, device))
         self.register_buffer("mins", device_copy(packed.mins, device))
+        two = packed.super_size != 0
+        self.register_buffer("super_scales", device_copy(packed.super_scales, device) if two else None)
+        self.register_buffer("super_mins", device_copy(packed.super_mins, device) if two else None)
+        self.super_size = packed.super_size
         self.register_buffer("perm", None if perm is None else perm.to(device))
         # forward_gated's gather of gate | up: the permutation applied to both halves.
         self.register_buffer("gated_perm", None if perm is None else gated_permutation(perm).to(device),
@@ -792,7 +868,8 @@ class W4A16Linear(nn.Module):
     @property
     def weight4(self) -> W4Weight:
         """The weight in the stored (permuted) input order: y = x[:, perm] @ dequantize(weight4).T."""
-        return W4Weight(self.qweight, self.scales, self.mins, self.group_size)
+        return W4Weight(self.qweight, self.scales, self.mins, self.group_size, self.super_scales, self.super_mins,
+                        self.super_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
@@ -811,5 +888,6 @@ class W4A16Linear(nn.Module):
 
     def extra_repr(self) -> str:
         order = ", act-order perm" if self.perm is not None else ""
+        levels = f" x {self.super_scales.dtype} per {self.super_size}" if self.super_size else ""
         return (f"in={self.in_features}, out={self.out_features}, {self.source}{order}, "
-                f"scales {self.scales.dtype}, activations {self.dtype}")
+                f"scales {self.scales.dtype}{levels}, activations {self.dtype}")

@@ -228,6 +228,9 @@ def _check_weight(w: QuantizedWeight) -> None:
     if not isinstance(w, QuantizedWeight) or w.bits != 8:
         what = f"a {w.bits}-bit QuantizedWeight" if isinstance(w, QuantizedWeight) else type(w).__name__
         raise ValueError(f"the W8A16 kernels take 8-bit QuantizedWeights, not {what}")
+    if w.super_size:
+        raise ValueError("the W8A16 kernels take one-level scales (fp16/fp32 a group), not two-level ones "
+                         "(QuantizedWeight.one_level() converts exactly)")
     parts = {"scales": w.scales, "mins": w.mins, "perm": w.perm}
     for name, t in parts.items():
         if t is not None and t.device != w.codes.device:
