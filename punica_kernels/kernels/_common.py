@@ -160,3 +160,42 @@ def expand_launches(args):
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+#: Counters a device's first counter buffer holds (65,536 int32: 256 KiB), enough for every launch
+#: of the default configurations (a decode attention launch of 2048 sequences x 32 KV heads is the
+#: largest); a launch needing more gets a larger buffer (`zeroed_counters`).
+MIN_COUNTERS = 1 << 16
+#: The counter buffer of each device.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+#: Buffers a larger one replaced, kept alive: a CUDA graph captured earlier may still use them.
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The int32 counters of `device` with which a launch finds the last of the programs sharing
+    an output tile (split-K matmuls, decode attention's splits, the grouped LoRA shrink): each
+    program adds 1 to its tile's counter, the one that sees the last count finishes the tile and
+    sets the counter back to 0. At least `count` of them, all 0 between launches.
+
+    One buffer per device for all of these kernels: launches on one stream run one after
+    another and each leaves its counters at 0 (launches on two streams at once would need their
+    own; the engine runs its steps on one), so no launch zero-fills them and every launch and
+    graph replay sees the same pointer. Allocated zeroed at first use (MIN_COUNTERS, more if
+    asked); a launch needing more gets a new, larger buffer and the old one is kept alive, never
+    freed or shrunk, because a CUDA graph captured earlier keeps launching with its pointer and
+    must find it there, at 0. Allocating zero-fills with a launch a graph capture would record
+    instead of running, so growing during a capture is refused (RuntimeError): run the shape once
+    before capturing it (the decode graphs' warm-up does)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= count:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the kernels' counters on {device} must grow to {count} during a CUDA graph capture: "
+                           "run this shape once before capturing it")
+    if buf is not None:
+        _RETIRED_COUNTERS.append(buf)
+    buf = _COUNTERS[device] = torch.zeros(max(MIN_COUNTERS, next_pow2(count)), dtype=torch.int32, device=device)
+    return buf

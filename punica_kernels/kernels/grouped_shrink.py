@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..metadata import DecodeGroups
-from ._common import check_blocks, check_runnable, dot_in_fp32, next_pow2, slice_offsets
+from ._common import check_blocks, check_runnable, dot_in_fp32, next_pow2, slice_offsets, zeroed_counters
 
 
 @triton.jit
@@ -108,19 +108,6 @@ def _grouped_shrink_kernel(
             tl.store(counter, 0)  # ready for the next launch (kernels on a stream run in order)
 
 
-#: Per-device int32 counters of the split-K reduction, all zero between launches (each launch's
-#: last programs reset theirs): allocated once and grown, never per call, so a decode step
-#: (and a captured graph) has no fill launch for them.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
 def default_split_k(K: int) -> int:
     """Programs per (slot, slice) along K: about one per 1024 columns, at most 8, so a step whose
     rows share few adapters still spreads each A over several SMs. Depends on K alone."""
@@ -177,7 +164,7 @@ def grouped_shrink_triton(x, a_slices: list[torch.Tensor], groups: DecodeGroups,
     check_blocks(minimum=16, block_k=block_k)
     if split_k > 1:
         part = torch.empty(split_k, L, T, block_r, dtype=torch.float32, device=x.device)
-        counts = _counters(x.device, L * S)
+        counts = zeroed_counters(x.device, L * S)
     else:
         part, counts = v, v  # not read: the kernel's SPLIT_K == 1 branch never touches them
     offs, unit = slice_offsets(a_slices)

@@ -26,6 +26,7 @@ from engine.backends import torch_ops
 from engine.backends.triton import attention as tri
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.layers import RotaryEmbedding
+from punica_kernels.kernels import _common
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -501,7 +502,7 @@ def _splits(lens: list[int], window: int | None = None) -> list[int]:
 
 
 def _counters_zero(device) -> bool:
-    return not tri.split_counters(torch.device(device), 0).any()
+    return not _common.zeroed_counters(torch.device(device), 0).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -598,9 +599,9 @@ def test_decode_split_counters_grow_for_larger_batches(device, monkeypatch):
     """A launch with more (sequence, KV head) pairs than the device's counters gets a larger
     buffer and the right result; the smaller buffer stays allocated (a captured CUDA graph may
     still replay against it)."""
-    monkeypatch.setattr(tri, "_MIN_SPLIT_COUNTERS", 4)
-    monkeypatch.setattr(tri, "_SPLIT_COUNTERS", {})
-    monkeypatch.setattr(tri, "_RETIRED_SPLIT_COUNTERS", [])
+    monkeypatch.setattr(_common, "MIN_COUNTERS", 4)
+    monkeypatch.setattr(_common, "_COUNTERS", {})
+    monkeypatch.setattr(_common, "_RETIRED_COUNTERS", [])
     D = 32
     for lens, seed in (([40, 3], 1), ([40, 3, 20, 33, 1], 2)):
         paged = Paged(lens, 2, D, BS, torch.float32, device, seed=seed)
@@ -608,9 +609,9 @@ def test_decode_split_counters_grow_for_larger_batches(device, monkeypatch):
         out = tri.paged_decode_attention(q.to(device), paged.k, paged.v, paged.block_tables,
                                          torch.tensor(lens, dtype=torch.int32, device=device), BS, 0.2, num_splits=3)
         _close(out, _decode_reference(paged, q, 0.2), torch.float32)
-        assert tri.split_counters(torch.device(device), 0).numel() >= 2 * len(lens)
+        assert _common.zeroed_counters(torch.device(device), 0).numel() >= 2 * len(lens)
         assert _counters_zero(device)
-    assert [b.numel() for b in tri._RETIRED_SPLIT_COUNTERS] == [4]
+    assert [b.numel() for b in _common._RETIRED_COUNTERS] == [4]
 
 
 def test_decode_default_grid_uses_few_split_counts(device, monkeypatch):

@@ -19,6 +19,7 @@ from engine.backends.triton import norms, w4a16
 from engine.backends.triton.w4a16 import (KernelConfig, W4A16Linear, dequantize, from_quantized, pack_gguf, quantize,
                                           w4a16_matmul)
 from engine.loader.quantized import QuantizedWeight
+from punica_kernels.kernels import _common
 
 QTYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
 
@@ -283,7 +284,8 @@ def ordered_chunk_sum(matmul, x: torch.Tensor, w, slicer, plan: w4a16.LaunchPlan
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
-    return w4a16.split_k_counters(device, 0)
+    """The device's counter buffer the split launches use (punica_kernels' _common.zeroed_counters)."""
+    return _common.zeroed_counters(torch.device(device), 0)
 
 
 # K = 224: seven 32-input tiles, so 2, 3 and 5 programs along K leave a shorter last chunk (4 + 3
@@ -310,9 +312,9 @@ def test_split_k_sums_the_chunks_in_order_in_one_launch(device, split, path, m):
 def test_split_k_counters_grow_and_keep_the_old_buffer(device, monkeypatch):
     """A launch with more output tiles than the counter buffer holds gets a larger one; the old
     buffer (which a captured CUDA graph may still use) stays allocated, and both stay 0."""
-    monkeypatch.setattr(w4a16, "INITIAL_COUNTERS", 2)
-    monkeypatch.setattr(w4a16, "_COUNTERS", {})
-    monkeypatch.setattr(w4a16, "_RETIRED_COUNTERS", [])
+    monkeypatch.setattr(_common, "MIN_COUNTERS", 2)
+    monkeypatch.setattr(_common, "_COUNTERS", {})
+    monkeypatch.setattr(_common, "_RETIRED_COUNTERS", [])
     w = weights("g32", 40, 96, seed=1).to(device)
     x = torch.randn(20, 96, generator=torch.Generator().manual_seed(1)).to(device)
     config = KernelConfig(block_n=16, block_k=32, split_k=3, block_m=16)
@@ -321,7 +323,7 @@ def test_split_k_counters_grow_and_keep_the_old_buffer(device, monkeypatch):
     assert first.numel() >= 3
     y = w4a16_matmul(x, w, path="gemm", config=config)  # 2 x 3 tiles
     check_product(y, x, w, 0.0)
-    assert split_counters(device).numel() >= 6 and w4a16._RETIRED_COUNTERS == [first]
+    assert split_counters(device).numel() >= 6 and _common._RETIRED_COUNTERS == [first]
     assert not first.any() and not split_counters(device).any()
 
 

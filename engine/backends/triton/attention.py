@@ -39,7 +39,7 @@ the programs of splits it does not use return at once. With one split the progra
 heads' output rows directly; with several each writes its disjoint rows of fp32 partials
 (max, sum, weighted values), then counts itself done with one atomic add (acquire-release) on its
 (sequence, KV head) counter, and the program whose count completes the set combines the partials
-in split order, writes the output rows and zeroes the counter (`split_counters`). The result is
+in split order, writes the output rows and zeroes the counter (punica_kernels' `_common.zeroed_counters`). The result is
 deterministic: which program combines varies, what it sums and in which order does not.
 
 Window and soft-cap are compile-time switches (SLIDING, SOFTCAP) with runtime values (the window
@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from punica_kernels.kernels._common import check_blocks, common_device, device_name, dot_in_fp32, next_pow2
+from punica_kernels.kernels._common import (check_blocks, common_device, device_name, dot_in_fp32, next_pow2,
+                                            zeroed_counters)
 
 #: How this module's kernels are named in errors.
 _KERNELS = "engine.backends.triton.attention"
@@ -483,43 +484,6 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
     return out
 
 
-#: Split counters every device starts with: one int32 per (sequence, KV head) of a decode launch,
-#: enough for 2048 sequences of 32 KV heads (256 KiB).
-_MIN_SPLIT_COUNTERS = 1 << 16
-#: The split-counter buffer of each device (see split_counters).
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-#: Buffers a larger one replaced: a captured CUDA graph may still point at them, so they are kept.
-_RETIRED_SPLIT_COUNTERS: list[torch.Tensor] = []
-
-
-def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """The zeroed int32 counters of `device`'s split decode launches, at least `count` of them:
-    program (b, kvh, sp) counts its finished split at index b * Hkv + kvh, and the program that
-    finishes a sequence's last split combines the splits and sets its counter back to 0. So the
-    buffer is all zeros between launches and no launch fills it first; launches on one device
-    must run one after another (one stream, as the engine's steps and graph replays do), never
-    concurrently.
-
-    One buffer per device, shared by every launch there, so its pointer is the same for every
-    layer and step: a CUDA graph records the pointer at capture and replays against it. It is
-    allocated generously (_MIN_SPLIT_COUNTERS) so that no realistic batch outgrows it; a launch
-    that does gets a larger one, and the old buffer is kept alive (never freed, never reused by the
-    allocator) because a graph captured earlier may still replay against it. The engine's capture
-    runs each batch size eagerly first (CudaGraphCapture's warm-up), so any growth happens there;
-    growing during a capture itself is refused (the zero fill would only run at replay)."""
-    buf = _SPLIT_COUNTERS.get(device)
-    if buf is not None and buf.numel() >= count:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"decode attention needs {count} split counters on {device} but is being captured "
-                           "into a CUDA graph: run the same batch once eagerly before capturing it")
-    size = max(_MIN_SPLIT_COUNTERS, count, 2 * buf.numel() if buf is not None else 0)
-    if buf is not None:
-        _RETIRED_SPLIT_COUNTERS.append(buf)
-    buf = _SPLIT_COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, *, num_splits: int | None = None,
@@ -579,7 +543,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_o = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=device)
         mid_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=device)
         mid_l = torch.empty_like(mid_m)
-        counters = split_counters(device, B * Hkv)
+        counters = zeroed_counters(device, B * Hkv)
     else:
         mid_o = mid_m = mid_l = counters = out  # not touched by the single-split kernel
     _decode_kernel[(B, Hkv, num_splits)](

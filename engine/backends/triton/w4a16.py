@@ -64,7 +64,7 @@ interpreter, whose bf16 tl.dot is wrong). Neither reduces across threads inside 
   acquire-release, after a barrier so the whole program's stores come first); the program that
   counts last adds the tile's SPLIT_K slices in chunk order (reading through L2, `.cg`), casts
   into y, and sets the counter back to 0 (`split_k_store`). One launch, no zeroing launch (the
-  counters are 0 between calls: `split_k_counters`), and the same input gives the same bits on
+  counters are 0 between calls: punica_kernels' `_common.zeroed_counters`), and the same input gives the same bits on
   every run whichever program finishes last, because the sum's order is the chunks', not the
   arrival order (atomic adds of the partials would sum in arrival order). The workspace is
   SPLIT_K x M x N x 4 bytes, written and read back at once, so it stays in L2.
@@ -687,55 +687,16 @@ def check_activations(x: torch.Tensor, k: int, device: torch.device) -> torch.Te
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-#: Counters the first split-K counter buffer of a device holds (64 KiB): an automatic split
-#: (_auto_split) happens only below _TARGET_PROGRAMS output tiles, so this covers every launch of
-#: the default tables many times over and is grown only for a tuned config that splits a wide grid.
-INITIAL_COUNTERS = 1 << 14
-#: The split-K counter buffer of each device (split_k_counters).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-#: Buffers a larger one replaced, kept alive (see split_k_counters).
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-
-
-def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The int32 counter buffer split-K launches on `device` use (split_k_store: one counter per
-    output tile, each program adds 1, the tile's last sets it back to 0), with at least `tiles`
-    counters, all 0 between launches.
-
-    One buffer per device, shared by every W4A16/W8A16 launch: launches on one stream run one
-    after another and each leaves its counters at 0, so they never need their own (launches of
-    two streams at once would: the engine runs its steps on one). Allocated zeroed at first use
-    with INITIAL_COUNTERS (more if `tiles` asks for more); a launch needing more tiles gets a new,
-    larger buffer, and the old one is kept alive, never freed or shrunk: a CUDA graph captured
-    earlier keeps launching with the old pointer, and finds the old buffer still there, at 0.
-    Allocating zeroes the buffer with a launch that a CUDA graph capture would record instead of
-    running, so allocating during a capture is refused (RuntimeError): run the shape once before
-    capturing it (the decode graphs' warm-up does)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= tiles:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"the split-K counters of {device} must grow to {tiles} during a CUDA graph capture: "
-                           "run this shape once before capturing it")
-    if buf is not None:
-        _RETIRED_COUNTERS.append(buf)
-    size = max(INITIAL_COUNTERS, _common.next_pow2(tiles))
-    buf = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf
-
-
 def run_split_k(y: torch.Tensor, plan: LaunchPlan, tiles: int,
                 launch: Callable[[torch.Tensor, torch.Tensor, int], None]) -> torch.Tensor:
     """Run a product kernel into y [M, N] by `plan`, one launch: `launch(out, counters,
     stride_ok)` launches it with SPLIT = plan.split_k > 1 over `tiles` output tiles. With one
     K chunk out is y itself (stride 0); else an fp32 workspace [split_k, M, N] (K chunk s at
     offset s * stride_ok) whose slices each tile's last program adds in chunk order into y, with
-    `counters` (split_k_counters) counting the programs done per tile (see the module
+    `counters` (_common.zeroed_counters) counting the programs done per tile (see the module
     docstring: deterministic, no second launch, no zeroing launch). Returns y."""
     m, n = y.shape
-    counters = split_k_counters(y.device, tiles if plan.split_k > 1 else 0)
+    counters = _common.zeroed_counters(y.device, tiles if plan.split_k > 1 else 0)
     if plan.split_k == 1:
         launch(y, counters, 0)
         return y
