@@ -124,26 +124,29 @@ def test_generate_serves_a_hugging_face_directory_and_its_adapter(tmp_path):
 
 
 def test_quantized_checkpoints_are_served_and_unsupported_ones_are_one_line(tmp_path):
-    """--model on what people download: a GPTQ act-order directory and a Q4_K_M GGUF are served;
-    an FP8 (compressed-tensors float-quantized) directory and an AWQ GEMV one are one line naming
-    the format, exit 2."""
+    """--model on what people download: a GPTQ act-order directory, a Q4_K_M GGUF and an FP8
+    (compressed-tensors float-quantized, FP8_DYNAMIC) directory are served; an FP4 float-quantized
+    directory and an AWQ GEMV one are one line naming the format, exit 2."""
     import json
 
-    from engine.loader.quantized_writer import write_gptq
+    from engine.loader.quantized_writer import write_compressed_fp8, write_gptq
     from engine.loader.synthetic import write_family, write_family_tokenizer
 
     dense = write_family(tmp_path / "qwen2.5-wide-tiny", "qwen2.5-wide-tiny", fmt="safetensors")
     gptq = write_gptq(dense, tmp_path / "gptq", bits=4, group_size=128, sym=True, desc_act=True)
     write_family_tokenizer(gptq, "qwen2.5-wide-tiny")
+    fp8 = write_compressed_fp8(dense, tmp_path / "fp8", strategy="channel")
+    write_family_tokenizer(fp8, "qwen2.5-wide-tiny")
     gguf = write_family(tmp_path / "qwen2.5-wide-tiny.Q4_K_M.gguf", "qwen2.5-wide-tiny", quant="q4_k_m")
-    for model in (gptq, gguf):
+    for model in (gptq, fp8, gguf):
         out = _run("--model", str(model), "--raw", "--max-tokens", "4", "Once upon a time")
         assert out.returncode == 0 and "completion 4 tokens]" in out.stderr, out.stderr
 
     for name, quantization, says in (
-            ("fp8", {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
-                "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                                                             "symmetric": True}}}}, "float-quantized (FP8"),
+            ("fp4", {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+                "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                                                             "group_size": 16, "symmetric": True}}}},
+             "float-quantized float 4-bit"),
             ("awq-gemv", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                           "version": "gemv"}, "gemv")):
         bad = tmp_path / name
