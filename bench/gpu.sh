@@ -8,6 +8,8 @@
 #   env.txt                nvidia-smi, Python, torch, triton, the GPU torch sees
 #   steps.log              each step's command, exit code, seconds, and its stderr's last lines
 #   pytest.log             TRITON_INTERPRET=0 python -m pytest -q tests/punica_kernels (CUDA cases)
+#   pytest_engine.log      the same for the engine's kernels (W4A16, W8A16, attention, norms, gated
+#                          input, slot loads)
 #   parity.log             the engine on the Triton backend on the GPU vs the CPU backend and transformers,
 #                          and no Triton compile while serving after the start-up warm-up
 #   kernels.json           bench/kernels.py --device cuda --quick (JSON lines: BGMV, SGMV)
@@ -28,7 +30,8 @@
 # and tokenizer as llama.cpp writes them); gguf, which writes and reads them, is a carried wheel.
 # All steps do not fit one 10-minute call (nor do their files: at most 8 come back, env.txt,
 # steps.log and pytest.log among them): STEPS_ONLY="name ..." runs only the named steps, e.g.
-#   STEPS_ONLY="pytest kernels synthetic_smollm2 engine_smollm2 multi_lora" bash bench/gpu.sh
+#   STEPS_ONLY="pytest pytest_engine parity" bash bench/gpu.sh              (150 + 150 + 200 s)
+#   STEPS_ONLY="synthetic_smollm2 kernels engine_smollm2 multi_lora startup_smollm2" bash bench/gpu.sh
 #   STEPS_ONLY="synthetic_llama3_8b engine_llama3_8b multi_lora_llama3_8b" bash bench/gpu.sh
 #   STEPS_ONLY="synthetic_llama3_1_8b engine_llama3_1_8b synthetic_qwen2_5_7b engine_qwen2_5_7b" bash bench/gpu.sh
 #   STEPS_ONLY="quant_kernels synthetic_llama3_1_8b_q4_k_m engine_llama3_1_8b_q4_k_m" bash bench/gpu.sh
@@ -167,17 +170,23 @@ log "env.txt written"
 # runs one of the two; the CPU-tensor cases skip here, CI runs them under the interpreter; see
 # tests/conftest.py's `device` fixture). Third-party pytest plugins of the image are not loaded: they
 # may not match the carried pytest.
+# Two steps, each with its own budget: on a cold Triton cache every variant compiles here (the
+# punica kernels alone took 143 s of a 150 s budget in session 14, before the grouped kernels).
 step pytest 150 "$OUT/pytest.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-  tests/punica_kernels tests/engine/test_w4a16.py tests/engine/test_w8a16.py tests/engine/test_paged_attention.py \
-  tests/engine/test_fused_norms.py
+  tests/punica_kernels
 cat /tmp/gpu_step.err >>"$OUT/pytest.log" 2>/dev/null
+step pytest_engine 150 "$OUT/pytest_engine.log" \
+  env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+  tests/engine/test_w4a16.py tests/engine/test_w8a16.py tests/engine/test_paged_attention.py \
+  tests/engine/test_fused_norms.py tests/engine/test_gated_linear.py tests/engine/test_lora_slot_loads.py
+cat /tmp/gpu_step.err >>"$OUT/pytest_engine.log" 2>/dev/null
 
 # The whole engine on the Triton backend, compiled for the GPU, against the CPU backend (a mixed
 # adapter batch that prefills in chunks and preempts) and against transformers (every family);
 # and the start-up warm-up: every decode graph captured when the engine is built, and no Triton
 # compile while serving a mixed workload after it (counted through the JIT's compile hook).
-step parity 120 "$OUT/parity.log" \
+step parity 200 "$OUT/parity.log" \
   env TRITON_INTERPRET=0 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
   tests/engine/test_backend_parity.py "tests/engine/test_families.py::test_family_matches_transformers" \
   tests/engine/test_startup_warmup.py
