@@ -712,8 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                           group_size=args.group_size, lora=not args.no_lora)
         for fmt in formats:
             record_quantized_linears(rec, args.formats_family, fmt, batches=batches, prefill=args.prefill)
-    launches = [x for x in rec.launches if not (args.no_lora and " lora " in x.site)
-                and (not wanted or any(w in x.kernel for w in wanted))]
+    launches = [x for x in rec.launches if not wanted or any(w in x.kernel for w in wanted)]
     if args.count_only:
         print(json.dumps({"tool": "bench/sass.py --count-only", "device_name_for_configs": DEVICE_NAME,
                           "launches": [{"site": x.site, "kernel": x.kernel, "grid": list(x.grid), "share_of_layers": x.share}

@@ -149,19 +149,14 @@ class QuantizedWeight:
         """Bytes a kernel reads for the weight: codes, scales, mins (and super-block factors)."""
         return sum(t.numel() * t.element_size() for t in self._tensors().values() if t is not None)
 
-    def _per_group(self, values: torch.Tensor, factors: torch.Tensor | None) -> torch.Tensor:
-        if not self.super_size:
-            return values.float()
-        r = self.super_size // self.group_size
-        return factors.float().repeat_interleave(r, dim=1)[:, :values.shape[1]] * values.float()
-
     def group_scales(self) -> torch.Tensor:
         """Each group's scale, fp32 [N, ceil(K / group_size)] (two levels: the exact products)."""
-        return self._per_group(self.scales, self.super_scales)
+        return per_group_values(self.scales, self.super_scales, self.group_size, self.super_size)
 
     def group_mins(self) -> torch.Tensor | None:
         """Each group's min, fp32 [N, ceil(K / group_size)], or None (no mins)."""
-        return None if self.mins is None else self._per_group(self.mins, self.super_mins)
+        return None if self.mins is None else per_group_values(self.mins, self.super_mins, self.group_size,
+                                                                 self.super_size)
 
     def one_level(self) -> QuantizedWeight:
         """The same weights with fp32 per-group scales and mins (itself when already one level)."""
@@ -209,6 +204,16 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return dataclasses.replace(self, **self._map_rows(lambda t: t.to(device)),
                                    perm=None if self.perm is None else self.perm.to(device))
+
+
+def per_group_values(values: torch.Tensor, factors: torch.Tensor | None, group_size: int,
+                     super_size: int) -> torch.Tensor:
+    """fp32 per-group scales (or mins) [N, groups] of either form: `values` as they are (one
+    level, super_size 0), or each group's integer value times its super-block's factor (exact)."""
+    if not super_size:
+        return values.float()
+    r = super_size // group_size
+    return factors.float().repeat_interleave(r, dim=1)[:, :values.shape[1]] * values.float()
 
 
 def same_form(parts: list[QuantizedWeight]) -> bool:

@@ -216,8 +216,7 @@ class LoRASlots:
         sections: list[_Section] = []
         first_of: dict[tuple, _Section] = {}
         for m, r in rows.items():
-            kinds = ("a", "b", "a_rs", "b_rs") if self.quantized else ("a", "b")
-            for kind in kinds:
+            for kind in self._kinds:
                 share = (kind, shared[(kind, m)], r) if (kind, m) in shared else None
                 if share is not None and share in first_of:
                     sections.append(_Section(kind, m, r, first_of[share].offset))
@@ -229,6 +228,11 @@ class LoRASlots:
                 shape, dtype = self._section_shape(s)
                 offset += _aligned(_numel(shape) * dtype.itemsize)
         return sections, offset
+
+    @property
+    def _kinds(self) -> tuple[str, ...]:
+        """The per-module tensors a slot holds: A and B, and int8 slots' row scales."""
+        return ("a", "b", "a_rs", "b_rs") if self.quantized else ("a", "b")
 
     def _section_shape(self, s: _Section) -> tuple[tuple[int, ...], torch.dtype]:
         fan_in, fan_out = self.dims[s.module]
@@ -285,7 +289,7 @@ class LoRASlots:
         for s in image.sections:
             self._target(s, slot).copy_(self._source(source, s))
         for m in image.zeros:
-            for kind in ("a", "b", "a_rs", "b_rs") if self.quantized else ("a", "b"):
+            for kind in self._kinds:
                 self._all[(kind, m)][:, slot].zero_()
         self._meta[:, :, slot].copy_(self._source(source, None).view(2, len(self.row_of)))
         return transfers

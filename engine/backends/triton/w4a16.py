@@ -97,7 +97,7 @@ import triton.language as tl
 from torch import nn
 
 from engine.backends.triton.norms import GATED_ACTIVATIONS, gated_act_mul
-from engine.loader.quantized import QuantizedWeight
+from engine.loader.quantized import QuantizedWeight, per_group_values
 from punica_kernels.kernels import _common
 
 #: K must be a multiple of this (and the group size: a tile's 4-word runs share a group); a
@@ -209,17 +209,11 @@ class W4Weight:
 
     def group_scales(self) -> torch.Tensor:
         """Each group's scale, fp32 [N, ceil(K / group_size)] (two levels: the exact products)."""
-        return self._per_group(self.scales, self.super_scales)
+        return per_group_values(self.scales, self.super_scales, self.group_size, self.super_size)
 
     def group_mins(self) -> torch.Tensor:
         """Each group's min, fp32 [N, ceil(K / group_size)]."""
-        return self._per_group(self.mins, self.super_mins)
-
-    def _per_group(self, values: torch.Tensor, factors: torch.Tensor | None) -> torch.Tensor:
-        if not self.super_size:
-            return values.float()
-        r = self.super_size // self.group_size
-        return factors.float().repeat_interleave(r, dim=1)[:, :values.shape[1]] * values.float()
+        return per_group_values(self.mins, self.super_mins, self.group_size, self.super_size)
 
 
 def supported(weight: torch.Tensor) -> bool:
