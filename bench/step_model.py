@@ -30,7 +30,10 @@ the engine's Python: scheduling, input packing, launchers' checks and argument b
 ops on the tiny tensors (microseconds at these sizes), sampling, detokenizing. It excludes
 Triton's own launch path on a GPU (JITFunction.run's argument binding and the driver call, paid
 once per launch counted above) and any CUDA graph: on CUDA, decode steps replay graphs, so their
-per-launch host cost is not paid there; mixed (prefill) steps run eagerly. Per-layer host time is
+per-launch host cost is not paid there; mixed (prefill) steps run eagerly. `host_outside_model_ms`
+is the step's time outside the model's forward and logits (scheduling, building and uploading
+the inputs, the LoRA batch, sampling, applying the tokens): what a graph replay does not remove
+and what overlapped steps (EngineConfig.overlap_steps) run while the device computes. Per-layer host time is
 the time inside DecoderLayer.forward minus its launches', so the real-depth figure is
 outside + layers x per-layer, as for the counts.
 """
@@ -76,12 +79,14 @@ class _Counter:
         self.torch_ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.kernel_s = collections.Counter()  # seconds inside launches, by where
         self.layer_s = 0.0  # wall seconds inside decoder layers
+        self.model_s = 0.0  # wall seconds inside the model's forward and its logits
 
     def reset(self):
         self.launches.clear()
         self.torch_ops.clear()
         self.kernel_s.clear()
         self.layer_s = 0.0
+        self.model_s = 0.0
 
 
 class _OpCounter(TorchDispatchMode):
@@ -131,6 +136,8 @@ def instrumented(engine, counter: _Counter):
     def leave(module, args, output):
         if counter.where == "layer":
             counter.layer_s += time.perf_counter() - module._bench_t0
+        elif module is model:
+            counter.model_s += time.perf_counter() - module._bench_t0
         counter.where = module._bench_prev
 
     for layer in model.layers:
@@ -142,9 +149,11 @@ def instrumented(engine, counter: _Counter):
 
     def logits(*a, **k):
         prev, counter.where = counter.where, "model"
+        t0 = time.perf_counter()
         try:
             return compute_logits(*a, **k)
         finally:
+            counter.model_s += time.perf_counter() - t0
             counter.where = prev
 
     model.compute_logits = logits
@@ -186,6 +195,7 @@ def _host(counter: _Counter, wall: float, layers: int, real_layers: int) -> dict
     outside = wall - kernel - layer_host * layers
     return {"host_ms": (wall - kernel) * 1e3, "host_per_layer_ms": layer_host * 1e3,
             "host_outside_layers_ms": outside * 1e3,
+            "host_outside_model_ms": (wall - counter.model_s - counter.kernel_s["step"]) * 1e3,
             "host_at_real_depth_ms": (outside + real_layers * layer_host) * 1e3,
             "interpreted_kernels_ms": kernel * 1e3}
 

@@ -159,10 +159,11 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Offer `seq`'s newly computed full blocks to the cache (after the step that computed
-        them). A block whose content is already cached under another block stays private."""
+        them). A block whose content is already cached under another block stays private, and
+        one holding a token whose value is still pending (Sequence.num_pending) waits for it."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(seq.block_table))
         if full <= seq.num_committed_blocks:
             return
         hashes = self._hashes(seq, full)

@@ -212,6 +212,10 @@ class EngineConfig:
     #: only (under the interpreter it compiles nothing and runs every warm-up forward's kernels
     #: through the interpreter: minutes).
     startup_warmup: bool | None = None
+    #: Overlapped steps: the next step is scheduled, built and launched before the host has the
+    #: tokens of the one before (engine.llm_engine), so host work runs while the device computes;
+    #: None: on CUDA only (elsewhere a step runs while it is called and nothing would overlap).
+    overlap_steps: bool | None = None
     #: CPU backend: the C decode-step ops (RMSNorm, residual + RMSNorm, SwiGLU gate, decode
     #: attention); off: their torch paths (same results). TESSERA_CPU_DECODE_OPS=0 at the CLI.
     cpu_decode_ops: bool = True

@@ -1,8 +1,25 @@
 """The synchronous engine: add requests, step, abort. One step reads:
 
-    sched = scheduler.schedule()          # what runs (never modified after)
-    result = executor.execute(sched)      # forward + the backend's sampling -> StepResult
-    outputs = self._update(result)        # advance, commit, fail, append tokens, deltas
+    sched = scheduler.schedule()                  # what runs (never modified after)
+    step = executor.launch(sched, pending)        # forward + the backend's sampling, enqueued
+    self._advance(step)                           # computed counts; a placeholder per sampled token
+    outputs = self._update(pending or step)       # wait for its tokens: commit, fail, append, deltas
+
+Overlapped steps (EngineConfig.overlap_steps, on by default where the device runs the steps
+asynchronously: CUDA): the step launched last is resolved one call later, after the next one is
+launched, so the host's work of a step (applying the results, scheduling, building and
+uploading the inputs) runs while the device computes the one before. Step N+1 is scheduled
+before step N's tokens reach the host: each sequence that sampled in N holds a placeholder
+(Sequence.num_pending), its decode row in N+1 reads the token from N's tokens on the device
+(engine.model_runner.PendingTokens), and counts that a step depends on include the pending
+tokens (the seed's draw index, min_tokens; max_tokens: a sequence whose last token is pending
+is not scheduled). A sequence that ends at N (end of sequence, a stop, a fault, an abort) has
+had one more token computed in N+1; that row is dropped when N+1 is applied (its KV blocks were
+freed when it finished: every later use of them is ordered after N+1 on the device). A step
+whose sequences need their tokens on the host before they can sample again (a response_format
+grammar, penalties over the completion so far) is resolved before the next is scheduled. Off
+(the CPU backend: its steps run while they are called, nothing would overlap), each step is
+launched and resolved in the same call, through the same code.
 
 The device-dependent part of a step (input form, upload, graphs, host or device sampling) is the
 backend's (engine.backends.base.Backend, engine.step_executor); this module has no device branch.
@@ -22,6 +39,7 @@ as the StepResult's RowFailures; `_apply_failure` is the one place they fail req
   (engine.step_executor): only the groups that still raise fail; if none of them succeeds the
   fault is not attributable and the exception propagates (AsyncLLMEngine then resets the
   engine, `reset`).
+A row of a sequence that had already finished (an overlapped step's extra row) fails nothing.
 The happy path pays one try block and one row-sum over the logits.
 
 The async API (engine.async_engine) drives `step()` from a background thread.
@@ -43,7 +61,7 @@ from engine.output_processor import OutputProcessor
 from engine.request_checks import check_logit_bias, check_prompt
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from engine.scheduler import Scheduler, SchedulerOutput, check_tenant_weight
-from engine.step_executor import StepExecutor
+from engine.step_executor import LaunchedStep, StepExecutor
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output import GrammarRejected, StructuredOutput
 from engine.tokenizer import TextTokenizer
@@ -105,7 +123,12 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         #: Detokenizing, end conditions, stop strings and deltas (with their logprobs).
         self.output = OutputProcessor(self.eos_token_ids, self.max_model_len)
-        self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0}
+        #: Whether a step is resolved one call after it was launched (module docstring).
+        self.overlap_steps: bool = ec.overlap_steps if ec.overlap_steps is not None else self.device.type == "cuda"
+        #: The step launched and not yet applied (overlapped steps only), and when it started.
+        self._inflight: tuple[LaunchedStep, float] | None = None
+        self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0,
+                      "overlapped_steps": 0}
         #: How long finished requests held a seat (first scheduled to finished, however they
         #: ended): an engine worker publishes the recent mean for routing.
         self.seat_times = Durations(alpha=0.02)  # seat times vary widely: a mean over ~50 requests
@@ -160,7 +183,7 @@ class LLMEngine:
         return self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def reset(self) -> list[str]:
         """Drop every request and return their ids: the scheduler's queues, every KV block (the
@@ -169,6 +192,7 @@ class LLMEngine:
         adapter tier and the quarantines stay. Called by AsyncLLMEngine after its step loop died,
         on the loop's thread; the engine then serves new requests as if just started."""
         dropped = list(self.requests)
+        self._inflight = None  # its rows are the dropped requests'; later work is ordered after it
         for seq in self.requests.values():
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
@@ -184,16 +208,34 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step: schedule -> execute -> update. Returns the deltas it produced
-        (finished ones included). Raises only for a fault no request or adapter could be blamed
-        for (module docstring)."""
+        """Run one scheduling step: schedule -> launch -> apply (the step launched before, when
+        steps overlap; else this one). Returns the deltas it produced (finished ones included).
+        Raises only for a fault no request or adapter could be blamed for (module docstring)."""
         t0 = time.perf_counter()
         outputs = self._fail_broken_adapters()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and self._needs_tokens(inflight[0]):
+            outputs += self._update(*inflight)
+            inflight = None
         sched = self._schedule()
-        if sched.is_empty:
-            return outputs
-        result = self.executor.execute(sched)
-        return outputs + self._update(result, t0)
+        if not sched.is_empty:
+            launched = self.executor.launch(sched, inflight[0] if inflight is not None else None)
+            self._advance(launched)
+            if self.overlap_steps:
+                self._inflight = (launched, t0)
+                if inflight is not None:
+                    self.stats["overlapped_steps"] += 1
+            else:
+                outputs += self._update(launched, t0)
+        if inflight is not None:
+            outputs += self._update(*inflight)
+        return outputs
+
+    def _needs_tokens(self, step: LaunchedStep) -> bool:
+        """Whether a sequence of `step` needs its token on the host before it samples again: a
+        response_format grammar advances with it, penalties count it."""
+        return any(q.token_counts is not None or self.structured.constrains(q.request_id)
+                   for q in step.seqs if not q.is_finished)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -202,21 +244,33 @@ class LLMEngine:
             engine_metrics.PREEMPTIONS.inc(len(sched.preempted))
         return sched
 
-    def _update(self, result: StepResult, t0: float) -> list[RequestOutput]:
-        """Apply one step's result: fail the sequences whose forward raised on its own, advance
-        and commit what ran, fail the rows that could not be sampled, append the tokens (deltas,
-        stop checks, finishes), and record the step. The SchedulerOutput is only read."""
-        outputs = [self._apply_failure(f) for f in result.forward_failures]
+    @staticmethod
+    def _advance(step: LaunchedStep) -> None:
+        """What `step` computes counts as computed from its launch on (the next step is scheduled
+        after it), and each token it samples holds a placeholder until `_update` has it."""
+        for s in step.ran.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+        for q in step.seqs:
+            q.add_pending()
+
+    def _update(self, step: LaunchedStep, t0: float) -> list[RequestOutput]:
+        """Apply a launched step's result (waiting for it): fail the sequences whose forward
+        raised on its own, commit the computed blocks, fail the rows that could not be sampled,
+        append the tokens (deltas, stop checks, finishes), and record the step. Rows of sequences
+        finished since the launch are dropped. The SchedulerOutput is only read."""
+        result = step.result()
+        live = [f for f in result.forward_failures if not f.seq.is_finished]
+        outputs = [self._apply_failure(f) for f in live]
         ran = result.ran
         for s in ran.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.block_manager.commit(s.seq)  # its full blocks become prefix-cache hits
+            if not s.seq.is_finished:
+                self.block_manager.commit(s.seq)  # its full blocks become prefix-cache hits
         if ran.prefills:  # each request's prefill chunks, for its trace (Sequence.timings)
             end = time.monotonic()
             start = end - (time.perf_counter() - t0)
             for s in ran.prefills:
                 s.seq.prefill_chunks.append((start, end, s.num_tokens))
-        outputs.extend(self._apply_failure(f) for f in result.failures)
+        outputs.extend(self._apply_failure(f) for f in result.failures if not f.seq.is_finished)
         for row, entry in result.logprobs.items():  # kept until the delta with their tokens
             if not result.seqs[row].is_finished:
                 self.output.keep_logprobs(result.seqs[row], entry)

@@ -7,8 +7,15 @@
     logits = model.compute_logits(model(ids, pos, kv, meta, lora)[rows])
 
 The input form, the upload and the graphs are the backend's (engine.backends.base.Backend);
-the runner holds no backend or device branch and never modifies the SchedulerOutput."""
+the runner holds no backend or device branch and never modifies the SchedulerOutput.
+
+A decode row whose input token was sampled by the step before and is not on the host yet (an
+overlapped engine: Sequence.num_pending, PENDING_TOKEN in its token_ids) reads it from that
+step's tokens on the device (`PendingTokens`): one gather into the uploaded input ids, after the
+upload and before the forward (or the graph's replay)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +23,24 @@ from engine.model.attention import KVCache
 from engine.model.decoder import DecoderModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+
+
+@dataclass
+class PendingTokens:
+    """The tokens the step before sampled, still on the device: `tokens` int64 [n], row
+    `row_of[seq.seq_id]` the one drawn for that sequence."""
+
+    tokens: torch.Tensor
+    row_of: dict[int, int]
+
+    def patch(self, decodes) -> tuple[list[int], list[int]] | None:
+        """(rows of `decodes` whose input is pending, the rows of `tokens` they read), or None.
+        A sequence not in `row_of` (its row failed before it was sampled) reads row 0: any id
+        will do, the engine finishes it before it samples again."""
+        dst = [i for i, s in enumerate(decodes) if s.seq.num_pending]
+        if not dst:
+            return None
+        return dst, [self.row_of.get(decodes[i].seq.seq_id, 0) for i in dst]
 
 
 class ModelRunner:
@@ -49,17 +74,31 @@ class ModelRunner:
             v.zero_()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, lora=None) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, sched: SchedulerOutput, lora=None, pending: PendingTokens | None = None
+                ) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step. Returns (fp32 logits [N, V] on the device for `seqs` that sample, seqs),
-        rows in the order `lora.layout(sched)` lays the tokens out."""
+        rows in the order `lora.layout(sched)` lays the tokens out. `pending`: the step before's
+        tokens, for decode rows whose input is one of them (module docstring)."""
         if lora is not None:
             sched = lora.layout(sched)
+        patch = pending.patch(sched.decodes) if pending is not None else None
+        if patch is None and any(s.seq.num_pending for s in sched.decodes):
+            raise RuntimeError("a decode row's input token is pending but no step's tokens were given")
         if self.graphs is not None and self.graphs.takes(sched):
             slots = lora.meta.token_slots.tolist() if lora is not None else None  # host: built, not uploaded
-            return self.graphs.run(sched, slots), [s.seq for s in sched.decodes]
+            fill = None if patch is None else lambda ids: self._fill_pending(ids, patch, pending)
+            return self.graphs.run(sched, slots, fill), [s.seq for s in sched.decodes]
         inputs = self.backend.build_inputs(sched, self.block_size)
         ids, pos, meta, rows_idx = self.backend.upload_inputs(inputs, lora)
+        if patch is not None:
+            self._fill_pending(ids, patch, pending)
         hidden = self.model(ids, pos, self.kv, meta, lora)
         if not inputs.logit_rows:
             return torch.empty(0, self.model.cfg.vocab_size, device=self.device), []
         return self.model.compute_logits(hidden[rows_idx]), inputs.seqs
+
+    def _fill_pending(self, ids: torch.Tensor, patch: tuple[list[int], list[int]], pending: PendingTokens) -> None:
+        """ids[dst] = pending.tokens[src] on the device (decode rows lead the input ids)."""
+        dst, src = self.backend.upload([torch.tensor(patch[0], dtype=torch.int64),
+                                        torch.tensor(patch[1], dtype=torch.int64)])
+        ids.index_copy_(0, dst, pending.tokens.index_select(0, src))

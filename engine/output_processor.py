@@ -53,7 +53,7 @@ class OutputProcessor:
                 reason = "stop"
             elif grammar_complete:
                 reason = "stop"  # the response_format grammar is complete: only EOS could follow
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_known_tokens >= self.max_model_len):
             reason = "length"
         return reason
 

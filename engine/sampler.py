@@ -157,7 +157,7 @@ def _plan_controls(plan: _Plan, seqs: list[Sequence], vocab: int) -> None:
         if p.logit_bias:
             ids = _cached_array(s, "bias_ids", lambda: _bias_ids(s, vocab))
             bias.add(i, vocab, ids, bias=_cached_array(s, "bias_values", lambda: array("f", p.logit_bias.values())))
-        if s.min_tokens_mask_ids and len(s.output_token_ids) < p.min_tokens:
+        if s.min_tokens_mask_ids and s.num_output_tokens < p.min_tokens:
             mask.add(i, vocab, _cached_array(s, "mask_ids", lambda: array(
                 "q", [t for t in s.min_tokens_mask_ids if t < vocab])))
         if p.penalized:
@@ -198,7 +198,7 @@ def _plan_draw(plan: _Plan, seqs: list[Sequence], vocab: int, dtype: torch.dtype
         ps = [seqs[i].params for i in members]
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
         params = torch.tensor([[p.temperature for p in ps], top_k, [p.top_p for p in ps], [p.min_p for p in ps],
-                               [sampling_uniform(seqs[i].sampling_seed, len(seqs[i].output_token_ids))
+                               [sampling_uniform(seqs[i].sampling_seed, seqs[i].num_output_tokens)
                                 for i in members]], dtype=torch.float64)
         topk = [j for j, k in enumerate(top_k) if k]
         topp = [j for j, p in enumerate(ps) if p.top_p < 1.0]

@@ -12,7 +12,11 @@ Each step:
    the tenant that received the fewest tokens recently goes first (fair share).
 3. A sequence admitted with a cached prefix (engine.block_manager) starts after it: only its
    uncached tokens take step budget and new blocks.
-4. Adapters: at most `max_loras` distinct adapters run in one step; a waiting request whose
+4. A running sequence whose last allowed token (max_tokens) is sampled but still on the device
+   (an overlapped engine: Sequence.num_pending) is not scheduled: it finishes when the engine
+   has the token. A waiting sequence with a pending token (preempted while it was sampled) is
+   admitted once the token is in.
+5. Adapters: at most `max_loras` distinct adapters run in one step; a waiting request whose
    adapter is not ready on this engine (still loading) or would exceed that bound is skipped,
    not blocking the requests behind it. So that busy adapters cannot hold every slot forever:
    once a request skipped for a slot has waited `aging_seconds`, the running adapter with the
@@ -220,10 +224,13 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         capped: list[Sequence] = []  # prefills held below their need by the tenant's allowance
         # A prefill chunk leaves a token of the budget to every decode after it in the order.
-        decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1 and not self._ends_pending(s))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._ends_pending(seq):
+                i += 1  # its last token is sampled: it finishes when the engine has it
+                continue
             if seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
                 want = n = 1
@@ -270,7 +277,7 @@ class Scheduler:
         while budget > 0 and len(self.running) < self.max_num_seqs:
             # Re-pick after every admission: the tokens and blocks just granted count against
             # the tenant's share, so a flood from one tenant interleaves with the others.
-            candidates = [s for s in self.waiting if s.seq_id not in skipped]
+            candidates = [s for s in self.waiting if s.seq_id not in skipped and not s.num_pending]
             if not candidates:
                 break
             seq = min(candidates, key=lambda s: self._admission_key(s, now))
@@ -361,6 +368,12 @@ class Scheduler:
         """Priority class after aging: one class better per `aging_seconds` waited."""
         waited = now - seq.arrival_time
         return max(0, int(seq.priority) - int(waited // self.aging_seconds)) if self.aging_seconds > 0 else int(seq.priority)
+
+    @staticmethod
+    def _ends_pending(seq: Sequence) -> bool:
+        """Whether `seq` has sampled its last token (max_tokens) but the engine does not have it
+        yet (an overlapped step): it finishes then, so no step computes past its end."""
+        return seq.num_pending > 0 and seq.num_output_tokens >= seq.params.max_tokens
 
     @staticmethod
     def _max_len(seq: Sequence) -> int:

@@ -11,6 +11,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import Priority, SamplingParams
 
 _seq_ids = itertools.count()
+#: What stands in token_ids for a sampled token whose value is still on the device (an
+#: overlapped step: engine.llm_engine). Never a token id, so a step that read it unpatched fails.
+PENDING_TOKEN = -1
 _MASK64 = (1 << 64) - 1
 
 
@@ -76,6 +79,12 @@ class Sequence:
     The KV of tokens [0, num_computed_tokens) is in the cache (block_table). A step computes the
     next tokens [num_computed_tokens, num_computed_tokens + n); when that reaches num_tokens the
     step's logits for the last token are sampled and the new token appended.
+
+    A token can be sampled before its value is known on the host: the engine then appends a
+    placeholder (`add_pending`, PENDING_TOKEN in token_ids, counted by `num_pending`), which the
+    next step's input reads from the device, and `append_token` later puts the value in the
+    oldest placeholder's place. Counts a step depends on (`num_output_tokens`: the seed's draw
+    index, min_tokens) include the pending tokens; the output (output_token_ids, text) does not.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -96,6 +105,8 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)  # prompt + output, appended in place
         self.num_computed_tokens = 0
+        #: Trailing entries of token_ids that are placeholders for sampled tokens still on the device.
+        self.num_pending = 0
         self.block_table: list[int] = []
         self.cache_salt = cache_salt
         #: Chained content hashes of the full blocks of token_ids computed so far (the block
@@ -148,6 +159,16 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        """Completion tokens sampled so far, the pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has (num_tokens less the pending ones)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -159,10 +180,20 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def add_pending(self) -> None:
+        """A token was sampled whose value is still on the device: hold its place."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
     def append_token(self, token_id: int) -> None:
+        """The next completion token: into the oldest placeholder's place if one is pending."""
         if not self.output_token_ids:
             self.first_token_time = time.monotonic()
-        self.token_ids.append(token_id)
+        if self.num_pending:
+            self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if self.token_counts is not None:
             self.token_counts.add(token_id)

@@ -1,8 +1,13 @@
 """One step's execution: SchedulerOutput -> StepResult (engine.backends.step_sampling).
 
-    result = executor.execute(sched)
-    # forward: lora = lora_manager.batch_for(sched); logits, seqs = runner.execute(sched, lora)
+    step = executor.launch(sched, pending)   # forward and sampling enqueued: a LaunchedStep
+    result = step.result()                   # waits for its one copy to the host: a StepResult
+    # forward: lora = lora_manager.batch_for(sched); logits, seqs = runner.execute(sched, lora, pending)
     # sample:  the backend's pipeline (Backend.step_sampler): tokens, logprobs, failed rows
+
+`pending` is the step launched before, whose results the host does not have yet (an overlapped
+engine, engine.llm_engine): its sampled tokens on the device are the inputs of this step's decode
+rows that sampled there (engine.model_runner.PendingTokens). `execute(sched)` is launch + result.
 
 Fault tracing of the forward lives here: when the batched forward (or giving adapters their
 slots) raises, the step's work runs again in smaller groups, per adapter version (the base model
@@ -20,11 +25,35 @@ import logging
 
 import torch
 
-from engine.backends.step_sampling import RowFailure, StepResult
+from engine.backends.step_sampling import RowFailure, SampledStep, StepResult
+from engine.model_runner import PendingTokens
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+class LaunchedStep:
+    """A step whose forward ran (or was enqueued) and whose sampling is enqueued: `ran` (the
+    SchedulerOutput of what ran), `forward_failures`, `seqs` (the sequences that sample, in
+    their tokens' row order); `result()` the StepResult (waits for the host copy, once)."""
+
+    def __init__(self, ran: SchedulerOutput, forward_failures: list[RowFailure], sampled: SampledStep | None):
+        self.ran = ran
+        self.forward_failures = forward_failures
+        self.sampled = sampled
+        self.seqs: list[Sequence] = sampled.seqs if sampled is not None else []
+
+    def pending_tokens(self) -> PendingTokens | None:
+        """Its sampled tokens as the next step's inputs (None: nothing sampled)."""
+        if self.sampled is None:
+            return None
+        return PendingTokens(self.sampled.tokens, {q.seq_id: i for i, q in enumerate(self.seqs)})
+
+    def result(self) -> StepResult:
+        result = self.sampled.result() if self.sampled is not None else StepResult()
+        result.ran, result.forward_failures = self.ran, self.forward_failures
+        return result
 
 
 class StepExecutor:
@@ -39,27 +68,34 @@ class StepExecutor:
         self.structured = structured
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """The forward of `sched` (traced to its requests if it raises), then sampling. Raises
-        only for a forward fault no group of the step escapes (module docstring)."""
+        """`launch(sched)`, then its result."""
+        return self.launch(sched).result()
+
+    def launch(self, sched: SchedulerOutput, pending: LaunchedStep | None = None) -> LaunchedStep:
+        """The forward of `sched` (traced to its requests if it raises), then sampling, enqueued.
+        `pending`: the step launched before whose tokens are still on the device (module
+        docstring). Raises only for a forward fault no group of the step escapes."""
         forward_failures: list[RowFailure] = []
+        tokens = pending.pending_tokens() if pending is not None else None
         try:
-            logits, seqs = self._forward(sched)
+            logits, seqs = self._forward(sched, tokens)
             ran = sched
         except Exception as e:  # noqa: BLE001 - traced to its requests, or re-raised
-            logits, seqs, ran = self._forward_isolating(sched, e, forward_failures)
-        result = self.sampler.sample(logits, seqs, self.structured) if seqs else StepResult()
-        result.ran, result.forward_failures = ran, forward_failures
-        return result
+            logits, seqs, ran = self._forward_isolating(sched, e, forward_failures, tokens)
+        sampled = self.sampler.launch(logits, seqs, self.structured) if seqs else None
+        return LaunchedStep(ran, forward_failures, sampled)
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+    def _forward(self, sched: SchedulerOutput, pending: PendingTokens | None) -> tuple[torch.Tensor, list[Sequence]]:
         lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None
-        return self.runner.execute(sched, lora)
+        if pending is None:
+            return self.runner.execute(sched, lora)
+        return self.runner.execute(sched, lora, pending)
 
-    def _forward_isolating(self, sched: SchedulerOutput, error: Exception, failures: list[RowFailure]
-                           ) -> tuple[torch.Tensor, list[Sequence], SchedulerOutput]:
+    def _forward_isolating(self, sched: SchedulerOutput, error: Exception, failures: list[RowFailure],
+                           tokens: PendingTokens | None) -> tuple[torch.Tensor, list[Sequence], SchedulerOutput]:
         """The batched forward of `sched` raised `error`: run its work again per adapter version,
-        then each group that still raises per sequence. Sequences that still raise on their own
-        go to `failures`. Returns the logits and sampled sequences of the groups that ran, and
+        then each group that still raises per sequence (`tokens`: the step before's, as for the
+        batch). Sequences that still raise on their own go to `failures`. Returns the logits and sampled sequences of the groups that ran, and
         a new SchedulerOutput of what ran; re-raises `error` if nothing did."""
         order = sched.decodes + sched.prefills
         groups: dict[str | None, list[ScheduledSequence]] = {}
@@ -74,7 +110,7 @@ class StepExecutor:
             sub = SchedulerOutput(decodes=[s for s in sched.decodes if id(s) in ids],
                                   prefills=[s for s in sched.prefills if id(s) in ids])
             try:
-                ran.append(self._forward(sub))
+                ran.append(self._forward(sub, tokens))
             except Exception as e:  # noqa: BLE001 - narrowed down below, or reported
                 if len(group) > 1:
                     pending.extend([s] for s in group)

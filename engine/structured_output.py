@@ -220,6 +220,10 @@ class StructuredOutput:
         self._matchers.clear()
         self._params.clear()
 
+    def constrains(self, request_id: str) -> bool:
+        """Whether `request_id`'s completion is constrained (it has a matcher)."""
+        return request_id in self._matchers
+
     @property
     def active(self) -> bool:
         """Whether any request in the engine is constrained."""

@@ -18,7 +18,7 @@ tolerance; inputs and outputs on `backend.device`; activations in `backend.dtype
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
@@ -220,7 +220,7 @@ class Backend(ABC):
         they are host tensors."""
         if self.device.type == "cpu":
             return HostSampling()
-        return DeviceSampling(self.upload, self.to_host)
+        return DeviceSampling(self.upload, self.to_host, self.start_to_host)
 
     def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host tensors -> the same tensors on the device. On CPU they are returned as they are;
@@ -247,3 +247,21 @@ class Backend(ABC):
     def to_host(self, t: torch.Tensor) -> list:
         """One device-to-host copy of a small tensor, as a Python list."""
         return t.tolist()
+
+    def start_to_host(self, t: torch.Tensor) -> Callable[[], list]:
+        """`to_host(t)` started now and finished by the returned call: on CUDA a non-blocking copy
+        into pinned memory behind the work already queued, whose event the call waits for, so
+        the host goes on (preparing the next step) while the device works; elsewhere the copy is
+        made by the call."""
+        if self.device.type != "cuda":
+            return lambda: self.to_host(t)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list:
+            done.synchronize()
+            return host.tolist()
+
+        return wait

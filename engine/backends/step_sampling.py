@@ -11,6 +11,11 @@ and the two pipelines a backend chooses between (`Backend.step_sampler`).
   the draw on the device (`sample_tokens`; its host-built parameters in one upload), then the
   tokens, the finite and sampled flags and the logprobs come back in ONE device-to-host copy.
 
+Both also split in two (`launch` -> `SampledStep`, then its `result()`), for an engine that
+overlaps steps: `launch` enqueues the sampling and starts the copy without waiting for it, and
+its `tokens` (on the logits' device) are what the next step's decode rows read as their inputs
+before the host has them; `result()` waits for the copy. `sample` is the two at once.
+
 Neither fails a request itself: every row that cannot go on becomes a `RowFailure` (why, in the
 order found), and the engine applies them all in one place (LLMEngine._apply_failure), so
 fault isolation is the same whichever pipeline ran. Logprobs come from the RAW logits, before
@@ -33,6 +38,8 @@ if TYPE_CHECKING:
 
 Upload = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 ToHost = Callable[[torch.Tensor], list]
+#: Starts one device-to-host copy of a small tensor and returns what waits for it (-> a list).
+StartToHost = Callable[[torch.Tensor], Callable[[], list]]
 
 
 @dataclass
@@ -67,6 +74,23 @@ class StepResult:
     logprobs: dict[int, dict] = field(default_factory=dict)
 
 
+class SampledStep:
+    """A step's sampling, enqueued: `tokens` int64 [len(seqs)] on the logits' device, row i the
+    token drawn for seqs[i] (any value for a row that fails: the engine discards that row's next
+    step); `result()` waits for the host's copy and gives the StepResult (once; memoized)."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, finish: Callable[[], StepResult]):
+        self.seqs = seqs
+        self.tokens = tokens
+        self._finish: Callable[[], StepResult] | None = finish
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
 def _constrain(logits: torch.Tensor, seqs: list[Sequence], structured: StructuredOutput,
                failures: list[RowFailure]) -> torch.Tensor:
     """The logits to sample from: the rows of requests with a response_format masked to the
@@ -81,6 +105,14 @@ def _constrain(logits: torch.Tensor, seqs: list[Sequence], structured: Structure
 
 class HostSampling:
     """Sampling where the logits are host tensors (module docstring)."""
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], structured: StructuredOutput) -> SampledStep:
+        """`sample` now (the host has nothing to overlap with), as a SampledStep over every row
+        of `seqs` (a failed row's token 0)."""
+        result = self.sample(logits, seqs, structured)
+        drawn = {id(q): t for q, t in zip(result.seqs, result.tokens)}
+        tokens = torch.tensor([drawn.get(id(q)) or 0 for q in seqs], dtype=torch.int64)
+        return SampledStep(seqs, tokens, lambda: result)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], structured: StructuredOutput) -> StepResult:
         result = StepResult()
@@ -125,16 +157,23 @@ class HostSampling:
 
 class DeviceSampling:
     """Sampling where the logits live off the host (module docstring). `upload`: host tensors to
-    the device in one transfer; `to_host`: one device-to-host copy (Backend.upload, to_host)."""
+    the device in one transfer; `to_host`: one device-to-host copy (Backend.upload, to_host);
+    `start_to_host`: the same copy started without waiting (Backend.start_to_host; None: the
+    copy is made when the result is asked for)."""
 
-    def __init__(self, upload: Upload, to_host: ToHost):
+    def __init__(self, upload: Upload, to_host: ToHost, start_to_host: StartToHost | None = None):
         self.upload = upload
         self.to_host = to_host
+        self.start_to_host = start_to_host or (lambda t: lambda: to_host(t))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], structured: StructuredOutput) -> StepResult:
-        result = StepResult(seqs=seqs)
         if not seqs:
-            return result
+            return StepResult()
+        return self.launch(logits, seqs, structured).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], structured: StructuredOutput) -> SampledStep:
+        """Everything on the device, the one copy to the host started; `result()` waits for it."""
+        result = StepResult(seqs=seqs)
         # Logprobs from the raw logits, before the sampling path scales or masks them.
         lp = engine_logprobs.compute(logits, seqs)
         finite = torch.isfinite(logits.sum(dim=1))
@@ -149,20 +188,25 @@ class DeviceSampling:
         packed = torch.cat([tokens_dev, finite.to(torch.int64), sampled.to(torch.int64)])
         if lp is not None:  # float64 holds token ids exactly
             packed = torch.cat([packed.double(), engine_logprobs.gather(lp, tokens_dev)])
-        host = self.to_host(packed)
-        tokens: list[int | None] = [int(t) for t in host[:n]]
-        for i, (seq, ok, drawn) in enumerate(zip(seqs, host[n:2 * n], host[2 * n:3 * n])):
-            if not ok:
-                result.failures.append(RowFailure(seq, "non_finite"))
-                tokens[i] = None
-            elif not drawn:
-                result.failures.append(RowFailure(seq, "sampling", errors.get(i) or SamplingError(
-                    "no token can be sampled: every token is masked")))
-                tokens[i] = None
-        result.tokens = tokens
-        if lp is not None:
-            result.logprobs = engine_logprobs.entries(lp, tokens, host[3 * n:])
-        return result
+        wait = self.start_to_host(packed)
+
+        def finish() -> StepResult:
+            host = wait()
+            tokens: list[int | None] = [int(t) for t in host[:n]]
+            for i, (seq, ok, drawn) in enumerate(zip(seqs, host[n:2 * n], host[2 * n:3 * n])):
+                if not ok:
+                    result.failures.append(RowFailure(seq, "non_finite"))
+                    tokens[i] = None
+                elif not drawn:
+                    result.failures.append(RowFailure(seq, "sampling", errors.get(i) or SamplingError(
+                        "no token can be sampled: every token is masked")))
+                    tokens[i] = None
+            result.tokens = tokens
+            if lp is not None:
+                result.logprobs = engine_logprobs.entries(lp, tokens, host[3 * n:])
+            return result
+
+        return SampledStep(seqs, tokens_dev.to(torch.int64), finish)
 
     def _sample_rows_alone(self, logits: torch.Tensor, seqs: list[Sequence],
                            errors: dict[int, Exception]) -> tuple[torch.Tensor, torch.Tensor]:

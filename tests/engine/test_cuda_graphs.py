@@ -106,3 +106,27 @@ def test_steps_the_graphs_do_not_take_run_eagerly(tiny):  # noqa: F811
     assert not graphs.takes(sched)  # wider than the static block tables
     sched.decodes = [S(1)] * (graphs.buckets[-1] + 1)
     assert not graphs.takes(sched)  # more rows than the largest bucket
+
+
+def test_overlapped_decode_graphs_read_the_last_steps_tokens_on_the_device(tiny):  # noqa: F811
+    """With overlapped steps, a replay's decode rows take their input tokens from the step
+    before's sampled tokens on the device (written into the static input ids after the upload),
+    sampled by DeviceSampling: the tokens are still the CPU backend's."""
+    from engine.backends.step_sampling import DeviceSampling
+
+    tokenizer = tiny[2]
+    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer))
+    engine = _engine(tiny, "triton", overlap_steps=True)
+    graphs = _with_graphs(engine, RecordingCapture())
+    engine.executor.sampler = DeviceSampling(engine.backend.upload, engine.backend.to_host)
+    got: dict[str, list[int]] = {}
+    for r in _requests(tokenizer):
+        engine.add_request(r)
+        got[r.request_id] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id] += out.token_ids
+    assert got == want
+    assert graphs.stats["replays"] > 0 and engine.stats["overlapped_steps"] > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

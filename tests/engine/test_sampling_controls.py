@@ -265,9 +265,9 @@ def _engine(tiny, path_kind: str, triton_device: str | None = None) -> LLMEngine
         device_sampling = DeviceSampling(eng.backend.upload, eng.backend.to_host)
 
         class OnDevice:
-            def sample(self, logits, seqs, structured):
+            def launch(self, logits, seqs, structured):
                 eng.device_path_steps += 1
-                return device_sampling.sample(logits, seqs, structured)
+                return device_sampling.launch(logits, seqs, structured)
 
         eng.executor.sampler = OnDevice()
     return eng

@@ -170,12 +170,17 @@ class DecodeGraphs:
         return done
 
     @torch.inference_mode()
-    def run(self, sched, token_slots: list[int] | None) -> torch.Tensor:
+    def run(self, sched, token_slots: list[int] | None,
+            fill_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Logits [n, V] (a view of the static output) of the decode step `sched` (`takes` it);
-        token_slots: each decode row's LoRA slot (-1: none), in sched.decodes' order, or None."""
+        token_slots: each decode row's LoRA slot (-1: none), in sched.decodes' order, or None;
+        fill_ids: writes the rows whose input token is still on the device into the static
+        input ids (ModelRunner's pending tokens), after the upload and before the replay."""
         n = len(sched.decodes)
         b = self.bucket(n)
         self._write(self._host_inputs(sched.decodes, token_slots, b), b)
+        if fill_ids is not None:
+            fill_ids(self.input_ids)
         replay = self.replays.get(b)
         if replay is None:
             replay = self.replays[b] = self._capture(b)
