@@ -56,7 +56,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.durations import Durations
 from engine.engine_builder import build_engine_parts
-from engine.backends.step_sampling import RowFailure, StepResult
+from engine.backends.step_sampling import RowFailure
 from engine.output_processor import OutputProcessor
 from engine.request_checks import check_logit_bias, check_prompt
 from engine.sampling_params import GenerationRequest, InvalidRequestError, Priority, RequestOutput
