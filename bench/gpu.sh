@@ -24,6 +24,8 @@
 #   engine_llama3_1_8b_q4_k_m.json  bench/engine.py on a synthetic Llama-3.1-8B in llama.cpp's Q4_K_M mix
 #   startup_smollm2.json, startup_llama3_1_8b.json  bench/engine.py --startup-warmup on: the engine's
 #                          start-up warm-up (seconds, graphs, forwards, Triton compiles during it and after)
+#   overlap_smollm2.json, overlap_llama3_1_8b.json  bench/engine.py --overlap-steps both: tok/s with
+#                          steps resolved one at a time and overlapped, one engine after the other
 # The synthetic checkpoints are written here by the script itself, to /tmp/synthetic (the
 # machine's local disk), with `python -m engine.loader.synthetic` (--shape for the Llama GGUF
 # shapes, --family for the model families: Q4_0 layers, Q8_0 embeddings, the family's metadata
@@ -36,6 +38,8 @@
 #   STEPS_ONLY="synthetic_llama3_1_8b engine_llama3_1_8b synthetic_qwen2_5_7b engine_qwen2_5_7b" bash bench/gpu.sh
 #   STEPS_ONLY="quant_kernels synthetic_llama3_1_8b_q4_k_m engine_llama3_1_8b_q4_k_m" bash bench/gpu.sh
 #   STEPS_ONLY="synthetic_smollm2 startup_smollm2 synthetic_llama3_1_8b startup_llama3_1_8b" bash bench/gpu.sh
+#   STEPS_ONLY="synthetic_smollm2 overlap_smollm2 synthetic_llama3_1_8b overlap_llama3_1_8b" bash bench/gpu.sh
+#                                                                           (60 + 120 + 90 + 240 s)
 # (the last: the Q4_K_M writer runs on the host in the background while quant_kernels uses the
 # GPU, overlapping its 150 s within its own 420 s; the engine gets what remains of TOTAL_S, up to 240 s).
 # A failing or timed-out step is logged and the next one runs; the whole script stays within
@@ -241,6 +245,17 @@ step engine_qwen2_5_7b 240 "$OUT/engine_qwen2_5_7b.json" "$PY" bench/engine.py \
 step startup_llama3_1_8b 300 "$OUT/startup_llama3_1_8b.json" "$PY" bench/engine.py \
   --model /tmp/synthetic/llama3.1-8b.gguf --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" \
   --concurrency 1,8 --new-tokens 16 --kv-cache-mb 1024 --skip-hf --startup-warmup on
+
+# Overlapped steps (issue 35): the same engine with each step resolved before the next is
+# scheduled, then with the next launched first (EngineConfig.overlap_steps), in one run: SmolLM2's
+# shape, where the host's share of a step is largest, and Llama-3.1-8B's. Neither has run on a GPU
+# yet; the budgets are estimates from engine_smollm2 / engine_llama3_1_8b.
+step overlap_smollm2 120 "$OUT/overlap_smollm2.json" "$PY" bench/engine.py --model /tmp/synthetic/smollm2.gguf \
+  --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" --concurrency 1,8,32 --new-tokens 32 --skip-hf \
+  --startup-warmup off --overlap-steps both
+step overlap_llama3_1_8b 240 "$OUT/overlap_llama3_1_8b.json" "$PY" bench/engine.py \
+  --model /tmp/synthetic/llama3.1-8b.gguf --backend "$BACKEND" --device cuda --formats "$ENGINE_FORMAT" \
+  --concurrency 1,8 --new-tokens 16 --kv-cache-mb 1024 --skip-hf --startup-warmup off --overlap-steps both
 
 # Issue 34: the quantized checkpoint formats. First every format's linears at Llama-3.1-8B's
 # shapes (bench/kernels.py --only quant: W4A16Linear / W8A16Linear on random codes, dense bf16
