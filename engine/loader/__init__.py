@@ -39,8 +39,6 @@ def read_model_config(path, name: str | None = None):
     import json
     from pathlib import Path
 
-    from gguf import GGUFReader
-
     from engine.loader import gguf_loader
     from engine.loader.architectures import model_config_from_hf
     from engine.loader.safetensors_loader import served_name, shard_files
@@ -48,7 +46,7 @@ def read_model_config(path, name: str | None = None):
 
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        reader = GGUFReader(str(p))
+        reader = gguf_loader.open_reader(p, keep=True)  # load_checkpoint usually follows: parse once
         meta = gguf_loader.read_metadata(reader)
         cfg = gguf_loader.config_of_file(reader, meta, name or gguf_loader.served_name(p))
         return cfg, gguf_loader.loaded_bytes_per_weight(reader)

@@ -42,6 +42,28 @@ DENSE_TYPES = set(gguf_quants.DENSE_TYPES)
 #: embedding, llama.cpp's Q6_K output) are dequantized.
 SUPPORTED_TYPES = DENSE_TYPES | set(gguf_quants.SERVED_TYPES)
 
+#: The last file whose header `open_reader(keep=True)` parsed: (path, mtime_ns, size) -> reader.
+_kept_reader: dict[tuple[str, int, int], GGUFReader] = {}
+
+
+def open_reader(path: str | Path, *, keep: bool = False) -> GGUFReader:
+    """A GGUFReader of `path`. gguf-py parses every metadata value when it opens a file (seconds
+    for a 128k-token vocabulary), and an engine reads the header first (read_model_config, for
+    the memory check) and then the tensors (load_gguf): `keep` holds this one reader for the next
+    call on the same unchanged file (its path, modification time and size), which takes it
+    without parsing again (a call without `keep` releases it, so a loaded file's pages are not
+    kept mapped)."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+    reader = _kept_reader.pop(key, None)
+    _kept_reader.clear()
+    if reader is None:
+        reader = GGUFReader(str(path))
+    if keep:
+        _kept_reader[key] = reader
+    return reader
+
+
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -388,7 +410,7 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
     lacks a tensor its metadata needs.
     """
     path = Path(path)
-    reader = GGUFReader(str(path))
+    reader = open_reader(path)
     meta = read_metadata(reader)
     cfg = config_of_file(reader, meta, name or served_name(path))
     arch = ARCHITECTURES[cfg.architecture]

@@ -112,3 +112,22 @@ def test_engine_generates_greedy_tokens_deterministically(tiny_path, tiny):
     vocab = tiny[0].vocab_size
     assert all(len(ids) == 12 and all(0 <= t < vocab for t in ids) for ids in first.values())
     assert first["r0"] != first["r1"]  # the prompt matters
+
+
+def test_a_gguf_header_is_parsed_once_for_the_memory_check_and_the_load(tmp_path, monkeypatch):
+    """read_model_config (the memory check before loading) keeps its parsed reader for the
+    load_checkpoint that follows on the same file, and releases it to it; a file changed since
+    is parsed again."""
+    from engine.loader import gguf_loader, read_model_config
+
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "tiny", seed=1)
+    opened = []
+    real = gguf_loader.GGUFReader
+    monkeypatch.setattr(gguf_loader, "GGUFReader", lambda p: opened.append(p) or real(p))
+    cfg, _ = read_model_config(path)
+    assert load_checkpoint(path)[0] == cfg and len(opened) == 1
+    assert not gguf_loader._kept_reader  # the load took it: nothing keeps the file mapped
+    read_model_config(path)
+    write_synthetic_gguf(path, "tiny", seed=2)  # replaced: its size or modification time differs
+    load_checkpoint(path)
+    assert len(opened) == 3

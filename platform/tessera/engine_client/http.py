@@ -67,15 +67,13 @@ def load_served_model(model_path: Path | None,
     """The deployment's base model as its files say (no weights): its tokenizer, served name
     (`model_name`, else the checkpoint's: see tessera.served_model), context length and
     description."""
-    from gguf import GGUFReader
-
-    from engine.loader.gguf_loader import default_model_path, read_metadata
+    from engine.loader.gguf_loader import default_model_path, open_reader, read_metadata
     from tessera.served_model import describe_model_files
 
     path = Path(model_path) if model_path else default_model_path()
     cfg, described = describe_model_files(path, model_name)
     tokenizer = (TextTokenizer.from_hf_directory(path) if path.is_dir()
-                 else TextTokenizer.from_gguf_metadata(read_metadata(GGUFReader(str(path)))))
+                 else TextTokenizer.from_gguf_metadata(read_metadata(open_reader(path))))
     return tokenizer, cfg.name, cfg.max_position_embeddings, described
 
 
