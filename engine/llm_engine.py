@@ -2,6 +2,7 @@
 
     sched = scheduler.schedule()                  # what runs (never modified after)
     step = executor.launch(sched, pending)        # forward + the backend's sampling, enqueued
+                                                  # (apart when the sampling needs `pending` applied)
     self._advance(step)                           # computed counts; a placeholder per sampled token
     outputs = self._update(pending or step)       # wait for its tokens: commit, fail, append, deltas
 
@@ -17,7 +18,8 @@ is not scheduled). A sequence that ends at N (end of sequence, a stop, a fault, 
 had one more token computed in N+1; that row is dropped when N+1 is applied (its KV blocks were
 freed when it finished: every later use of them is ordered after N+1 on the device). A step
 whose sequences need their tokens on the host before they can sample again (a response_format
-grammar, penalties over the completion so far) is resolved before the next is scheduled. Off
+grammar, penalties over the completion so far) is applied after the next one's forward is
+launched and before its sampling is, so the device computes that forward meanwhile. Off
 (the CPU backend: its steps run while they are called, nothing would overlap), each step is
 launched and resolved in the same call, through the same code.
 
@@ -214,28 +216,29 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = self._fail_broken_adapters()
         inflight, self._inflight = self._inflight, None
-        if inflight is not None and self._needs_tokens(inflight[0]):
-            outputs += self._update(*inflight)
-            inflight = None
+        overlapped = inflight is not None
         sched = self._schedule()
         if not sched.is_empty:
-            launched = self.executor.launch(sched, inflight[0] if inflight is not None else None)
+            fwd = self.executor.forward(sched, inflight[0] if inflight is not None else None)
+            if inflight is not None and self._needs_tokens(fwd.seqs):
+                outputs += self._update(*inflight)  # while the device runs this step's forward
+                inflight = None
+            launched = self.executor.sample(fwd)
             self._advance(launched)
             if self.overlap_steps:
                 self._inflight = (launched, t0)
-                if inflight is not None:
-                    self.stats["overlapped_steps"] += 1
+                self.stats["overlapped_steps"] += overlapped
             else:
                 outputs += self._update(launched, t0)
         if inflight is not None:
             outputs += self._update(*inflight)
         return outputs
 
-    def _needs_tokens(self, step: LaunchedStep) -> bool:
-        """Whether a sequence of `step` needs its token on the host before it samples again: a
+    def _needs_tokens(self, seqs: list[Sequence]) -> bool:
+        """Whether one of `seqs`, about to sample, needs its pending token on the host first: a
         response_format grammar advances with it, penalties count it."""
-        return any(q.token_counts is not None or self.structured.constrains(q.request_id)
-                   for q in step.seqs if not q.is_finished)
+        return any(q.num_pending and (q.token_counts is not None or self.structured.constrains(q.request_id))
+                   for q in seqs)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()

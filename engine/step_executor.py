@@ -1,13 +1,17 @@
 """One step's execution: SchedulerOutput -> StepResult (engine.backends.step_sampling).
 
-    step = executor.launch(sched, pending)   # forward and sampling enqueued: a LaunchedStep
+    fwd = executor.forward(sched, pending)   # the forward enqueued: a Forward (logits, what ran)
+    step = executor.sample(fwd)              # sampling enqueued: a LaunchedStep
     result = step.result()                   # waits for its one copy to the host: a StepResult
     # forward: lora = lora_manager.batch_for(sched); logits, seqs = runner.execute(sched, lora, pending)
     # sample:  the backend's pipeline (Backend.step_sampler): tokens, logprobs, failed rows
 
 `pending` is the step launched before, whose results the host does not have yet (an overlapped
 engine, engine.llm_engine): its sampled tokens on the device are the inputs of this step's decode
-rows that sampled there (engine.model_runner.PendingTokens). `execute(sched)` is launch + result.
+rows that sampled there (engine.model_runner.PendingTokens). The two halves are apart so that
+the engine can apply that step between them when this one's sampling reads what it changes (a
+response_format grammar, penalty counts): the forward does not. `launch` is forward + sample,
+`execute(sched)` launch + result.
 
 Fault tracing of the forward lives here: when the batched forward (or giving adapters their
 slots) raises, the step's work runs again in smaller groups, per adapter version (the base model
@@ -22,6 +26,7 @@ Nothing here fails a request or touches the scheduler's output: the engine appli
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +36,18 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Forward:
+    """A step's forward, run or enqueued: the logits [N, V] of `seqs` (the sequences that
+    sample, in row order; None when none does), `ran` (the SchedulerOutput of what ran) and the
+    sequences whose forward raised on their own."""
+
+    logits: torch.Tensor | None
+    seqs: list[Sequence]
+    ran: SchedulerOutput
+    forward_failures: list[RowFailure]
 
 
 class LaunchedStep:
@@ -72,9 +89,13 @@ class StepExecutor:
         return self.launch(sched).result()
 
     def launch(self, sched: SchedulerOutput, pending: LaunchedStep | None = None) -> LaunchedStep:
-        """The forward of `sched` (traced to its requests if it raises), then sampling, enqueued.
-        `pending`: the step launched before whose tokens are still on the device (module
-        docstring). Raises only for a forward fault no group of the step escapes."""
+        """`forward`, then `sample`."""
+        return self.sample(self.forward(sched, pending))
+
+    def forward(self, sched: SchedulerOutput, pending: LaunchedStep | None = None) -> Forward:
+        """The forward of `sched` (traced to its requests if it raises), enqueued. `pending`: the
+        step launched before whose tokens are still on the device (module docstring). Raises
+        only for a forward fault no group of the step escapes."""
         forward_failures: list[RowFailure] = []
         tokens = pending.pending_tokens() if pending is not None else None
         try:
@@ -82,8 +103,12 @@ class StepExecutor:
             ran = sched
         except Exception as e:  # noqa: BLE001 - traced to its requests, or re-raised
             logits, seqs, ran = self._forward_isolating(sched, e, forward_failures, tokens)
-        sampled = self.sampler.launch(logits, seqs, self.structured) if seqs else None
-        return LaunchedStep(ran, forward_failures, sampled)
+        return Forward(logits, seqs, ran, forward_failures)
+
+    def sample(self, fwd: Forward) -> LaunchedStep:
+        """The backend's sampling of a forward's logits, enqueued."""
+        sampled = self.sampler.launch(fwd.logits, fwd.seqs, self.structured) if fwd.seqs else None
+        return LaunchedStep(fwd.ran, fwd.forward_failures, sampled)
 
     def _forward(self, sched: SchedulerOutput, pending: PendingTokens | None) -> tuple[torch.Tensor, list[Sequence]]:
         lora = self.lora_manager.batch_for(sched) if self.lora_manager is not None else None

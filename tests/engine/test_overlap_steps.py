@@ -165,9 +165,12 @@ def test_preempted_sequences_recompute_the_same_tokens(make_engine):
     assert got == want
 
 
-def test_the_next_step_is_launched_before_the_host_waits_for_the_last(make_engine):
-    """The order the device sees: launch 1, launch 2, wait 1, launch 3, wait 2, ... (tokens come
-    back through DeviceSampling's one copy a step, started at launch and waited for a step later)."""
+@pytest.mark.parametrize("penalized", [False, True])
+def test_the_next_step_is_launched_before_the_host_waits_for_the_last(make_engine, penalized):
+    """The order the device sees: forward 1, forward 2, wait 1, forward 3, wait 2, ... (tokens come
+    back through DeviceSampling's one copy a step, started at launch and waited for a step later).
+    Penalized rows need the last token counted before they sample: the step before is applied
+    between the forward and the sampling, so the forward still goes first."""
     eng = make_engine(overlap_steps=True)
     events: list[str] = []
     execute = eng.runner.execute
@@ -184,7 +187,8 @@ def test_the_next_step_is_launched_before_the_host_waits_for_the_last(make_engin
 
     eng.runner.execute = launching
     eng.executor.sampler = DeviceSampling(eng.backend.upload, eng.backend.to_host, start_to_host)
-    outs = eng.generate([_req(f"o{i}", p, max_tokens=8, temperature=0.0, ignore_eos=True)
+    penalty = {"frequency_penalty": 0.5} if penalized else {}
+    outs = eng.generate([_req(f"o{i}", p, max_tokens=8, temperature=0.0, ignore_eos=True, **penalty)
                          for i, p in enumerate(PROMPTS[:3])])
     assert all(len(o.token_ids) == 8 for o in outs.values())
     assert events[:2] == ["launch", "launch"]
