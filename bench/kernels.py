@@ -545,7 +545,7 @@ class QuantForm:
     mins: bool  # whether the form has per-group mins (asymmetric formats)
     act_order: bool = False  # an input permutation (GPTQ desc_act): one gather of x a call
     code_format: str = "int"  # "e4m3": FP8 codes (compressed-tensors float-quantized)
-    super_size: int = 0  # > 0: two levels, uint8 scales and mins (scale_dtype) x fp16 factors per super_size inputs
+    super_size: int = 0  # > 0: two levels, integer scales and mins (scale_dtype) x fp16 factors per super_size inputs
 
 
 QUANT_FORMS = (
@@ -554,8 +554,8 @@ QUANT_FORMS = (
     QuantForm("w4_kquant_g32", "gguf q4_k", 4, 32, torch.uint8, True, super_size=256),
     QuantForm("w4_fp32_g128_perm", "gptq 4-bit g128 act-order", 4, 128, torch.float32, True, act_order=True),
     QuantForm("w8_fp16_g32", "gguf q8_0", 8, 32, torch.float16, False),
-    QuantForm("w8_fp32_g16", "gguf q6_k", 8, 16, torch.float32, False),
-    QuantForm("w8_fp32_g32_mins", "gguf q5_k", 8, 32, torch.float32, True),
+    QuantForm("w8_kquant_g16", "gguf q6_k / q3_k", 8, 16, torch.int8, False, super_size=256),
+    QuantForm("w8_kquant_g32_mins", "gguf q5_k", 8, 32, torch.uint8, True, super_size=256),
     QuantForm("w8_fp32_channel", "compressed-tensors w8a16 channel (bf16 scales)", 8, None, torch.float32, False),
     QuantForm("fp8_fp32_channel", "compressed-tensors fp8 e4m3 channel", 8, None, torch.float32, False,
               code_format="e4m3"),

@@ -25,9 +25,9 @@ prefill attention, SGMV). The lm_head is a dense torch matmul (not Triton): it e
 per-token estimate as its bytes at the bandwidth bound. Beside them, the four linears of one
 family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint format in `--formats`
 (QUANT_FORMATS: the W4A16 kernels with Q4_K's two-level scales, the W8A16 kernels for 8-bit
-integer or FP8 codes), at the same batches and prefill chunk; their sites are named "{family}
-{format} decode T=..." and stay out of the per-token figures (which are the engine's default
-4-bit layer).
+integer or FP8 codes, with Q6_K's and Q5_K's two levels), at the same batches and prefill chunk;
+their sites are named "{family} {format} decode T=..." and stay out of the per-token figures
+(which are the engine's default 4-bit layer).
 
 Per variant (from `cuobjdump -res-usage` and `-sass` of the cubin Triton built): registers,
 spill stores / loads (STL / LDL instructions; Triton kernels use local memory only to spill) and
@@ -84,12 +84,12 @@ DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_FAMILIES = ("llama3.1-8b", "qwen2.5-7b", "gemma2-9b")
 #: Checkpoint formats whose layer linears are compiled beside the default 4-bit layer (`--formats`):
 #: name -> (code bits, group size (0: one group a row, G = K), scale and min dtype, mins or none
-#: [, code format [, super-block size: two levels, uint8 sub-block values x fp16 factors]]).
+#: [, code format [, super-block size: two levels, integer sub-block values x fp16 factors]]).
 QUANT_FORMATS = {
     "q4_k": (4, 32, "uint8", True, "int", 256),  # GGUF Q4_K: 6-bit sc, m per 32 inputs x fp16 d, -dmin per 256
     "q8_0": (8, 32, "float16", False),  # GGUF Q8_0: fp16 d per 32, int8 codes
-    "q6_k": (8, 16, "float32", False),  # GGUF Q6_K: d x sc per 16, codes shifted to -32..31
-    "q5_k": (8, 32, "float32", True),  # GGUF Q5_K: codes 0..31 with d x sc and -dmin x m
+    "q6_k": (8, 16, "int8", False, "int", 256),  # GGUF Q6_K: int8 sc per 16 x fp16 d per 256, codes -32..31
+    "q5_k": (8, 32, "uint8", True, "int", 256),  # GGUF Q5_K: codes 0..31, 6-bit sc, m per 32 x fp16 d, -dmin
     "w8-channel": (8, 0, "float16", False),  # compressed-tensors W8A16: one scale a row
     "fp8-channel": (8, 0, "float32", False, "e4m3"),  # compressed-tensors FP8: E4M3 codes, one scale a row
     "fp8-block": (8, 128, "float32", False, "e4m3"),  # FP8 in 128 x 128 blocks: a scale per 128 inputs
@@ -343,15 +343,16 @@ def record_quantized_linears(rec: _Recorder, family: str, fmt: str, *, batches, 
         g = group or k
         scales = torch.empty(n, -(-k // g), dtype=sd)
         mins = torch.empty_like(scales) if has_mins else None
+        two = {}
+        if super_size:
+            factors = torch.empty(n, -(-k // super_size), dtype=torch.float16)
+            two = {"super_scales": factors, "super_mins": torch.empty_like(factors) if has_mins or bits == 4 else None,
+                   "super_size": super_size}
         if bits == 4:
-            two = {}
-            if super_size:
-                factors = torch.empty(n, -(-k // super_size), dtype=torch.float16)
-                two = {"super_scales": factors, "super_mins": torch.empty_like(factors), "super_size": super_size}
             return w4a16.W4Weight(torch.empty(n, k // 2, dtype=torch.uint8), scales,
                                   torch.zeros_like(scales) if mins is None else mins, g, **two)
         return QuantizedWeight(8, torch.empty(n, k, dtype=torch.int8), scales, mins, g, source=fmt,
-                               code_format=code_format)
+                               code_format=code_format, **two)
 
     matmul = w4a16.w4a16_matmul if bits == 4 else w8a16.w8a16_matmul
     weights = {name: weight(n, k) for name, (n, k) in shapes.items()}
@@ -515,10 +516,11 @@ def launch_model(launch: Launch) -> dict:
     programs = launch.programs
     cdiv = lambda p, q: -(-int(p) // int(q))
     if k in ("w4_gemv_kernel", "w4_gemm_kernel", "w8_gemv_kernel", "w8_gemm_kernel"):
-        # Without mins (HAS_MIN off) the W8A16 kernels read none: m_ptr is a stand-in.
-        weights = _nbytes(a["q_ptr"]) + _nbytes(a["s_ptr"]) + (_nbytes(a["m_ptr"]) if a.get("HAS_MIN", True) else 0)
-        if a.get("SUPER", 0):  # two levels: the W4 kernels read the super-block factors too
-            weights += _nbytes(a["ss_ptr"]) + _nbytes(a["sm_ptr"])
+        # Without mins (HAS_MIN off) the W8A16 kernels read none: m_ptr (and sm_ptr) stand-ins.
+        has_min = a.get("HAS_MIN", True)
+        weights = _nbytes(a["q_ptr"]) + _nbytes(a["s_ptr"]) + (_nbytes(a["m_ptr"]) if has_min else 0)
+        if a.get("SUPER", 0):  # two levels: the super-block factors too (sm_ptr only with mins)
+            weights += _nbytes(a["ss_ptr"]) + (_nbytes(a["sm_ptr"]) if has_min else 0)
         # x (gate | up for a gated input: twice the K columns), y; with K split, each chunk's fp32
         # partial tile written and read back once by the tile's last program.
         gated = a.get("ACT", "none") != "none"

@@ -14,19 +14,26 @@ outputs, K inputs, each row whole blocks of its type. Per type (`SERVED_TYPES`):
 | Q5_0 | 32: d, qh, qs | 8 | 32 | q - 16 (-16..15) | d fp16 | None |
 | Q5_1 | 32: d, m, qh, qs | 8 | 32 | q (0..31) | d fp16 | m fp16 |
 | Q8_0 | 32: d, 32 int8 | 8 | 32 | q | d fp16 | None |
-| Q2_K | 256: 16 x (4-bit sc, 4-bit m), d, dmin | 8 | 16 | q (0..3) | d sc fp32 | -(dmin m) fp32 |
-| Q3_K | 256: 16 x 6-bit signed sc, d | 8 | 16 | q (-4..3) | d sc fp32 | None |
+| Q2_K | 256: 16 x (4-bit sc, 4-bit m), d, dmin | 8 | 16 | q (0..3) | sc uint8 x d fp16 | m uint8 x -dmin fp16 |
+| Q3_K | 256: 16 x 6-bit signed sc, d | 8 | 16 | q (-4..3) | sc int8 (-32..31) x d fp16 | None |
 | Q4_K | 256: 8 x (6-bit sc, 6-bit m), d, dmin | 4 | 32 | repacked nibbles | sc uint8 x d fp16 | m uint8 x -dmin fp16 |
-| Q5_K | 256: as Q4_K, a fifth bit in qh | 8 | 32 | q (0..31) | d sc fp32 | -(dmin m) fp32 |
-| Q6_K | 256: 16 x int8 sc, d | 8 | 16 | q - 32 (-32..31) | d sc fp32 | None |
+| Q5_K | 256: as Q4_K, a fifth bit in qh | 8 | 32 | q (0..31) | sc uint8 x d fp16 | m uint8 x -dmin fp16 |
+| Q6_K | 256: 16 x int8 sc, d | 8 | 16 | q - 32 (-32..31) | sc int8 x d fp16 | None |
+
+"x" marks QuantizedWeight's two levels (`super_size` 256, K-quant super-blocks): the integer
+sub-block values per group as the file stores them (6-bit and 4-bit values unpacked to whole
+bytes), the fp16 d and -dmin per super-block (`super_scales`, `super_mins`). group_scales() and
+group_mins() of such a weight are the fp32 products d sc and -(dmin m), bit for bit (below).
 
 Why this is exact: every reference computes `d * q` or `(d * sc) * q`, then adds `m` or subtracts
 `dmin * m`, in fp32. d, dmin, m are fp16 and sc, m, q integers of at most 8 bits, so `d * sc`,
-`dmin * m` and `-8 d` are exact in fp32 (scales fp32 where the format multiplies two values, fp16
-where it stores one), `code * scale` is exact, and QuantizedWeight.dequantize's
-`code * scale + min` then rounds once, as the reference does (x - y is x + (-y) in IEEE
-arithmetic). So the symmetric formats (Q5_0, Q8_0, Q3_K, Q6_K) have no mins at all: their
-reference is one product, and an added zero would turn its -0.0 into +0.0. Q4_0 keeps the W4
+`dmin * m` and `-8 d` are exact in fp32 (one-level scales fp16 where the format stores one value;
+where it multiplies two, the two levels, whose product group_scales() / the kernels form in fp32,
+the same operands as the reference's; and (-dmin) m is -(dmin m), signed zeros included),
+`code * scale` is exact, and QuantizedWeight.dequantize's `code * scale + min` then rounds once,
+as the reference does (x - y is x + (-y) in IEEE arithmetic). So the symmetric formats (Q5_0,
+Q8_0, Q3_K, Q6_K) have no mins at all: their reference is one product, and an added zero would
+turn its -0.0 into +0.0. Q4_0 keeps the W4
 layout's unsigned nibbles, so its reference `d * (q - 8)` becomes `q d + (-8 d)`: the same value,
 except that where the reference gives -0.0 (q = 8 with d < 0) this gives +0.0, which no matmul can
 tell apart. If -8 d overflows fp16 (|d| > 8188, no real checkpoint) Q4_0's scales and mins are
@@ -37,10 +44,9 @@ as are the non-layer tensors (token embedding, norms, an output matrix the loade
 of any type gguf-py dequantizes. Any other type for a layer weight (IQ*, TQ*, MXFP4, ...) is
 UnsupportedQuantizationError.
 
-Q4_K keeps the file's two levels (QuantizedWeight's `super_size` 256): uint8 sc and m per 32
-inputs, fp16 d and -dmin per 256 (`super_scales`, `super_mins`): 4.625 bits a weight (the file's
-4.5 with its 6-bit values in whole bytes). Its group_scales() / group_mins() are the fp32 d sc
-and -(dmin m) of the table, bit for bit.
+Bits a weight on the device (codes, sub-block values, fp16 factors; the file's in brackets):
+Q2_K 9.125 (2.625), Q3_K 8.5625 (3.4375), Q4_K 4.625 (4.5), Q5_K 8.625 (5.5), Q6_K 8.5625
+(6.5625); the 5/6-bit and 2/3-bit codes take a byte each (the W8A16 kernels' int8).
 
 `q4_1_blocks` goes back: the GGUF Q4_1 blocks of a Q4_0/Q4_1-sourced weight, which the CPU
 backend's Q4_1 kernel reads.
@@ -110,14 +116,10 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).astype(np.int8) - np.int8(32)
 
 
-def _product(d: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """fp16 d [..., blocks] times integer sub-block values [..., blocks, S] in fp32 (exact)."""
-    return _f32(d)[..., None] * _f32(sc)
-
-
 # Each converter: blocks uint8 [N, blocks, type size] -> (bits, codes, scales, mins, group_size),
 # codes [N, ...] in input order (4-bit: the W4 layout), scales/mins [N, blocks, groups per block];
-# a two-level one adds (super_scales, super_mins) [N, blocks], one per block (super_size QK_K).
+# a two-level one (the K-quants) adds (super_scales, super_mins) [N, blocks], one per block
+# (super_size QK_K; super_mins None where mins are).
 
 
 def _q4_0(b):
@@ -155,11 +157,11 @@ def _q8_0(b):
 
 
 def _q2_k(b):
-    # scales[16] | qs[64] | d | dmin; 16 sub-blocks of 16, qs as two halves of 128 weights.
+    # scales[16] | qs[64] | d | dmin; 16 sub-blocks of 16, qs as two halves of 128 weights; sc the
+    # low nibble of each scale byte, m the high one.
     packed = b[..., 0:16]
     codes = _crumbs(b[..., 16:80].reshape(*b.shape[:-1], 2, 32))
-    return (8, codes.astype(np.int8), _product(_f16(b, 80), packed & 0x0F),
-            -_product(_f16(b, 82), packed >> 4), 16)
+    return 8, codes.astype(np.int8), packed & 0x0F, packed >> 4, 16, _f16(b, 80), -_f16(b, 82)
 
 
 def _q3_k(b):
@@ -167,7 +169,7 @@ def _q3_k(b):
     low = _crumbs(b[..., 32:96].reshape(*b.shape[:-1], 2, 32)).reshape(*b.shape[:-1], QK_K)
     high = _bits(b[..., 0:32])
     codes = (low | (high << 2)).astype(np.int8) - np.int8(4)
-    return 8, codes, _product(_f16(b, 108), _q3_k_scales(b[..., 96:108])), None, 16
+    return 8, codes, _q3_k_scales(b[..., 96:108]), None, 16, _f16(b, 108), None
 
 
 def _q4_k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -192,7 +194,7 @@ def _q5_k(b):
     q = b[..., 48:176].reshape(*b.shape[:-1], 4, 32)
     low = np.stack([q & 0x0F, q >> 4], axis=-2).reshape(*b.shape[:-1], QK_K)
     codes = (low | (_bits(b[..., 16:48]) << 4)).astype(np.int8)
-    return 8, codes, _product(_f16(b, 0), sc), -_product(_f16(b, 2), m), 32
+    return 8, codes, sc, m, 32, _f16(b, 0), -_f16(b, 2)
 
 
 def _q6_k(b):
@@ -204,7 +206,7 @@ def _q6_k(b):
     high = _crumbs(b[..., 128:192].reshape(*lead, 2, 32))
     codes = (low | (high << 4)).astype(np.int8).reshape(*lead, QK_K) - np.int8(32)
     scales = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
-    return 8, codes, _product(_f16(b, 208), scales), None, 16
+    return 8, codes, scales, None, 16, _f16(b, 208), None
 
 
 _CONVERTERS = {_T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q5_0: _q5_0, _T.Q5_1: _q5_1, _T.Q8_0: _q8_0,

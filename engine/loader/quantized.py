@@ -9,7 +9,7 @@ Semantics (`QuantizedWeight`, N outputs x K inputs):
 
     one level (super_size 0):  scale = scales, min = mins
     two levels (super_size S): R = S // group_size groups a super-block, for group g
-        scale[n, g] = super_scales[n, g // R] * scales[n, g]          # fp32, scales uint8
+        scale[n, g] = super_scales[n, g // R] * scales[n, g]          # fp32, scales uint8 or int8
         min[n, g]   = super_mins[n, g // R] * mins[n, g]
 
 - `bits` 4: `codes` uint8 [N, K/2], values 0..15 packed as engine.backends.triton.w4a16's W4Weight
@@ -22,18 +22,22 @@ Semantics (`QuantizedWeight`, N outputs x K inputs):
   value is the FP8 number it encodes. Never NaN (0x7F / 0xFF): the converter refuses those.
 - `scales`, `mins` (one level): fp16 or fp32 [N, ceil(K / group_size)]; `mins` None means zero
   (symmetric formats). fp16 where the format's own values are fp16 (GGUF Q4_0/Q4_1/Q8_0, AWQ/GPTQ
-  scales), fp32 where the format multiplies two of them (a K-quant's super-block d times a
-  sub-block's 6-bit scale; a zero point times a scale): the product is exact in fp32 and not in
-  fp16. Readers that want the values whatever the form call `group_scales()` / `group_mins()`.
-- Two levels (`super_size` > 0, a multiple of `group_size`): `scales` and `mins` are uint8 integer
-  sub-block values (a K-quant's 6-bit sc and m, as the file stores them) and `super_scales`,
-  `super_mins` fp16 or fp32 [N, ceil(K / super_size)] the super-block's factors (a K-quant's d
-  and -dmin: the minus folded into the factor, exact, since -(dmin m) = (-dmin) m in IEEE
-  arithmetic, zeros included). The products are exact in fp32 (an 11-bit fp16 times an 8-bit
-  integer), so the weights are bit for bit those of the one-level fp32 form (`group_scales`,
-  `group_mins`), which costs 8 bytes a group where this costs 2 plus 4 a super-block: Q4_K reads
-  4.625 bits a weight instead of 6. `super_mins` is None exactly when `mins` is. A super-block
-  may end inside K (the last one partial), like a group.
+  scales), fp32 where the format multiplies two of them (a zero point times a scale; a K-quant's
+  super-block d times a sub-block's scale, in its `one_level()` form): the product is exact in
+  fp32 and not in fp16. Readers that want the values whatever the form call `group_scales()` / `group_mins()`.
+- Two levels (`super_size` > 0, a multiple of `group_size`): `scales` and `mins` are integer
+  sub-block values as the file stores them, uint8 (a K-quant's unsigned 6-bit or 4-bit sc and m:
+  Q4_K, Q5_K, Q2_K) or int8 (signed scales: Q6_K's int8, Q3_K's 6-bit minus 32; both the same
+  dtype), and `super_scales`, `super_mins` fp16 or fp32 [N, ceil(K / super_size)] the
+  super-block's factors (a K-quant's d and -dmin: the minus folded into the factor, exact, since
+  -(dmin m) = (-dmin) m in IEEE arithmetic, zeros included). With fp16 factors the products are
+  exact in fp32 (an 11-bit significand times an integer of at most 8 bits), so the weights are bit
+  for bit those of the one-level fp32 form (`group_scales`, `group_mins`), which costs 4 bytes
+  a group for each of scale and min where this costs 1 plus 2 a super-block: Q4_K reads 4.625
+  bits a weight instead of 6, Q6_K (int8 codes, 16-input groups) 8.5625 instead of 10.
+  `super_mins` is None exactly when `mins` is (symmetric formats keep no mins: a zero added to
+  a -0.0 product would make it +0.0). A super-block may end inside K (the last one partial),
+  like a group.
 - `group_size`: inputs per scale, a multiple of 16 (K-quant Q6_K/Q3_K sub-blocks are 16 inputs);
   bits 4 needs a multiple of 32 (a byte's two nibbles share a group).
 - `perm`: GPTQ act-order (`desc_act` with `g_idx`): inputs are sorted once at load so each
@@ -54,6 +58,8 @@ from engine.loader.architectures import UnsupportedModelError
 
 #: Inputs per 4-bit packing block (byte j: input j low nibble, input j + 16 high nibble).
 PACK = 32
+#: The dtypes of a two-level weight's integer sub-block scales and mins (both the same).
+SUB_SCALE_DTYPES = (torch.uint8, torch.int8)
 
 
 class UnsupportedQuantizationError(UnsupportedModelError):
@@ -99,12 +105,12 @@ class QuantizedWeight:
         two = self.super_size != 0
         if two and (self.super_size < 0 or self.super_size % g):
             raise ValueError(f"super_size must be a positive multiple of group_size {g}, not {self.super_size}")
-        kinds = (torch.uint8,) if two else (torch.float16, torch.float32)
+        kinds = SUB_SCALE_DTYPES if two else (torch.float16, torch.float32)
         for name, t in (("scales", s), ("mins", m)):
             if t is None:
                 continue
             if t.dtype not in kinds or tuple(t.shape) != (self.N, groups):
-                what = "uint8 (two levels)" if two else "float16/float32"
+                what = "uint8/int8 (two levels)" if two else "float16/float32"
                 raise ValueError(f"{name} must be {what} [{self.N}, {groups}], not {t.dtype} {tuple(t.shape)}")
         if m is not None and m.dtype != s.dtype:
             raise ValueError(f"scales ({s.dtype}) and mins ({m.dtype}) must share a dtype")

@@ -21,15 +21,15 @@ from engine.loader.gguf_quants import quantized_weight
 from engine.loader.gguf_writer import quantize_tensor
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
-FORMATS = ("w4_fp16_g32", "w4_fp16_g128", "w4_kquant_g32", "w4_fp32_g128_perm", "w8_fp16_g32", "w8_fp32_g16",
-           "w8_fp32_g32_mins", "w8_fp32_channel", "fp8_fp32_channel", "fp8_fp32_block128")
+FORMATS = ("w4_fp16_g32", "w4_fp16_g128", "w4_kquant_g32", "w4_fp32_g128_perm", "w8_fp16_g32", "w8_kquant_g16",
+           "w8_kquant_g32_mins", "w8_fp32_channel", "fp8_fp32_channel", "fp8_fp32_block128")
 SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ROWS = (1, 64)
 #: The GGUF types each benchmarked form stands for (gguf_quants converts them to it).
 GGUF_FORMS = {"w4_fp16_g32": (T.Q4_0, T.Q4_1), "w4_kquant_g32": (T.Q4_K,), "w8_fp16_g32": (T.Q8_0,),
-              "w8_fp32_g16": (T.Q6_K,), "w8_fp32_g32_mins": (T.Q5_K,)}
-#: Forms with two levels of scales: inputs per super-block (fp16 factors; uint8 scales and mins per group).
-SUPER_SIZES = {"w4_kquant_g32": 256}
+              "w8_kquant_g16": (T.Q6_K, T.Q3_K), "w8_kquant_g32_mins": (T.Q5_K,)}
+#: Forms with two levels of scales: inputs per super-block (fp16 factors; integer scales and mins per group).
+SUPER_SIZES = {"w4_kquant_g32": 256, "w8_kquant_g16": 256, "w8_kquant_g32_mins": 256}
 
 
 def _run(*args: str, interpret: bool) -> subprocess.CompletedProcess:
@@ -65,12 +65,12 @@ def test_every_format_site_and_width_is_measured_against_its_reference(rows):
         # The bytes reported are the form's: codes, then scales (and mins) per group, then (two
         # levels) fp16 factors per super-block.
         groups = -(-r["K"] // r["group_size"])
-        elem = {"uint8": 1, "float16": 2, "float32": 4}[r["scales"]]
+        elem = {"uint8": 1, "int8": 1, "float16": 2, "float32": 4}[r["scales"]]
         codes = r["N"] * r["K"] // (2 if r["bits"] == 4 else 1)
         supers = -(-r["K"] // SUPER_SIZES[r["format"]]) if r["format"] in SUPER_SIZES else 0
         per_group = r["N"] * (groups * elem + supers * 2)
         assert r["weight_bytes"] == codes + per_group * (2 if r["mins"] else 1), r
-        assert (r["scales"] == "uint8") == (r["format"] in SUPER_SIZES), r
+        assert (r["scales"] in ("uint8", "int8")) == (r["format"] in SUPER_SIZES), r
     channel = [r for r in linears if r["format"] == "w8_fp32_channel"]
     assert all(r["group_size"] == r["K"] for r in channel)
     assert all(r["act_order"] == (r["format"] == "w4_fp32_g128_perm") for r in linears)

@@ -63,18 +63,20 @@ def test_every_served_type_converts_bit_exactly(qtype):
     assert qw.shape == torch.Size(shape) and qw.perm is None and qw.source == f"gguf {qtype.name.lower()}"
     assert_exact(qw, raw, qtype, shape)
     # The representation the module docstring states: 4-bit codes for Q4_*, fp16 scales where the
-    # file stores one value, fp32 where it multiplies two, Q4_K's two levels as the file stores
-    # them, 16-weight groups for Q2_K/Q3_K/Q6_K.
+    # file stores one value, the K-quants' two levels as the file stores them (integer sub-block
+    # values, uint8 or, where signed, int8; fp16 d and -dmin per 256), 16-weight groups for
+    # Q2_K/Q3_K/Q6_K.
     assert qw.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
     assert qw.group_size == (16 if qtype in (T.Q2_K, T.Q3_K, T.Q6_K) else 32)
-    k_quant = qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-    if qtype == T.Q4_K:
-        assert qw.super_size == 256 and qw.scales.dtype == qw.mins.dtype == torch.uint8
-        assert qw.super_scales.dtype == qw.super_mins.dtype == torch.float16
+    if qtype in K_QUANT_BITS:
+        sub = torch.int8 if qtype in (T.Q3_K, T.Q6_K) else torch.uint8
+        assert qw.super_size == 256 and qw.scales.dtype == sub and qw.super_scales.dtype == torch.float16
+        assert qw.mins is None or (qw.mins.dtype == sub and qw.super_mins.dtype == torch.float16)
         assert qw.group_scales().dtype == torch.float32
     else:
-        assert qw.super_size == 0 and qw.scales.dtype == (torch.float32 if k_quant else torch.float16)
+        assert qw.super_size == 0 and qw.scales.dtype == torch.float16
     assert (qw.mins is None) == (qtype in (T.Q5_0, T.Q8_0, T.Q3_K, T.Q6_K))
+    assert (qw.super_mins is None) == (qw.mins is None or not qw.super_size)
     # The copy is the weight's own: changing the file's bytes afterwards changes nothing.
     before = qw.dequantize()
     raw[:] = 0
@@ -90,36 +92,61 @@ def test_rows_and_reshaped_input_are_read_alike():
     assert torch.equal(quantized_weight(raw[1:2], T.Q4_K, (1, 512)).dequantize(), a.dequantize()[1:2])
 
 
-def test_q4_k_keeps_the_files_bits_per_weight_and_its_one_level_twin_is_identical():
-    """A Q4_K layer holds 4.625 bits a weight (the file's 144 bytes per 256 with its 6-bit sc and m
-    unpacked to bytes: 148), not 6, and the
-    fp32 one-level form of the same weights (what it used to be) dequantizes bit for bit alike,
-    through every row operation."""
+#: Bits a weight of each K-quant on the device, two levels (the file's codes in whole bytes, 8-bit
+#: for all but Q4_K, its sub-block values in bytes, fp16 d (and -dmin) per 256) and the fp32
+#: one-level form's.
+K_QUANT_BITS = {T.Q2_K: (9.125, 12), T.Q3_K: (8.5625, 10), T.Q4_K: (4.625, 6), T.Q5_K: (8.625, 10),
+                T.Q6_K: (8.5625, 10)}
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_BITS), ids=lambda t: t.name)
+def test_k_quants_keep_the_files_two_levels_and_their_one_level_twin_is_identical(qtype):
+    """A K-quant layer holds its file's sub-block values and fp16 factors (Q4_K: 4.625 bits a
+    weight, the file's 144 bytes per 256 with its 6-bit sc and m unpacked to bytes: 148; Q6_K:
+    8.5625, not 10), and the fp32 one-level form of the same weights (what it used to be)
+    dequantizes bit for bit alike, both equal to gguf.quants.dequantize, through every row
+    operation."""
     n, k = 6, 1024
-    raw = random_blocks(T.Q4_K, n, k, seed=9)
-    qw = quantized_weight(raw, T.Q4_K, (n, k))
-    assert qw.nbytes() == n * k * 4.625 / 8 == raw.nbytes + n * (k // 256) * 4
+    raw = random_blocks(qtype, n, k, seed=9 + int(qtype))
+    qw = quantized_weight(raw, qtype, (n, k))
+    two, one = K_QUANT_BITS[qtype]
+    assert qw.nbytes() == n * k * two / 8
+    if qtype == T.Q4_K:
+        assert qw.nbytes() == raw.nbytes + n * (k // 256) * 4
     flat = qw.one_level()
-    assert flat.super_size == 0 and flat.scales.dtype == flat.mins.dtype == torch.float32
-    assert flat.nbytes() == n * k * 6 / 8
+    assert flat.super_size == 0 and flat.scales.dtype == torch.float32 and flat.super_mins is None
+    assert (flat.mins is None) == (qw.mins is None) and flat.nbytes() == n * k * one / 8
+    assert_exact(flat, raw, qtype, (n, k))
     assert torch.equal(qw.dequantize().view(torch.int32), flat.dequantize().view(torch.int32))
+    assert torch.equal(qw.group_scales().view(torch.int32), flat.scales.view(torch.int32))
     order = torch.tensor([3, 0, 5, 1, 4, 2])
     for a, b in ((qw.rows(1, 4), flat.rows(1, 4)), (qw.permute_rows(order), flat.permute_rows(order)),
                  (cat_rows([qw, qw.rows(0, 2)]), cat_rows([flat, flat.rows(0, 2)])), (qw.to("cpu"), flat)):
         assert a.super_size == 256
         assert torch.equal(a.dequantize().view(torch.int32), b.dequantize().view(torch.int32))
-    # Q4_K and Q6_K parts (llama.cpp's attn_v) cannot stack; nor can one- and two-level Q4_K.
-    q6 = quantized_weight(random_blocks(T.Q6_K, 2, k, seed=10), T.Q6_K, (2, k))
-    assert not same_form([qw, q6]) and not same_form([qw, flat]) and same_form([qw, qw.rows(0, 1)])
+    # One- and two-level parts cannot stack, nor parts of another form.
+    assert not same_form([qw, flat]) and same_form([qw, qw.rows(0, 1)])
     # The form refuses what its semantics cannot read.
     with pytest.raises(ValueError, match="multiple of group_size"):
-        dataclasses.replace(qw, super_size=48)
-    with pytest.raises(ValueError, match="uint8"):
+        dataclasses.replace(qw, super_size=40 if qw.group_size == 16 else 80)
+    with pytest.raises(ValueError, match="uint8/int8"):
         dataclasses.replace(qw, scales=flat.scales, mins=flat.mins)
     with pytest.raises(ValueError, match="super_mins"):
-        dataclasses.replace(qw, super_mins=None)
+        dataclasses.replace(qw, super_mins=None if qw.mins is not None else qw.super_scales)
     with pytest.raises(ValueError, match="need a super_size"):
         dataclasses.replace(flat, super_scales=qw.super_scales)
+
+
+def test_k_quant_forms_stack_only_alike():
+    """Q4_K and Q6_K parts (llama.cpp's attn_v) cannot stack; Q5_K and Q6_K (group 32 and 16)
+    neither; Q6_K and Q3_K, the same form (int8 codes, int8 scales per 16, fp16 d, no mins), can."""
+    k = 512
+    q = {t: quantized_weight(random_blocks(t, 2, k, seed=10 + int(t)), t, (2, k)) for t in K_QUANT_BITS}
+    assert not same_form([q[T.Q4_K], q[T.Q6_K]]) and not same_form([q[T.Q5_K], q[T.Q6_K]])
+    assert not same_form([q[T.Q2_K], q[T.Q3_K]])
+    both = cat_rows([q[T.Q6_K], q[T.Q3_K]])
+    assert both.source == "gguf q6_k+gguf q3_k"
+    assert torch.equal(both.dequantize(), torch.cat([q[T.Q6_K].dequantize(), q[T.Q3_K].dequantize()]))
 
 
 def test_q4_0_scales_too_large_for_fp16_mins_are_fp32():

@@ -233,6 +233,23 @@ def test_two_level_matmul_equals_dequantize_and_its_one_level_twin_bit_for_bit(d
     assert torch.equal(w4a16_matmul(xb, w).view(torch.int16), w4a16_matmul(xb, flat).view(torch.int16))
 
 
+def test_two_level_signed_sub_block_scales(device):
+    """Two-level weights may have int8 (signed) sub-block values, as QuantizedWeight allows (the
+    8-bit K-quants' Q6_K and Q3_K scales): the kernels widen them with their sign, and the
+    product is the one-level form's, bit for bit."""
+    qw = random_two_level(24, 320, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    signed = lambda t: torch.randint(-128, 128, tuple(t.shape), generator=gen).to(torch.int8)
+    qw = dataclasses.replace(qw, scales=signed(qw.scales), mins=signed(qw.mins))
+    w, flat = from_quantized(qw).to(device), from_quantized(qw.one_level()).to(device)
+    assert w.scales.dtype == torch.int8 and torch.equal(dequantize(w), qw.dequantize().to(device))
+    x = torch.randn(3, 320, generator=gen).to(device)
+    for path, m in (("gemv", 1), ("gemm", 3)):
+        y = w4a16_matmul(x[:m], w, path=path, config=SMALL)
+        check_product(y, x[:m], w, 0.0)
+        assert torch.equal(y.view(torch.int32), w4a16_matmul(x[:m], flat, path=path, config=SMALL).view(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt,m,n,k", [("q4_1", 3, 40, 96), ("g128", 17, 33, 160), ("q4_k", 1, 24, 64)])
 def test_matmul_16bit_activations(device, dtype, fmt, m, n, k):

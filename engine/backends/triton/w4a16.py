@@ -6,7 +6,7 @@ Semantics:
     W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]        # fp32, q in 0..15
     one level:  scale = scales, min = mins
     two levels (super_size S, R = S // G groups a super-block; a K-quant's own form):
-        scale[n, g] = super_scales[n, g // R] * scales[n, g]       # fp32, exact; scales uint8
+        scale[n, g] = super_scales[n, g // R] * scales[n, g]       # fp32, exact; scales uint8 or int8
         min[n, g]   = super_mins[n, g // R] * mins[n, g]
     y[m, :] = x[m, :] @ W.T                                      # fp32 accumulation, y in x's dtype
     # gated (act "silu" / "gelu_tanh"; x = gu [M, 2K], gate | up, the MLP's down projection):
@@ -33,8 +33,8 @@ The format (`W4Weight`):
   price is a step set by a wider range (each weight is within half its group's step,
   `quantize`); `W4A16Linear(group_size=32)` takes the other side.
 - Two levels (`super_size` S > 0, a multiple of G; a GGUF Q4_K's form, QuantizedWeight's
-  `super_size`): `scales`, `mins` uint8 [N, ceil(K / G)], the checkpoint's integer sub-block
-  values, and `super_scales`, `super_mins` fp16 or fp32 [N, ceil(K / S)] the super-block's
+  `super_size`): `scales`, `mins` uint8 or int8 [N, ceil(K / G)], the checkpoint's integer
+  sub-block values, and `super_scales`, `super_mins` fp16 or fp32 [N, ceil(K / S)] the super-block's
   factors (Q4_K's d and -dmin). The kernels multiply the two as they load a group's parameters:
   the product (an 11-bit fp16 by an 8-bit integer) is exact in fp32, so every weight is bit for
   bit that of the fp32 one-level form, for 2 bytes a group and 4 a super-block instead of 8 a
@@ -97,7 +97,7 @@ import triton.language as tl
 from torch import nn
 
 from engine.backends.triton.norms import GATED_ACTIVATIONS, gated_act_mul
-from engine.loader.quantized import QuantizedWeight, per_group_values
+from engine.loader.quantized import SUB_SCALE_DTYPES, QuantizedWeight, per_group_values
 from punica_kernels.kernels import _common
 
 #: K must be a multiple of this (and the group size: a tile's 4-word runs share a group); a
@@ -142,8 +142,8 @@ class W4Weight:
     """N x K 4-bit weights (see the module docstring for the layout)."""
 
     qweight: torch.Tensor  # uint8 [N, K/2]: byte j = input 2j | input 2j + 1 << 4
-    scales: torch.Tensor  # fp16 or fp32 [N, ceil(K / group_size)]; two levels: uint8 sub-block scales
-    mins: torch.Tensor  # scales' dtype and shape: W = q * scale + min; two levels: uint8 sub-block mins
+    scales: torch.Tensor  # fp16 or fp32 [N, ceil(K / group_size)]; two levels: uint8/int8 sub-block scales
+    mins: torch.Tensor  # scales' dtype and shape: W = q * scale + min; two levels: sub-block mins
     group_size: int  # inputs per (scale, min), a multiple of 32
     super_scales: torch.Tensor | None = None  # two levels: fp16 or fp32 [N, ceil(K / super_size)]
     super_mins: torch.Tensor | None = None  # two levels: super_scales' dtype and shape
@@ -163,7 +163,7 @@ class W4Weight:
         if not two and (self.super_scales is not None or self.super_mins is not None):
             raise ValueError("super_scales and super_mins need a super_size (two levels)")
         groups = (self.K + g - 1) // g
-        kinds, what = ((torch.uint8,), "uint8 (two levels)") if two else (SCALE_DTYPES, "float16/float32")
+        kinds, what = (SUB_SCALE_DTYPES, "uint8/int8 (two levels)") if two else (SCALE_DTYPES, "float16/float32")
         checks = [("scales", s, kinds, what, groups), ("mins", m, kinds, what, groups)]
         if two:
             supers = (self.K + self.super_size - 1) // self.super_size

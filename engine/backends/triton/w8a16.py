@@ -4,8 +4,12 @@ whose codes fit in 8 bits, GPTQ 8-bit, compressed-tensors W8A16 and FP8) stays 8
 
 Semantics:
     # w: an 8-bit engine.loader.quantized.QuantizedWeight, N x K, groups of G inputs along K
-    Wp[n, k] = value(codes[n, k]) * scales[n, k // G] (+ mins[n, k // G])   # fp32
+    Wp[n, k] = value(codes[n, k]) * scale[n, k // G] (+ min[n, k // G])     # fp32
     # value: the integer -128..127, or (code_format "e4m3") the FP8 E4M3 number the byte encodes
+    one level:  scale = scales, min = mins
+    two levels (super_size S, R = S // G groups a super-block; a K-quant's own form):
+        scale[n, g] = super_scales[n, g // R] * scales[n, g]       # fp32; scales uint8 or int8
+        min[n, g]   = super_mins[n, g // R] * mins[n, g]
     y[m, :] = x[m, perm] @ Wp.T                                       # = x @ w.dequantize().T
     # fp32 accumulation, y in x's dtype; perm None: x as it is
     # gated (act; x = gu [M, 2K], gate | up): x = norms' act_mul(gu, act), as in w4a16
@@ -18,6 +22,18 @@ The format is QuantizedWeight's own (bits 8), read as it is:
   always shares one group: the kernels load one scale (and min) a run, in the stored dtype, and
   widen it to fp32. A per-channel scale is G = K. Without mins (symmetric formats) the kernels
   are built with HAS_MIN off and read no mins at all.
+- Two levels (`super_size` S > 0, a multiple of G; the GGUF K-quants Q2_K, Q3_K, Q5_K, Q6_K):
+  `scales` (and `mins`) uint8 or int8 [N, ceil(K / G)], the file's integer sub-block values, and
+  `super_scales` (and `super_mins`) fp16 or fp32 [N, ceil(K / S)], its d (and -dmin) per
+  super-block. The kernels (built with SUPER = S / G) load a run's sub-block value and its
+  super-block's factor and multiply them in fp32: with fp16 factors the product is exact (an
+  11-bit significand times an 8-bit integer), so every weight is bit for bit the one-level fp32
+  form's (QuantizedWeight.one_level()), for 1 byte a group and 2 a super-block instead of 4 a
+  group, for each of scale and min (Q6_K: 8.5625 bits a weight instead of 10). Where there are
+  mins (Q5_K, Q2_K) code x scale is exact too, so however a GPU build fuses the multiplies and
+  the add, each weight rounds once, as the reference does. A super-block may span K tiles and K
+  chunks, and a tile may span super-blocks: a tile inside one reads one factor a row, any other
+  one factor a run.
 - `code_format` "e4m3" (FP8 checkpoints): the codes are FP8 E4M3 bit patterns, decoded in the
   kernels into the value each encodes (`_e4m3_value`), then scaled as integer codes are: by the
   GPU's FP8 conversion where it has one (compute capability 8.9 and up; the interpreter), else by
@@ -111,11 +127,15 @@ def _e4m3_value(q, CODES: tl.constexpr):
 
 
 @triton.jit
-def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                  G: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr, CODES: tl.constexpr):
+def _dequant_runs(q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_q, stride_s, stride_ss,
+                  G: tl.constexpr, SUPER: tl.constexpr, NR: tl.constexpr, HAS_MIN: tl.constexpr,
+                  CODES: tl.constexpr):
     """fp32 weights of one K tile of NR runs of 16 inputs as [BLOCK_N, NR, 16], with the input
     index of each [NR, 16] and its mask (inside K). Run r holds inputs k0 + 16 r + j, j < 16.
-    Scales and mins load once a run ([BLOCK_N, NR]), not once a weight."""
+    Scales and mins load once a run ([BLOCK_N, NR]), not once a weight. SUPER > 0 (two levels,
+    SUPER groups a super-block): a run's scale (and min) is its group's integer value times its
+    super-block's factor (ss_ptr, sm_ptr; row stride stride_ss), exact in fp32; SUPER 0 reads
+    neither."""
     r = tl.arange(0, NR)
     j = tl.arange(0, 16)
     # Alignment of the code loads: k0 is a multiple of the K tile (chunks and steps are whole
@@ -130,7 +150,21 @@ def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
     g = (k0 + r * 16) // G  # G % 16 == 0: a run's 16 inputs share one group
     s_off = rows[:, None] * stride_s + g[None, :]
     mask_s = mask_n[:, None] & ((k0 + r * 16) < K)[None, :]
-    sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+    if SUPER > 0:
+        if (SUPER * G) % (NR * 16) == 0:
+            # k0 is a multiple of the tile's NR * 16 inputs, which divide a super-block: the
+            # whole tile lies in super-block k0 // (SUPER G), one factor a row (a super-block
+            # may still span tiles and K chunks).
+            f_off = rows[:, None] * stride_ss + k0 // (SUPER * G)
+            f_mask = mask_n[:, None]
+        else:
+            # A tile may span super-blocks (wider than one, or straddling two): each run its own.
+            f_off = rows[:, None] * stride_ss + (g // SUPER)[None, :]
+            f_mask = mask_s
+        sc = (tl.load(s_ptr + s_off, mask=mask_s, other=0).to(tl.float32)
+              * tl.load(ss_ptr + f_off, mask=f_mask, other=0.0).to(tl.float32))[:, :, None]
+    else:
+        sc = tl.load(s_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     if CODES == 0:
         w = q.to(tl.float32) * sc
     elif CODES == 1:
@@ -138,15 +172,20 @@ def _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
     else:
         w = _e4m3_value(q, CODES) * sc
     if HAS_MIN:
-        w += tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+        if SUPER > 0:
+            w += (tl.load(m_ptr + s_off, mask=mask_s, other=0).to(tl.float32)
+                  * tl.load(sm_ptr + f_off, mask=f_mask, other=0.0).to(tl.float32))[:, :, None]
+        else:
+            w += tl.load(m_ptr + s_off, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
     return w, e, mask_e
 
 
 @triton.jit
 def _w8_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
-    G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
+    G: tl.constexpr, SUPER: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
 ):
     # grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk s of output tile n, all
@@ -162,8 +201,8 @@ def _w8_gemv_kernel(
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w, e, mask_e = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                                     G, BLOCK_K // 16, HAS_MIN, CODES)
+        w, e, mask_e = _dequant_runs(q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_q, stride_s,
+                                     stride_ss, G, SUPER, BLOCK_K // 16, HAS_MIN, CODES)
         # x is small and shared by all programs (L2); nothing is assumed of its row stride.
         xt = load_input(x_ptr, offs_m[:, None, None] * stride_xm + e[None, :, :],
                      mask_m[:, None, None] & mask_e[None, :, :], K, ACT).to(tl.float32)
@@ -175,9 +214,10 @@ def _w8_gemv_kernel(
 
 @triton.jit
 def _w8_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, y_ptr, cnt_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_om, stride_ok,
-    G: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
+    G: tl.constexpr, SUPER: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
@@ -196,8 +236,8 @@ def _w8_gemm_kernel(
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w3, _, _ = _dequant_runs(q_ptr, s_ptr, m_ptr, rows, mask_n, k0, K, stride_q, stride_s,
-                                 G, BLOCK_K // 16, HAS_MIN, CODES)
+        w3, _, _ = _dequant_runs(q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_q, stride_s,
+                                 stride_ss, G, SUPER, BLOCK_K // 16, HAS_MIN, CODES)
         # [BLOCK_N, NR, 16] -> [BLOCK_K, BLOCK_N]: flattened in input order, transposed for tl.dot.
         w = tl.trans(tl.reshape(w3, (BLOCK_N, BLOCK_K)))
         e = k0 + p
@@ -228,15 +268,13 @@ def _check_weight(w: QuantizedWeight) -> None:
     if not isinstance(w, QuantizedWeight) or w.bits != 8:
         what = f"a {w.bits}-bit QuantizedWeight" if isinstance(w, QuantizedWeight) else type(w).__name__
         raise ValueError(f"the W8A16 kernels take 8-bit QuantizedWeights, not {what}")
-    if w.super_size:
-        raise ValueError("the W8A16 kernels take one-level scales (fp16/fp32 a group), not two-level ones "
-                         "(QuantizedWeight.one_level() converts exactly)")
-    parts = {"scales": w.scales, "mins": w.mins, "perm": w.perm}
+    parts = {"scales": w.scales, "mins": w.mins, "super_scales": w.super_scales, "super_mins": w.super_mins,
+             "perm": w.perm}
     for name, t in parts.items():
         if t is not None and t.device != w.codes.device:
             raise ValueError(f"{name} is on {t.device}, codes on {w.codes.device}")
-    if not all(t.is_contiguous() for t in (w.codes, w.scales, w.mins) if t is not None):
-        raise ValueError("codes, scales and mins must be contiguous")
+    if not all(t.is_contiguous() for t in (w.codes, w.scales, w.mins, w.super_scales, w.super_mins) if t is not None):
+        raise ValueError("codes, scales and mins (and super-block factors) must be contiguous")
     # Rows are K bytes apart: 16-byte alignment of the base keeps every run's vector load aligned
     # (where K % 16 == 0); a view at an odd offset would break that silently.
     if w.codes.data_ptr() % 16:
@@ -253,7 +291,8 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
     Args:
         x: [M, K] (with act: [M, 2K]) bf16 / fp16 / fp32 on w's device; any row stride, unit
             column stride.
-        w: an 8-bit QuantizedWeight (contiguous tensors on one device; mins and perm optional).
+        w: an 8-bit QuantizedWeight (contiguous tensors on one device; mins and perm optional;
+            one level or two).
         exact: GEMM tiles in fp32 with IEEE products whatever x's dtype (the GEMV always is).
         path: "gemv" (up to GEMV_KERNEL_MAX_M rows) or "gemm"; None picks by M (GEMV up to
             GEMV_MAX_M rows).
@@ -287,16 +326,21 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
     if w.perm is not None:
         x = x.index_select(1, w.perm if act is None else gated_permutation(w.perm))
     has_min = w.mins is not None
-    common = dict(G=w.group_size, HAS_MIN=has_min, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k,
-                  SPLIT=lp.split_k > 1, ACT=gate, CODES=codes, num_warps=lp.num_warps, num_stages=lp.num_stages)
+    two = w.super_size != 0
+    common = dict(G=w.group_size, SUPER=w.super_size // w.group_size, HAS_MIN=has_min, BLOCK_M=lp.block_m,
+                  BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT=lp.split_k > 1, ACT=gate, CODES=codes,
+                  num_warps=lp.num_warps, num_stages=lp.num_stages)
     n_blocks = triton.cdiv(n, lp.block_n)
     m_blocks = 1 if lp.path == "gemv" else triton.cdiv(m, lp.block_m)
-    # Without mins the kernels never read m_ptr (HAS_MIN off): the scales stand in for it.
+    # The kernels never read what they are not built for (m_ptr with HAS_MIN off; ss_ptr and
+    # sm_ptr with SUPER 0, sm_ptr without mins): the scales stand in.
     mins = w.mins if has_min else w.scales
+    ss = w.super_scales if two else w.scales
+    sm = w.super_mins if two and has_min else ss
 
     def launch(out: torch.Tensor, counters: torch.Tensor, stride_ok: int) -> None:
-        args = (x, w.codes, w.scales, mins, out, y, counters, m, n, k, lp.k_chunk, x.stride(0), w.codes.stride(0),
-                w.scales.stride(0), n, stride_ok)
+        args = (x, w.codes, w.scales, mins, ss, sm, out, y, counters, m, n, k, lp.k_chunk, x.stride(0),
+                w.codes.stride(0), w.scales.stride(0), ss.stride(0) if two else 0, n, stride_ok)
         if lp.path == "gemv":
             _w8_gemv_kernel[(n_blocks, lp.split_k)](*args, **common)
         else:
@@ -312,8 +356,9 @@ def w8a16_matmul(x: torch.Tensor, w: QuantizedWeight, *, exact: bool = False, pa
 class W8A16Linear(nn.Module):
     """A frozen base linear kept 8-bit on the device: `lin(x [T, in]) -> [T, out]` in x's dtype
     (the Backend.linear contract). Only the checkpoint's codes, scales, mins (where the format
-    has them) and input permutation (where it has one) live on the device, as loaded. `exact`: a
-    reference module (w8a16_matmul's `exact` GEMM tiles), for parity runs."""
+    has them), super-block factors (two levels) and input permutation (where it has one) live on
+    the device, as loaded. `exact`: a reference module (w8a16_matmul's `exact` GEMM tiles), for
+    parity runs."""
 
     def __init__(self, qw: QuantizedWeight, *, device: torch.device | str, dtype: torch.dtype, exact: bool = False):
         """qw: an 8-bit QuantizedWeight on the host; dtype: the activations' dtype (forward's x).
@@ -325,6 +370,10 @@ class W8A16Linear(nn.Module):
         self.register_buffer("codes", device_copy(qw.codes, device))
         self.register_buffer("scales", device_copy(qw.scales, device))
         self.register_buffer("mins", None if qw.mins is None else device_copy(qw.mins, device))
+        two = qw.super_size != 0
+        self.register_buffer("super_scales", device_copy(qw.super_scales, device) if two else None)
+        self.register_buffer("super_mins", device_copy(qw.super_mins, device) if two and qw.mins is not None else None)
+        self.super_size = qw.super_size
         self.register_buffer("perm", None if qw.perm is None else qw.perm.to(device))
         self.group_size = qw.group_size
         self.code_format = qw.code_format
@@ -337,7 +386,7 @@ class W8A16Linear(nn.Module):
     def weight8(self) -> QuantizedWeight:
         """The weight as the kernels read it (dequantize(weight8) is the layer's fp32 weight)."""
         return QuantizedWeight(8, self.codes, self.scales, self.mins, self.group_size, self.perm, self.source,
-                               self.code_format)
+                               self.code_format, self.super_scales, self.super_mins, self.super_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return w8a16_matmul(x, self.weight8, exact=self.exact)
@@ -352,5 +401,6 @@ class W8A16Linear(nn.Module):
         order = ", act-order perm" if self.perm is not None else ""
         mins = "" if self.mins is not None else ", no mins"
         codes = "" if self.code_format == "int" else f", {self.code_format} codes"
+        levels = f" x {self.super_scales.dtype} per {self.super_size}" if self.super_size else ""
         return (f"in={self.in_features}, out={self.out_features}, {self.source} g{self.group_size}{order}{codes}, "
-                f"scales {self.scales.dtype}{mins}, activations {self.dtype}")
+                f"scales {self.scales.dtype}{levels}{mins}, activations {self.dtype}")
