@@ -258,7 +258,7 @@ class Backend(ABC):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
 
         def wait() -> list:
             done.synchronize()

@@ -59,8 +59,8 @@ def run_recording(engine: LLMEngine, requests: list[GenerationRequest]) -> tuple
     rows: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording(sched, lora=None):
-        logits, seqs = execute(sched, lora)
+    def recording(sched, lora=None, *pending):  # pending: an overlapped step's (CUDA's default)
+        logits, seqs = execute(sched, lora, *pending)
         for row, seq in zip(logits, seqs):
             rows.setdefault(seq.request_id, []).append(row.detach().float().cpu().clone())
         return logits, seqs

@@ -181,9 +181,9 @@ def computed_tokens(engine) -> list[int]:
     """Counts, per step, the tokens `engine` computes from now on (its runner, wrapped)."""
     counts, execute = [], engine.runner.execute
 
-    def counting(sched, lora=None):
+    def counting(sched, lora=None, *pending):
         counts.append(sched.num_tokens)
-        return execute(sched, lora)
+        return execute(sched, lora, *pending)
     engine.runner.execute = counting
     return counts
 

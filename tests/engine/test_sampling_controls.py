@@ -278,8 +278,8 @@ def _run(eng: LLMEngine, requests: list[GenerationRequest]):
     rows: dict[str, list[torch.Tensor]] = {}
     execute = eng.runner.execute
 
-    def recording(sched, lora=None):
-        logits, seqs = execute(sched, lora)
+    def recording(sched, lora=None, *pending):  # pending: an overlapped step's (CUDA's default)
+        logits, seqs = execute(sched, lora, *pending)
         for row, seq in zip(logits, seqs):
             rows.setdefault(seq.request_id, []).append(row.detach().cpu().double().clone())
         return logits, seqs

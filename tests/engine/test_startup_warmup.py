@@ -106,9 +106,9 @@ def test_every_decode_graph_is_captured_at_start_and_the_warm_up_leaves_no_state
     tables: list[list[int]] = []  # the block table of every sequence a warm-up step ran
     execute = ModelRunner.execute
 
-    def recording(runner, sched, lora=None):
+    def recording(runner, sched, lora=None, *pending):
         tables.extend(list(s.seq.block_table) for s in sched.decodes + sched.prefills)
-        return execute(runner, sched, lora)
+        return execute(runner, sched, lora, *pending)
 
     monkeypatch.setattr(ModelRunner, "execute", recording)
     steps = _steps_observed()

@@ -138,10 +138,10 @@ def test_forward_exception_is_traced_to_one_request(eng, monkeypatch):
     ref = {rid: _alone(eng, _req(f"ref-{rid}", prompt=p)) for rid, p in (("a", PROMPT), ("b", "The quick brown fox"))}
     real_execute = eng.runner.execute
 
-    def execute(sched, lora=None):
+    def execute(sched, lora=None, *pending):
         if any(s.seq.request_id == "poison" for s in sched.scheduled):
             raise IndexError("injected failure for one request")
-        return real_execute(sched, lora)
+        return real_execute(sched, lora, *pending)
 
     monkeypatch.setattr(eng.runner, "execute", execute)
     outs = eng.generate([_req("a"), _req("poison"), _req("b", prompt="The quick brown fox")])
