@@ -167,6 +167,7 @@ class _SinkSequence:
     num_computed_tokens: int
     block_table: list[int]
     adapter: str | None = None
+    num_pending: int = 0  # no sampled token awaits its value (engine.sequence.Sequence.num_pending)
 
     @property
     def num_tokens(self) -> int:
