@@ -16,18 +16,18 @@ Launches of one specialization share a variant.
 
 The sites, per family and per decode batch B (`--batches`; one token per sequence, each of
 `--context` keys): the decode layer's launches in the order DecoderLayer.forward makes them
-(norms, the four W4A16 linears with K split where the grid is small, RoPE + KV write, decode
-attention, the gated activation, where it is its own launch), once without LoRA ("{family}
-decode T=B", whose one-row down projection takes the gated activation as its input) and once with
-every token on an adapter of rank `--rank` ("{family} decode+lora T=B": the four LoRA groups'
-grouped shrink + expand); and one prefill chunk of `--prefill` tokens (the W4A16 GEMM path,
-prefill attention, SGMV). The lm_head is a dense torch matmul (not Triton): it enters the
-per-token estimate as its bytes at the bandwidth bound. Beside them, the four linears of one
-family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint format in `--formats`
-(QUANT_FORMATS: the W4A16 kernels with Q4_K's two-level scales, the W8A16 kernels for 8-bit
-integer or FP8 codes, with Q6_K's and Q5_K's two levels), at the same batches and prefill chunk;
-their sites are named "{family} {format} decode T=..." and stay out of the per-token figures
-(which are the engine's default 4-bit layer).
+(norms, the four W4A16 linears with K split where the grid is small, decode attention with RoPE
+and the KV write fused in, the gated activation, where it is its own launch), once without LoRA
+("{family} decode T=B", whose one-row down projection takes the gated activation as its input)
+and once with every token on an adapter of rank `--rank` ("{family} decode+lora T=B": the four
+LoRA groups' grouped shrink + expand); and one prefill chunk of `--prefill` tokens (the W4A16
+GEMM path, RoPE + KV write, prefill attention, SGMV). The lm_head is a dense torch matmul (not
+Triton): it enters the per-token estimate as its bytes at the bandwidth bound. Beside them, the
+four linears of one family (`--formats-family`, Llama-3.1-8B) on the weights of each checkpoint
+format in `--formats` (QUANT_FORMATS: the W4A16 kernels with Q4_K's two-level scales, the W8A16
+kernels for 8-bit integer or FP8 codes, with Q6_K's and Q5_K's two levels), at the same batches
+and prefill chunk; their sites are named "{family} {format} decode T=..." and stay out of the
+per-token figures (which are the engine's default 4-bit layer).
 
 Per variant (from `cuobjdump -res-usage` and `-sass` of the cubin Triton built): registers,
 spill stores / loads (STL / LDL instructions; Triton kernels use local memory only to spill) and
@@ -267,15 +267,18 @@ def record_family(rec: _Recorder, family: str, *, batches, prefill: int, context
         if cfg.qk_norm:
             at("qk_norm")
             norms.rms_norm(torch.empty(T * Hq, D, dtype=dt), torch.empty(D, dtype=dt), 1e-6)
-        at("rope_kv_write")
-        q = tk.rope_kv_write(qkv, cos, cos, positions, k_cache, v_cache, slot_mapping, Hq, Hkv, D)
+        if kind == "prefill":
+            at("rope_kv_write")
+            q = tk.rope_kv_write(qkv, cos, cos, positions, k_cache, v_cache, slot_mapping, Hq, Hkv, D)
         for w in windows:
             # Layers alternate windows (Gemma 2): each layer makes one of these launches.
             at("attention" + ("" if w is None else f" window={w}"), layer_windows.count(w) / cfg.num_layers)
             extra = {"sliding_window": w, "softcap": cfg.attn_logit_softcap}
             if kind == "decode":
+                # RoPE and the new tokens' K/V write fused in (TritonBackend.attention's decode rows).
                 lens = torch.full((T,), keys, dtype=torch.int32)
-                tk.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, 0.1, **extra)
+                tk.paged_decode_attention_rope(qkv, cos, cos, positions, k_cache, v_cache, slot_mapping, tables, lens,
+                                               block_size, 0.1, Hq, Hkv, D, **extra)
             else:
                 tk.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, T], dtype=torch.int32),
                                            torch.tensor([keys], dtype=torch.int32), block_size, 0.1, T, **extra)
@@ -549,13 +552,17 @@ def launch_model(launch: Launch) -> dict:
         D, item, splits, bn = int(a["HEAD_DIM"]), a["k_ptr"].element_size(), int(a["NUM_SPLITS"]), int(a["BLOCK_N"])
         window = int(a["window"]) if a["SLIDING"] else None
         keys = [min(int(n), window) if window else int(n) for n in lens.tolist()]
-        kv = sum(keys) * hkv * D * 2 * item
+        rope = bool(a.get("ROPE", False))
+        # With RoPE fused in, each row's new key and value come from its qkv row (read once, then
+        # written to the cache) instead of the cache.
+        kv = (sum(keys) - (len(keys) if rope else 0)) * hkv * D * 2 * item
+        new_kv = 4 * len(keys) * hkv * D * item if rope else 0
         # Each row uses the splits its own length needs (at most the grid's); a split row's
         # partials (fp32 o, m, l per head) are written once and read back once by its last split.
         used = [1 if splits == 1 else min(splits, max(1, cdiv(n, a["split_min_tokens"]))) for n in keys]
         per = [cdiv(cdiv(n, u), bn) for n, u in zip(keys, used)]
         partials = sum(u for u in used if u > 1) * int(a["NUM_HEADS"]) * (D + 2) * 4 * 2
-        return {"weight_bytes": kv, "other_bytes": 2 * len(keys) * int(a["NUM_HEADS"]) * D * item + partials,
+        return {"weight_bytes": kv, "other_bytes": 2 * len(keys) * int(a["NUM_HEADS"]) * D * item + partials + new_kv,
                     "max_trips": max(per), "total_trips": sum(p * u for p, u in zip(per, used)) * hkv,
                     "active_programs": sum(used) * hkv}
     if k == "prefill_kernel":

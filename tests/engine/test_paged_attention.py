@@ -299,6 +299,94 @@ def test_decode_sliding_window_and_softcap(device, dtype, D, softcap, window):
         _close(out, want, dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# paged_decode_attention_rope: RoPE, the new token's K/V write and decode attention in one launch,
+# the same bits as rope_kv_write followed by paged_decode_attention.
+
+
+def _fused_against_unfused(device, dtype, lens, Hkv, G, D, splits, *, pad=(), window=None, softcap=None, seed=0):
+    """Decode rows of lengths `lens` (rows in `pad`: padding, slot -1): rope_kv_write +
+    paged_decode_attention on one copy of the cache and paged_decode_attention_rope on another,
+    whose new-token slots hold NaN (a read of one before its write would show), for each split
+    count. The outputs are bit-identical (padding rows included: both read what the cache
+    holds), the caches after the calls identical (NaN where NaN: a padding row's slot is
+    written by neither), and real rows match a float64 reference over the written cache."""
+    paged = Paged(lens, Hkv, D, BS, dtype, device, seed=seed)
+    if window is not None:
+        for r, n in enumerate(lens):
+            paged.hide(r, n - window)
+    Hq, B = G * Hkv, len(lens)
+    rope = RotaryEmbedding(D, max(lens) + 1, 10000.0, dtype)
+    qkv = (2 * torch.randn(B, (Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.cat([paged.slots(r, n - 1, n) for r, n in enumerate(lens)])
+    real = [r for r in range(B) if r not in pad]
+    slots[list(pad)] = -1
+    dev = lambda t: t.to(device)  # noqa: E731
+    seq_lens = dev(torch.tensor(lens, dtype=torch.int32))
+    extra = dict(sliding_window=window, softcap=softcap)
+    scale = D ** -0.5
+
+    k1, v1 = paged.k.clone(), paged.v.clone()
+    q = tri.rope_kv_write(dev(qkv), dev(rope.cos), dev(rope.sin), dev(positions), k1, v1, dev(slots), Hq, Hkv, D)
+    paged.k64, paged.v64 = torch.nan_to_num(k1.double().cpu(), nan=0.0), torch.nan_to_num(v1.double().cpu(), nan=0.0)
+    want = torch.cat([_windowed_reference(paged, r, q[r:r + 1], [lens[r] - 1], scale, window, softcap) for r in real])
+    for n in splits:
+        unfused = tri.paged_decode_attention(q, k1, v1, paged.block_tables, seq_lens, BS, scale, num_splits=n,
+                                             **extra).cpu()
+        k2, v2 = paged.k.clone(), paged.v.clone()
+        k2[dev(slots[real])] = float("nan")
+        v2[dev(slots[real])] = float("nan")
+        fused = tri.paged_decode_attention_rope(dev(qkv), dev(rope.cos), dev(rope.sin), dev(positions), k2, v2,
+                                                dev(slots), paged.block_tables, seq_lens, BS, scale, Hq, Hkv, D,
+                                                num_splits=n, **extra).cpu()
+        assert fused.dtype == dtype and fused.shape == (B, Hq, D)
+        assert torch.equal(fused, unfused), n
+        torch.testing.assert_close(k2, k1, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v2, v1, rtol=0, atol=0, equal_nan=True)
+        _close(fused[real], want, dtype)
+    assert _counters_zero(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 3])
+def test_decode_rope_matches_rope_kv_write_then_decode(device, dtype, G):
+    """Lengths from one key to several blocks, key tiles (16) and splits (16 keys each): the new
+    key alone in the last split (17, 33), inside a tile (30), first in a block (9); one padding
+    row (slot -1)."""
+    _fused_against_unfused(device, dtype, [1, 7, 9, 17, 30, 33, 1], 2, G, 32, (1, 3), pad=(6,), seed=G)
+
+
+def test_decode_rope_sliding_window_softcap_and_empty_splits(device, monkeypatch):
+    """A window and soft-cap (keys before each window are NaN: never read); then splits of one
+    key each (split_min_tokens 1) in a grid of 7, so a row of 20 keys leaves its last splits
+    empty: the new key's K/V are written by the split holding it, not the last."""
+    _fused_against_unfused(device, torch.float32, [1, 7, 9, 29, 45], 2, 2, 64, (1, 3), window=6, softcap=3.0,
+                           seed=7)
+    cfg = dict(tri.KERNEL_CONFIGS[("interpreter", "decode", None)], split_min_tokens=1)
+    monkeypatch.setitem(tri.KERNEL_CONFIGS, ("interpreter", "decode", None), cfg)
+    _fused_against_unfused(device, torch.float32, [2, 20], 2, 2, 32, (7,), seed=8)
+
+
+def test_decode_rope_refuses_bad_inputs(device):
+    Hq, Hkv, D = 4, 2, 32
+    paged = Paged([3], Hkv, D, BS, torch.float32, device)
+    rope = RotaryEmbedding(D, 8, 10000.0, torch.float32)
+    qkv = torch.randn(1, (Hq + 2 * Hkv) * D, device=device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    args = dict(qkv=qkv, cos=rope.cos.to(device), sin=rope.sin.to(device),
+                positions=torch.tensor([2], device=device), k_cache=paged.k, v_cache=paged.v,
+                slot_mapping=torch.tensor([2], device=device), block_tables=paged.block_tables, seq_lens=lens,
+                block_size=BS, scale=0.1, num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+    for bad, match in ((dict(qkv=qkv[:, :-D]), "qkv"),
+                       (dict(positions=torch.tensor([2], dtype=torch.int32, device=device)), "positions"),
+                       (dict(qkv=qkv.bfloat16()), "dtype"), (dict(seq_lens=lens.long()), "seq_lens"),
+                       (dict(num_heads=3, qkv=torch.randn(1, 7 * D, device=device)), "multiple"),
+                       (dict(softcap=0.0), "softcap")):
+        with pytest.raises(ValueError, match=match):
+            tri.paged_decode_attention_rope(**{**args, **bad})
+
+
 def test_choose_num_splits():
     kw = dict(split_min_tokens=256, max_splits=16)
     # A full wave of programs already: no split.
@@ -405,7 +493,8 @@ def test_prefill_empty(device):
 
 
 # ---------------------------------------------------------------------------------------------
-# The three kernels together reproduce torch_ops.attention on a mixed decode + prefill step.
+# The kernels together, as TritonBackend.attention runs them (the decode rows fused, RoPE + K/V
+# write then prefill attention for the chunks), reproduce torch_ops.attention on a mixed step.
 
 
 def test_step_matches_torch_ops_attention(device):
@@ -429,12 +518,14 @@ def test_step_matches_torch_ops_attention(device):
 
     dev = lambda t: t.to(device)  # noqa: E731
     kc, vc = dev(k_cache), dev(v_cache)
-    q = tri.rope_kv_write(dev(qkv), dev(rope.cos), dev(rope.sin), dev(positions), kc, vc, dev(meta.slot_mapping),
-                          Hq, Hkv, D)
     bt_all = dev(paged.block_tables)
-    od = tri.paged_decode_attention(q[:2], kc, vc, bt_all[:2], dev(torch.tensor(decode_lens, dtype=torch.int32)),
-                                    BS, D ** -0.5, num_splits=2)
-    op = tri.paged_prefill_attention(q[2:], kc, vc, bt_all[2:], dev(torch.tensor([0, 6, 11], dtype=torch.int32)),
+    qkv, cos, sin = dev(qkv), dev(rope.cos), dev(rope.sin)
+    positions, slot_mapping = dev(positions), dev(meta.slot_mapping)
+    od = tri.paged_decode_attention_rope(qkv[:2], cos, sin, positions[:2], kc, vc, slot_mapping[:2], bt_all[:2],
+                                         dev(torch.tensor(decode_lens, dtype=torch.int32)), BS, D ** -0.5, Hq, Hkv, D,
+                                         num_splits=2)
+    q = tri.rope_kv_write(qkv[2:], cos, sin, positions[2:], kc, vc, slot_mapping[2:], Hq, Hkv, D)
+    op = tri.paged_prefill_attention(q, kc, vc, bt_all[2:], dev(torch.tensor([0, 6, 11], dtype=torch.int32)),
                                      dev(torch.tensor([6, 16], dtype=torch.int32)), BS, D ** -0.5, max_query_len=6)
     torch.testing.assert_close(torch.cat([od, op]).reshape(T, Hq * D).cpu(), want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(kc.cpu(), kr, rtol=1e-5, atol=1e-5)

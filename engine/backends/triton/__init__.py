@@ -174,9 +174,11 @@ class TritonBackend(Backend):
     # -- attention ----------------------------------------------------------------------------
 
     def attention(self, qkv, rope, cos_sin, k_cache, v_cache, meta, spec):
-        """With block tables (ModelRunner's paged form): the fused RoPE + KV write (reading the
-        layer's rope tables by position), then paged decode attention over the decode rows and
-        paged prefill attention over the chunks. With slot lists (a caller that built them):
+        """With block tables (ModelRunner's paged form): the decode rows in one launch (RoPE, their
+        K/V write and decode attention fused: paged_decode_attention_rope), the prefill chunks in
+        two (the fused RoPE + KV write, then paged prefill attention), each reading the layer's
+        rope tables by position; a pure-decode step (a CUDA graph's, padding rows included: their
+        writes go to the sink block) is one launch. With slot lists (a caller that built them):
         torch_ops."""
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         paged = meta.paged
@@ -186,15 +188,18 @@ class TritonBackend(Backend):
         from engine.backends.triton import attention as tk
 
         T, nd, bs = qkv.shape[0], meta.num_decode, self.config.block_size
-        q = tk.rope_kv_write(qkv, rope.cos, rope.sin, paged.positions, k_cache, v_cache, meta.slot_mapping, H, Hkv, D)
         out = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         extra = {"sliding_window": spec.sliding_window, "softcap": spec.softcap}
-        # Each kernel writes its rows of `out` in place (no copy launch).
+        # Each kernel writes its rows of `out` in place (no copy launch). Decode and prefill rows
+        # belong to different sequences: neither launch reads the other's cache writes.
         if nd:
-            tk.paged_decode_attention(q[:nd], k_cache, v_cache, paged.decode_block_tables, paged.decode_seq_lens, bs,
-                                      spec.scale, out=out[:nd], **extra)
+            tk.paged_decode_attention_rope(qkv[:nd], rope.cos, rope.sin, paged.positions[:nd], k_cache, v_cache,
+                                           meta.slot_mapping[:nd], paged.decode_block_tables, paged.decode_seq_lens,
+                                           bs, spec.scale, H, Hkv, D, out=out[:nd], **extra)
         if nd < T:
-            tk.paged_prefill_attention(q[nd:], k_cache, v_cache, paged.prefill_block_tables,
+            q = tk.rope_kv_write(qkv[nd:], rope.cos, rope.sin, paged.positions[nd:], k_cache, v_cache,
+                                 meta.slot_mapping[nd:], H, Hkv, D)
+            tk.paged_prefill_attention(q, k_cache, v_cache, paged.prefill_block_tables,
                                        paged.prefill_query_start, paged.prefill_context_lens, bs, spec.scale,
                                        paged.prefill_max_query_len, out=out[nd:], **extra)
         return out.view(T, H * D)

@@ -1,6 +1,7 @@
 """Attention in Triton over the paged KV cache: the fused RoPE + K/V write, decode attention
-(split-KV, GQA-grouped) and chunked-prefill attention (flash-style tiles, causal), both with an
-optional sliding window (Mistral, Qwen2, Gemma 2/3, Phi-3) and logit soft-capping (Gemma 2).
+(split-KV, GQA-grouped; alone or with the RoPE + K/V write fused in) and chunked-prefill
+attention (flash-style tiles, causal), both with an optional sliding window (Mistral, Qwen2,
+Gemma 2/3, Phi-3) and logit soft-capping (Gemma 2).
 
 The cache (engine.model.attention.KVCache): per layer `k_cache, v_cache [num_slots, Hkv, D]`,
 a token's slot = block_id * block_size + offset; sequence b's logical block j is
@@ -17,6 +18,10 @@ Semantics:
     # paged_decode_attention: one query per sequence, at position seq_lens[b] - 1
     for b, h: L = seq_lens[b]; slots = [block_tables[b, j // bs] * bs + j % bs for j < L]
         out[b, h] = softmax(scale * q[b, h] @ k_cache[slots, h // G].T) @ v_cache[slots, h // G]
+
+    # paged_decode_attention_rope: both of the above on decode rows in one launch (q rotated
+    # in registers, never stored; key seq_lens[b] - 1 is the new token's, written, then read)
+    out = paged_decode_attention(rope_kv_write(qkv, ..., slot_mapping), ...)
 
     # paged_prefill_attention: sequence s's queries are rows query_start[s] .. query_start[s+1]
     for s, i, h: pos = context_lens[s] - q_len_s + i     # keys 0 .. pos are in the cache
@@ -40,7 +45,10 @@ heads' output rows directly; with several each writes its disjoint rows of fp32 
 (max, sum, weighted values), then counts itself done with one atomic add (acquire-release) on its
 (sequence, KV head) counter, and the program whose count completes the set combines the partials
 in split order, writes the output rows and zeroes the counter (punica_kernels' `_common.zeroed_counters`). The result is
-deterministic: which program combines varies, what it sums and in which order does not.
+deterministic: which program combines varies, what it sums and in which order does not. The fused
+decode (paged_decode_attention_rope) writes each row's new K and V (one KV head's row per
+program) from the (sequence, KV head)'s split whose keys end with the new one, which alone reads
+that slot, after a barrier; every split rotates its own q heads.
 
 Window and soft-cap are compile-time switches (SLIDING, SOFTCAP) with runtime values (the window
 size, the cap): with both off the kernels build to the same machine code as plain causal
@@ -52,7 +60,8 @@ of 16 bytes (D = 32, 64, 128 in any 2- or 4-byte dtype) each run starts 16-byte 
 the base pointer is: torch's allocators return 256-byte-aligned storage, and Triton specializes
 pointer arguments on 16-byte alignment and integer strides on divisibility by 16 at launch, so
 it emits 16-byte vector loads exactly when those facts hold and narrower ones otherwise (a view
-at an odd offset is still read correctly, only more slowly).
+at an odd offset is still read correctly, only more slowly). RoPE's partner elements (d +- D/2)
+are runs of D/2 starting at multiples of D/2: aligned likewise for D/2 * itemsize.
 
 Runs on CUDA tensors (compiled) or on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 when this module is imported); punica_kernels.kernels._common.check_runnable refuses a mismatch.
@@ -214,21 +223,11 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
         raise ValueError("k_cache and v_cache must have one shape and dtype")
 
 
-def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Rotate q and k (HF rotate-half RoPE), write rotated k and v to their cache slots, return
-    rotated q. One launch. Semantics: see the module docstring.
-
-    Args:
-        qkv: [T, (Hq + 2 Hkv) * D], unrotated q | k | v heads; rows contiguous (row stride free).
-        cos, sin: [P, D] tables (engine.model.layers.RotaryEmbedding), any float dtype.
-        positions: [T] int64 (< P).
-        k_cache, v_cache: [num_slots, Hkv, D] in qkv's dtype.
-        slot_mapping: [T] int64; a negative slot writes nothing (a padding token).
-    Returns:
-        q: [T, Hq, D] contiguous, in qkv's dtype (rotated in fp32, rounded once).
-    """
+def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """rope_kv_write's and paged_decode_attention_rope's checks of their RoPE + K/V write
+    inputs; returns the row count T."""
     D = head_dim
     if D % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
@@ -245,6 +244,26 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     _check_cache(k_cache, v_cache, num_kv_heads, D)
     if k_cache.dtype != qkv.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from qkv's {qkv.dtype}")
+    return T
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate q and k (HF rotate-half RoPE), write rotated k and v to their cache slots, return
+    rotated q. One launch. Semantics: see the module docstring.
+
+    Args:
+        qkv: [T, (Hq + 2 Hkv) * D], unrotated q | k | v heads; rows contiguous (row stride free).
+        cos, sin: [P, D] tables (engine.model.layers.RotaryEmbedding), any float dtype.
+        positions: [T] int64 (< P).
+        k_cache, v_cache: [num_slots, Hkv, D] in qkv's dtype.
+        slot_mapping: [T] int64; a negative slot writes nothing (a padding token).
+    Returns:
+        q: [T, Hq, D] contiguous, in qkv's dtype (rotated in fp32, rounded once).
+    """
+    D = head_dim
+    T = _check_rope(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, D)
     device = common_device(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, what=_KERNELS)
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=device)
     if T == 0:
@@ -355,20 +374,36 @@ def _combine_splits(mid_o_ptr, mid_m_ptr, mid_l_ptr, b, heads, mask_g, offs_d, m
 
 
 @triton.jit
+def _rope_rotate(x, x_partner, c, s, lo):
+    """Rotate-half RoPE of x in fp32, rounded once to x's dtype: x_partner holds x's element
+    D/2 away (x[d + D/2] where `lo`, d < D/2, else x[d - D/2]), c and s the fp32 cos and sin at
+    d. The same expressions as _rope_kv_write_kernel's r1 (lo) and r2, so the same bits."""
+    xf = x.to(tl.float32)
+    pf = x_partner.to(tl.float32)
+    return tl.where(lo, xf * c - pf * s, xf * c + pf * s).to(x.dtype)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cnt_ptr,
+    cos_ptr, sin_ptr, pos_ptr, slot_ptr,
     scale, block_size, max_blocks, split_min_tokens,
-    stride_qb, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_k_slot, stride_v_slot, stride_btb, stride_ob, stride_oh, stride_cos, stride_sin,
     window, softcap,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
 ):
     # grid = (B, Hkv, NUM_SPLITS): the G query heads sharing KV head `kvh` of sequence b, over
     # split `sp` of its keys. K/V tiles are read once for the whole group. NUM_SPLITS is only a
     # bound: the sequence uses n_split = clamp(cdiv(keys, split_min_tokens), 1, NUM_SPLITS) of
     # them, from its own length (the keys its query sees), so a short row in a grid sized for a
     # long one (a CUDA graph's fixed table width) costs one program, not NUM_SPLITS.
+    # With ROPE, q_ptr is the layer's qkv rows (q | k | v heads, unrotated; stride_qh = HEAD_DIM)
+    # and cos/sin/pos/slot are read: every program rotates its q heads in registers, and the
+    # program whose keys end with the new token's rotates that key and writes it and its value
+    # to the row's slot before its loop reads it (below). Without ROPE those four pointers and
+    # two strides are unused.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -397,14 +432,42 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    mask_q = mask_g[:, None] & mask_d[None, :]
+    q = tl.load(q_rows + offs_d[None, :], mask=mask_q, other=0.0)
+    kv_col = kvh * HEAD_DIM + offs_d[None, :]
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        NUM_KV_HEADS: tl.constexpr = NUM_HEADS // G
+        lo = offs_d < HALF
+        partner = tl.where(lo, offs_d + HALF, offs_d - HALF)
+        pos = tl.load(pos_ptr + b)
+        c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        q = _rope_rotate(q, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c[None, :], s[None, :],
+                         lo[None, :])
+        # The new token's key is key seq_len - 1, in the one split whose range ends there (the
+        # last that has keys): that program writes the key and its value (one writer per
+        # sequence and KV head; none for a negative slot, a padding row), and no other program
+        # reads that slot. It reads it back in its own loop after the barrier, so the loop is the
+        # unfused kernel's: tiles read from the cache only. (Taking the new key from registers
+        # in the tile instead costs about 90 registers on sm_90: the select between load and
+        # tl.dot, or a peeled last tile, keeps K/V tiles out of the pipelined shared-memory path.)
+        slot = tl.load(slot_ptr + b)
+        if (slot >= 0) & (start < end) & (end == seq_len):
+            k_row = q_ptr + b * stride_qb + (NUM_HEADS + kvh) * HEAD_DIM
+            new_k = _rope_rotate(tl.load(k_row + offs_d, mask=mask_d, other=0.0),
+                                 tl.load(k_row + partner, mask=mask_d, other=0.0), c, s, lo)
+            new_v = tl.load(k_row + NUM_KV_HEADS * HEAD_DIM + offs_d, mask=mask_d, other=0.0)
+            tl.store(k_ptr + slot * stride_k_slot + kvh * HEAD_DIM + offs_d, new_k, mask=mask_d)
+            tl.store(v_ptr + slot * stride_v_slot + kvh * HEAD_DIM + offs_d, new_v, mask=mask_d)
+        # Every thread's stores before any thread's loads (a CTA barrier orders global memory too).
+        tl.debug_barrier()
     if IEEE:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    kv_col = kvh * HEAD_DIM + offs_d[None, :]
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -521,8 +584,72 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_cache(k_cache, v_cache, k_cache.shape[1], D)
     _check_tables(block_tables, B, seq_lens, "seq_lens")
     device = common_device(q, k_cache, v_cache, block_tables, seq_lens, what=_KERNELS)
-    Hkv = k_cache.shape[1]
     out = _output(out, (B, Hq, D), q.dtype, device)
+    return _launch_decode(q, q.stride(0), q.stride(1), Hq, k_cache, v_cache, block_tables, seq_lens, block_size,
+                          scale, out, None, num_splits=num_splits, max_seq_len=max_seq_len,
+                          sliding_window=sliding_window, softcap=softcap)
+
+
+def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
+                                num_heads: int, num_kv_heads: int, head_dim: int, *, num_splits: int | None = None,
+                                max_seq_len: int | None = None, sliding_window: int | None = None,
+                                softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rope_kv_write followed by paged_decode_attention on decode rows, in one launch: each
+    row's q heads and new key are rotated in registers (as rope_kv_write rotates them: fp32,
+    rounded once to qkv's dtype), the new key and value are written to slot_mapping[b] (nothing
+    for a negative slot), and the row's query attends to its first seq_lens[b] keys through its
+    block table, the last of which, seq_lens[b] - 1, is the new token's. The cache afterwards
+    and the output have the same bits as the two launches' (the same values, summed in the same
+    order); the rotated q is not stored.
+
+        q, k, v = rotate(split(qkv), cos[positions], sin[positions])   # as rope_kv_write
+        for b: if slot_mapping[b] >= 0: k_cache[slot_mapping[b]] = k[b]; v_cache[...] = v[b]
+        out = paged_decode_attention(q, ...)     # key seq_lens[b] - 1 of row b = (k[b], v[b])
+
+    Within the launch each slot_mapping[b] is written by one program, the one whose split of
+    row b's keys ends with key seq_lens[b] - 1, which reads it back after a barrier; so the
+    table must map that key to slot_mapping[b], and no other row's keys may include that slot
+    (the engine's: it lies in its own sequence's last block, never shared, and CUDA-graph
+    padding rows, length 1 over the sink block, read only their own new key).
+
+    Args:
+        qkv: [B, (Hq + 2 Hkv) * D], the decode rows' unrotated q | k | v heads; rows contiguous
+            (row stride free: the first rows of a step's qkv).
+        cos, sin: [P, D] tables (engine.model.layers.RotaryEmbedding), any float dtype.
+        positions: [B] int64 (< P), each new token's position (the engine's: seq_lens[b] - 1).
+        k_cache, v_cache: [num_slots, Hkv, D] in qkv's dtype.
+        slot_mapping: [B] int64, the new tokens' slots; a negative slot writes nothing (a
+            padding row: its output is whatever the cache holds, as with rope_kv_write).
+        block_tables, seq_lens (>= 1; a 0 row writes nothing and yields zeros), block_size, scale,
+            num_splits, max_seq_len, sliding_window, softcap, out: as paged_decode_attention's.
+    Returns:
+        out: [B, Hq, D] in qkv's dtype.
+    """
+    B = _check_rope(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    _check_tables(block_tables, B, seq_lens, "seq_lens")
+    device = common_device(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                           what=_KERNELS)
+    out = _output(out, (B, num_heads, head_dim), qkv.dtype, device)
+    return _launch_decode(qkv, qkv.stride(0), head_dim, num_heads, k_cache, v_cache, block_tables, seq_lens,
+                          block_size, scale, out, (cos, sin, positions, slot_mapping), num_splits=num_splits,
+                          max_seq_len=max_seq_len, sliding_window=sliding_window, softcap=softcap)
+
+
+def _launch_decode(q: torch.Tensor, stride_qb: int, stride_qh: int, Hq: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                   scale: float, out: torch.Tensor, rope: tuple | None, *, num_splits: int | None,
+                   max_seq_len: int | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """The decode launch of paged_decode_attention (rope None: q [B, Hq, D] rotated queries) and
+    of paged_decode_attention_rope (rope = (cos, sin, positions, slot_mapping): q is the qkv rows),
+    on checked inputs; returns out."""
+    B = out.shape[0]
+    D = out.shape[2]
+    device = out.device
+    Hkv = k_cache.shape[1]
     if B == 0:
         return out
     cfg = kernel_config(device, "decode", D)
@@ -546,14 +673,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         counters = zeroed_counters(device, B * Hkv)
     else:
         mid_o = mid_m = mid_l = counters = out  # not touched by the single-split kernel
+    # Without RoPE the four RoPE pointers are stand-ins (never read) and their strides 0.
+    cos, sin, positions, slot_mapping = rope if rope is not None else (q, q, q, q)
     _decode_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_m, mid_l, counters,
+        cos, sin, positions, slot_mapping,
         scale, block_size, max_blocks, cfg["split_min_tokens"],
-        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1), **variant,
+        stride_qb, stride_qh, k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1), cos.stride(0) if rope else 0, sin.stride(0) if rope else 0, **variant,
         G=G, HEAD_DIM=D, NUM_HEADS=Hq, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n, IEEE=dot_in_fp32(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ROPE=rope is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
