@@ -330,8 +330,9 @@ ALWAYS_INLINE __m512i sum16_epi32(const __m512i v[16]) {
     return sum16_rows4_epi32(x);
 }
 
-/* shrink_i8 for a block of 16 rows of a (rows past r repeat the block's first, results dropped):
- * 32 inputs a step, one accumulator per row. */
+/* shrink_i8 for a block of 16 rows of a (rows past r contribute zeros, results dropped), row
+ * after row: the slot's block is read as one forward stream, which the hardware prefetcher
+ * follows (16 rows side by side are 16 short streams), two accumulators a row. */
 ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
                                 int64_t j0, float sc, float *v) {
     const int64_t K16 = K / 16 * 16, left = r - j0 < 16 ? r - j0 : 16;
@@ -341,16 +342,23 @@ ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, co
     for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
         const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
         __m512i acc[16];
-        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_si512();
-        int64_t c = c0;
-        for (; c + 32 <= c1; c += 32) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + c));
-            for (int k = 0; k < 16; k++) acc[k] = TESSERA_DP16(acc[k], xv, load_i8x32(row[k] + c));
-        }
-        if (c < c1) { /* 16 inputs left */
-            const __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + c)));
-            for (int k = 0; k < 16; k++)
-                acc[k] = TESSERA_DP16(acc[k], xv, _mm512_zextsi256_si512(load_i8x16(row[k] + c, 16)));
+        for (int k = 0; k < 16; k++) {
+            __m512i p0 = _mm512_setzero_si512(), p1 = p0;
+            if (k >= left) { /* past r: no row to read */
+                acc[k] = p0;
+                continue;
+            }
+            int64_t c = c0;
+            for (; c + 64 <= c1; c += 64) {
+                p0 = TESSERA_DP16(p0, _mm512_loadu_si512((const void *)(xq + c)), load_i8x32(row[k] + c));
+                p1 = TESSERA_DP16(p1, _mm512_loadu_si512((const void *)(xq + c + 32)), load_i8x32(row[k] + c + 32));
+            }
+            for (; c + 32 <= c1; c += 32)
+                p0 = TESSERA_DP16(p0, _mm512_loadu_si512((const void *)(xq + c)), load_i8x32(row[k] + c));
+            if (c < c1)
+                p1 = TESSERA_DP16(p1, _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + c))),
+                                  _mm512_zextsi256_si512(load_i8x16(row[k] + c, 16)));
+            acc[k] = _mm512_add_epi32(p0, p1);
         }
         float out[16];
         _mm512_storeu_ps(out, _mm512_cvtepi32_ps(sum16_epi32(acc)));

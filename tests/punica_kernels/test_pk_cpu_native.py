@@ -286,3 +286,34 @@ def test_the_plain_c_paths_match_the_reference(monkeypatch):
         assert cpu_native.add_lora_f32(pk._checks.check_add_lora(bt.y.clone(), bt.x, stack), meta)
         y = pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta)
         assert_close(y, _reference(bt), torch.float32)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]}
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("avx512bw" not in _cpu_flags(), reason="needs AVX-512BW: the 16-lane int8 paths")
+def test_int8_avx512_paths_give_the_avx2_builds_bits(monkeypatch):
+    """int8 stacks: this machine's build (AVX-512BW, VNNI where present: 16-row shrink blocks read
+    row after row, rank-16 B rows two to a register) gives bit for bit the AVX2 build's result
+    (8-lane integer products), whatever the ranks (below, at and across the 16-row blocks, up to
+    64) and K (with and without whole blocks of 32 and 16 inputs)."""
+    avx2 = cpu_native.load_library("x86-64-v3")
+    native = cpu_native.library()
+    assert avx2 is not None and native is not None
+    slots = _runs([(1, 3), (-1, 2), (0, 11), (2, 1), (3, 9)])
+    meta = pk.build_lora_metadata(slots, num_slots=4)
+    for K, R, ranks in ((576, 16, [16, 1, 8, 15]), (1536, 64, [64, 17, 33, 48]), (200, 24, [24, 23, 5, 16]),
+                        (40, 32, [32, 31, 2, 9])):
+        bt = make_batch(T=slots.numel(), K=K, S=4, R=R, widths=(K, 40, 8), ranks=ranks, seed=K + R)
+        bt.token_slots = slots
+        stack = _int8_stack(bt, ranks)
+        got = {}
+        for name, lib in (("avx2", avx2), ("native", native)):
+            monkeypatch.setattr(cpu_native, "library", lambda lib=lib: lib)
+            got[name] = pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta)
+        assert torch.equal(got["avx2"], got["native"]), (K, R, ranks)
+        assert (got["native"] - bt.y).abs().max() > 0.1  # the adapters did something
