@@ -33,6 +33,7 @@ from collections import OrderedDict
 from typing import AsyncIterator
 
 from engine import metrics as engine_metrics
+from engine import omp_threads
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 
@@ -69,6 +70,9 @@ class AsyncLLMEngine:
         #: The exception type that last ended the step loop (None if it never died); only the type,
         #: so health endpoints carry no paths or data from the message (the log has it whole).
         self.last_error: str | None = None
+        # The engine was built (and warmed up) on this thread; from now on it steps on its own:
+        # this thread's OpenMP workers would only slow the step's regions (engine.omp_threads).
+        omp_threads.release_pool()
         self._thread = threading.Thread(target=self._supervise, name="tessera-engine", daemon=True)
         self._thread.start()
 

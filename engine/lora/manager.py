@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.config import ModelConfig
+from engine import omp_threads
 from engine.durations import ADAPTER_LOAD_BUCKETS_S, Durations
 from engine.lora.layers import LoRASlots, SlotImage
 from engine.lora.source import AdapterFetchError, AdapterSource
@@ -66,7 +67,10 @@ class LoRAManager:
         self._slot_of: dict[str, int] = {}
         self._slot_owner: list[str | None] = [None] * num_slots
         self._slot_used_at: list[float] = [0.0] * num_slots
-        self._pool = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="lora-load")
+        # The loaders run torch ops on their own thread only: an OpenMP pool per loader would slow
+        # every parallel region of the step (engine.omp_threads).
+        self._pool = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="lora-load",
+                                        initializer=omp_threads.serial_thread)
         #: slot_load_transfers: host-to-device copies made by slot loads (one per load off the host,
         #: none on CPU).
         self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "slot_load_transfers": 0,

@@ -265,3 +265,20 @@ def test_a_cuda_slot_load_copies_a_pinned_image_asynchronously(adapters, dtype):
     on_gpu.write(0, _load(adapters, "qv-r4", dtype))  # a rewrite, staged behind the first loads
     on_host.write(0, _load(adapters, "qv-r4", dtype))
     _assert_same_slots(on_gpu, on_host)
+
+
+def test_the_loader_threads_run_torch_ops_on_themselves(adapters):
+    """The adapter loaders are serial threads (engine.omp_threads): a load's torch ops open no
+    OpenMP pool beside the step thread's."""
+    from engine import omp_threads
+    if omp_threads._libgomp() is None:
+        pytest.skip("torch's OpenMP runtime is not libgomp")
+    root, _ = adapters
+    manager = LoRAManager(LocalDirectoryAdapterSource(root), _cfg(), num_slots=2, max_rank=MAX_RANK,
+                          cpu_budget_bytes=1 << 30, backend=_Backend("cpu"))
+    try:
+        manager.request_adapter("all-r16")
+        manager.wait_loaded("all-r16")
+        assert manager._pool.submit(omp_threads.max_threads).result() == 1
+    finally:
+        manager.shutdown()
