@@ -375,6 +375,25 @@ def test_gated_input_equals_the_activation_then_the_product(device, act, dtype, 
         check_product(fused, activated, w, 0.0)
 
 
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+@pytest.mark.parametrize("fmt", ["q4_0", "g128", "q4_k"])
+def test_tuned_gemv_config_computes_the_product(device, gpu, fmt):
+    """The GEMV config tuned for H100 / H200 (64 rows x 128 inputs, four warps) on a shape it
+    does not divide (N past a block, K of a partial chunk), its K split and not, plain and gated:
+    the product of the dequantized weights; gated, bit for bit the activation kernel's output
+    multiplied by the same kernel."""
+    config = w4a16.pick_config(gpu, "gemv", 4096, 14336)
+    assert config != w4a16.CONFIGS[("default", "gemv", 0, 0)]
+    w = weights(fmt, 72, 640, seed=7).to(device)
+    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(8)).to(device)
+    gu = gated_input(1, 640, torch.float32, seed=9).to(device)
+    for split in (0, 1, 3):
+        tuned = dataclasses.replace(config, split_k=split)
+        check_product(w4a16_matmul(x, w, path="gemv", config=tuned), x, w, 0.0)
+        fused = w4a16_matmul(gu, w, path="gemv", config=tuned, act="silu")
+        assert torch.equal(fused, w4a16_matmul(GATED["silu"](gu), w, path="gemv", config=tuned))
+
+
 def test_gated_input_refused_where_it_does_not_fit(device):
     w = weights("g32", 24, 64, seed=0).to(device)
     with pytest.raises(ValueError, match="act must be"):
