@@ -419,13 +419,15 @@ def _weight_plane(words, sc, mn, P: tl.constexpr):
 
 @triton.jit
 def _biased_halves(words, bias):
-    """The GEMV's two biased forms of each uint32 word: nibbles 0..4 in place and nibbles 5..7
-    shifted down 20 bits, each OR-ed with `bias`, 2^23's bits (0x4B000000). A plane is then one AND
-    with one constant (`_biased_plane`): two instructions a word here instead of a second constant
-    in every plane's AND. `bias` is a run-time value (the kernel's `tl.where(N > 0, ...)`): as a
-    literal, the compilers fold the OR back into each plane's AND, (w & mask) | 0x4B000000, a
-    LOP3 with two constants, one of them in a register; short of registers, ptxas re-creates those
-    masks with a MOV in every iteration (about 55 of the 423 instructions of the 16 x 256 loop)."""
+    """The two biased forms of each uint32 word (both kernels' dequantization): nibbles 0..4 in
+    place and nibbles 5..7 shifted down 20 bits, each OR-ed with `bias`, 2^23's bits (0x4B000000).
+    A plane is then one AND with one constant (`_biased_plane`): two instructions a word here
+    instead of a second constant in every plane's AND. `bias` is a run-time value (the kernels'
+    `tl.where(N > 0, ...)`): as a literal, the compilers fold the OR back into each plane's AND,
+    (w & mask) | 0x4B000000, a LOP3 with two constants, one of them in a register; short of
+    registers, ptxas re-creates those masks with a MOV in every iteration (about 55 of the 423
+    instructions of the 16 x 256 GEMV loop; the 64 x 128 GEMM's loop at 8 rows went from 505
+    instructions and 127 registers to 446 and 102)."""
     return (words & 0xFFFFF) | bias, (words >> 20) | bias
 
 
@@ -478,19 +480,21 @@ def _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, st
 
 
 @triton.jit
-def _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss,
+def _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss, bias,
                   G: tl.constexpr, NB: tl.constexpr, SUPER: tl.constexpr, DTYPE: tl.constexpr):
-    """One K tile of weights, [BLOCK_N, NB * 32] in input order and DTYPE (see _load_words)."""
+    """One K tile of weights, [BLOCK_N, NB * 32] in input order and DTYPE (see _load_words);
+    `bias` 2^23's bits as a run-time value (_biased_halves)."""
     words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s,
                                    stride_ss, G, NB, SUPER)
-    p0 = _weight_plane(words, sc, mn, 0).to(DTYPE)
-    p1 = _weight_plane(words, sc, mn, 1).to(DTYPE)
-    p2 = _weight_plane(words, sc, mn, 2).to(DTYPE)
-    p3 = _weight_plane(words, sc, mn, 3).to(DTYPE)
-    p4 = _weight_plane(words, sc, mn, 4).to(DTYPE)
-    p5 = _weight_plane(words, sc, mn, 5).to(DTYPE)
-    p6 = _weight_plane(words, sc, mn, 6).to(DTYPE)
-    p7 = _weight_plane(words, sc, mn, 7).to(DTYPE)
+    lo, hi = _biased_halves(words, bias)
+    p0 = _biased_plane(lo, hi, sc, mn, 0).to(DTYPE)
+    p1 = _biased_plane(lo, hi, sc, mn, 1).to(DTYPE)
+    p2 = _biased_plane(lo, hi, sc, mn, 2).to(DTYPE)
+    p3 = _biased_plane(lo, hi, sc, mn, 3).to(DTYPE)
+    p4 = _biased_plane(lo, hi, sc, mn, 4).to(DTYPE)
+    p5 = _biased_plane(lo, hi, sc, mn, 5).to(DTYPE)
+    p6 = _biased_plane(lo, hi, sc, mn, 6).to(DTYPE)
+    p7 = _biased_plane(lo, hi, sc, mn, 7).to(DTYPE)
     # Interleave the planes into input order: join appends a last axis of 2, so the outermost
     # join picks P's lowest bit; flattened, [.., word, 2, 2, 2] reads p0, p1, ..., p7 a word.
     even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
@@ -622,11 +626,13 @@ def _w4_gemm_kernel(
     else:
         dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # 2^23's bits, as a value the compilers cannot fold (_biased_halves); N > 0 in every launch.
+    bias = tl.where(N > 0, 0x4B000000, 0).to(tl.uint32)
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss,
-                          G, BLOCK_K // 32, SUPER, dtype)
+                          bias, G, BLOCK_K // 32, SUPER, dtype)
         e = k0 + kk
         x = load_input(x_ptr, offs_m[None, :] * stride_xm + e[:, None], mask_m[None, :] & (e < K)[:, None], K,
                     ACT).to(dtype)
