@@ -2,14 +2,15 @@
 starts it) streaming chat completions through the official openai client, the demo's three
 adapters mixed with the base model against the base model alone.
 
-    .venv/bin/python bench/demo_mix.py [--streams 1,8,32] [--requests 48] [--max-tokens 64]
+    .venv/bin/python bench/demo_mix.py [--streams 1,8,32] [--requests 48] [--max-tokens 64] [--ignore-eos]
 
 For each stream count, after a warm-up (every model once, then `--warmup` requests of the mix),
 two workloads run in turn, `--rounds` times each: "base" (every request on the base model) and
 "mix" (requests cycle base, json-answer, pirate, upper), `--requests` requests per workload and
 round, `streams` of them in flight at a time. Per request: time to first token (first content
 delta) and time per output token after it ((last - first) / (tokens - 1)). Prints one JSON object
-per stream count: per-token p50 of base and of the mix and their ratio, first-token p50/p99/max
+per stream count: per-token p50 of base and of the mix and their ratio, the mean reply length
+(content chunks) of each workload, first-token p50/p99/max
 of base requests in the base workload and of adapter requests in the mix, and the adapter
 requests whose first token took longer than 3x the base's p99 (their offset in seconds from the
 run's start, model, first-token seconds).
@@ -37,14 +38,15 @@ PROMPTS = ["Tell me about the history of the printing press.", "Explain how a ra
            "How do airplanes stay in the air?", "Give me a recipe for a simple tomato soup."]
 
 
-async def one(client, model: str, prompt: str, max_tokens: int, t_start: float) -> dict:
-    """Stream one chat completion; its first-token and per-token seconds."""
+async def one(client, model: str, prompt: str, max_tokens: int, t_start: float, ignore_eos: bool = False) -> dict:
+    """Stream one chat completion; its first-token and per-token seconds and its content chunks
+    (one a token). `ignore_eos`: the API's vLLM-style extension, every reply max_tokens long."""
     t0 = time.perf_counter()
     first = last = None
     n = 0
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
-        stream=True)
+        stream=True, extra_body={"ignore_eos": True} if ignore_eos else None)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             now = time.perf_counter()
@@ -52,10 +54,11 @@ async def one(client, model: str, prompt: str, max_tokens: int, t_start: float) 
             last = now
             n += 1
     return {"model": model, "at_s": round(t0 - t_start, 2), "ttft_s": (first or time.perf_counter()) - t0,
-            "tpot_s": (last - first) / (n - 1) if n > 1 else None}
+            "tpot_s": (last - first) / (n - 1) if n > 1 else None, "tokens": n}
 
 
-async def workload(client, models: list[str], streams: int, n: int, max_tokens: int, t_start: float) -> list[dict]:
+async def workload(client, models: list[str], streams: int, n: int, max_tokens: int, t_start: float,
+                   ignore_eos: bool = False) -> list[dict]:
     """`n` requests cycling through `models`, `streams` in flight at a time."""
     queue = list(range(n))
     results: list[dict] = []
@@ -64,7 +67,7 @@ async def workload(client, models: list[str], streams: int, n: int, max_tokens: 
         while queue:
             i = queue.pop(0)
             results.append(await one(client, models[i % len(models)], PROMPTS[i % len(PROMPTS)], max_tokens,
-                                     t_start))
+                                     t_start, ignore_eos))
 
     await asyncio.gather(*(worker() for _ in range(streams)))
     return results
@@ -84,11 +87,12 @@ async def run(args, demo: DemoProcess, base: str) -> list[dict]:
     await workload(client, mix, 1, len(mix), 8, t_start)  # every model once: loads, first builds
     out = []
     for streams in args.streams:
-        await workload(client, mix, streams, max(args.warmup, streams), args.max_tokens, t_start)
+        await workload(client, mix, streams, max(args.warmup, streams), args.max_tokens, t_start, args.ignore_eos)
         runs: dict[str, list[dict]] = {"base": [], "mix": []}
         for _ in range(args.rounds):
             for key, models in (("base", [base]), ("mix", mix)):
-                runs[key] += await workload(client, models, streams, args.requests, args.max_tokens, t_start)
+                runs[key] += await workload(client, models, streams, args.requests, args.max_tokens, t_start,
+                                            args.ignore_eos)
         tpot = {k: [r["tpot_s"] for r in v if r["tpot_s"] is not None] for k, v in runs.items()}
         base_ttft = [r["ttft_s"] for r in runs["base"]]
         adapter_ttft = [r for r in runs["mix"] if r["model"] != base]
@@ -97,6 +101,8 @@ async def run(args, demo: DemoProcess, base: str) -> list[dict]:
             "streams": streams, "requests_per_workload": len(runs["base"]),
             "tpot_ms_p50_base": round(statistics.median(tpot["base"]) * 1000, 2),
             "tpot_ms_p50_mix": round(statistics.median(tpot["mix"]) * 1000, 2),
+            "tokens_mean_base": round(statistics.mean(r["tokens"] for r in runs["base"]), 1),
+            "tokens_mean_mix": round(statistics.mean(r["tokens"] for r in runs["mix"]), 1),
             "ttft_ms_base": [round(pct(base_ttft, q) * 1000, 1) for q in (0.5, 0.99, 1.0)],
             "ttft_ms_adapters": [round(pct([r["ttft_s"] for r in adapter_ttft], q) * 1000, 1)
                                  for q in (0.5, 0.99, 1.0)],
@@ -116,6 +122,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="base, mix alternations per stream count")
     ap.add_argument("--warmup", type=int, default=16, help="mixed requests before each stream count's runs")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every reply max-tokens long (the API's ignore_eos), so both workloads start requests "
+                         "at the same rate: the adapters' cost without their shorter replies' extra prefills")
     args = ap.parse_args()
     demo = DemoProcess(Path(tempfile.mkdtemp(prefix="tessera-demo-mix-")))
     try:
