@@ -32,8 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.config import ModelConfig
 from engine import omp_threads
+from engine.config import ModelConfig
 from engine.durations import ADAPTER_LOAD_BUCKETS_S, Durations
 from engine.lora.layers import LoRASlots, SlotImage
 from engine.lora.source import AdapterFetchError, AdapterSource

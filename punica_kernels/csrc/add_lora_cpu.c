@@ -337,7 +337,7 @@ ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, co
                                 int64_t j0, float sc, float *v) {
     const int64_t K16 = K / 16 * 16, left = r - j0 < 16 ? r - j0 : 16;
     const int8_t *row[16];
-    for (int k = 0; k < 16; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K;
+    for (int k = 0; k < left; k++) row[k] = a + (j0 + k) * K;
     float tot[16] = {0};
     for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
         const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;

@@ -369,9 +369,8 @@ CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
     # each run's address arithmetic serve 4x the rows. bench/sass.py at Llama-3.1-8B shapes,
     # group 32: every decode GEMV's issue estimate within 1.1x its bytes' (the default's: 1.08
     # to 1.27x), 95 registers, no spill.
-    ("NVIDIA H100 80GB HBM3", "gemv", 0, 0): KernelConfig(block_n=64, block_k=128, split_k=0, num_warps=4,
-                                                          num_stages=2),
-    ("NVIDIA H200", "gemv", 0, 0): KernelConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=2),
+    **{(gpu, "gemv", 0, 0): KernelConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=2)
+       for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")},
 }
 
 #: Programs the automatic split-K aims at: two per SM of an H100 (132 SMs).
@@ -401,29 +400,20 @@ def _auto_split(n_programs: int, k_tiles: int) -> int:
 
 
 @triton.jit
-def _weight_plane(words, sc, mn, P: tl.constexpr):
-    """fp32 weights of nibble P (0..7) of each uint32 word: q * sc + mn, with no integer-to-float
-    conversion. The nibble, left in place (or shifted down 20 bits for the top three, whose bits
-    would reach the exponent), OR-ed into the mantissa of 2^23, is the float 2^23 + q * 16^p
-    (p = P, or P - 5), exactly; 2^23 is subtracted, and the scale divided by 16^p (exact: a power
-    of two) gives the weight in one FMA."""
-    if P < 5:
-        v = words & (0xF << (4 * P))
-    else:
-        v = (words >> 20) & (0xF << (4 * (P - 5)))
-    q = (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    if P % 5 == 0:
-        return q * sc + mn
-    return q * (sc * (1.0 / (16 ** (P % 5)))) + mn
+def _exponent_bits(N):
+    """2^23's bits (0x4B000000) as a uint32 the compilers cannot fold into a constant (N > 0 in
+    every launch): `_biased_halves` needs it as a run-time value."""
+    return tl.where(N > 0, 0x4B000000, 0).to(tl.uint32)
 
 
 @triton.jit
 def _biased_halves(words, bias):
     """The two biased forms of each uint32 word (both kernels' dequantization): nibbles 0..4 in
-    place and nibbles 5..7 shifted down 20 bits, each OR-ed with `bias`, 2^23's bits (0x4B000000).
-    A plane is then one AND with one constant (`_biased_plane`): two instructions a word here
-    instead of a second constant in every plane's AND. `bias` is a run-time value (the kernels'
-    `tl.where(N > 0, ...)`): as a literal, the compilers fold the OR back into each plane's AND,
+    place and nibbles 5..7 shifted down 20 bits (whose bits would otherwise reach the exponent),
+    each OR-ed with `bias`, 2^23's bits (`_exponent_bits`). A plane is then one AND with one
+    constant (`_biased_plane`): two instructions a word here instead of a second constant in
+    every plane's AND. `bias` is a run-time value: as a literal, the compilers fold the OR back
+    into each plane's AND,
     (w & mask) | 0x4B000000, a LOP3 with two constants, one of them in a register; short of
     registers, ptxas re-creates those masks with a MOV in every iteration (about 55 of the 423
     instructions of the 16 x 256 GEMV loop; the 64 x 128 GEMM's loop at 8 rows went from 505
@@ -433,8 +423,10 @@ def _biased_halves(words, bias):
 
 @triton.jit
 def _biased_plane(lo, hi, sc, mn, P: tl.constexpr):
-    """`_weight_plane(words, sc, mn, P)` bit for bit, from `_biased_halves(words, 0x4B000000)`:
-    the AND keeps the sign and exponent bits and nibble P's, the float 2^23 + q * 16^p as there."""
+    """fp32 weights of nibble P (0..7) of each word, q * sc + mn, from `_biased_halves`' (lo, hi),
+    with no integer-to-float conversion: the AND keeps the exponent bits and nibble P's, the float
+    2^23 + q * 16^p exactly (p = P, or P - 5 in hi); 2^23 is subtracted, and the scale divided by
+    16^p (exact: a power of two) gives the weight in one FMA."""
     if P < 5:
         v = lo & (0xFF800000 | (0xF << (4 * P)))
     else:
@@ -569,8 +561,7 @@ def _w4_gemv_kernel(
     words_ptr = q_ptr.to(tl.pointer_type(tl.uint32))
     stride_w = tl.multiple_of(stride_q // 4, 4)
     acc = tl.zeros([BLOCK_N, NB, 4], dtype=tl.float32)
-    # 2^23's bits, as a value the compilers cannot fold (_biased_halves); N > 0 in every launch.
-    bias = tl.where(N > 0, 0x4B000000, 0).to(tl.uint32)
+    bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -626,8 +617,7 @@ def _w4_gemm_kernel(
     else:
         dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # 2^23's bits, as a value the compilers cannot fold (_biased_halves); N > 0 in every launch.
-    bias = tl.where(N > 0, 0x4B000000, 0).to(tl.uint32)
+    bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
