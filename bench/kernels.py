@@ -278,7 +278,7 @@ def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None
     stacks = [[([a.bfloat16() for a in aa], [b.bfloat16() for b in bb]) for aa, bb in layer] for layer in fp32_stacks]
     bf16 = cpu_time(step, 8) if cpu_native.library() is not None else None
     # The engine's default storage there: int8 rows with fp32 scales (every slot at the stack's
-    # rank, so each slot's B rows packed at its rank are the quantized [N, R] rows as they are).
+    # rank; each slot's B in the int8 stacks' rank-pair order, pk.int8_b_write).
     int8 = None
     if cpu_native.library() is not None:
         int8_stacks = []
@@ -286,6 +286,9 @@ def decode_step_lora(layers: int = 30, tokens: int = 32, rank: int = 16) -> None
             row = []
             for aa, bb in layer:
                 qa, qb = [pk.quantize_rows(a) for a in aa], [pk.quantize_rows(b) for b in bb]
+                for q, _ in qb:
+                    for s in range(q.shape[0]):
+                        pk.int8_b_write(q, s, q[s].clone())
                 row.append(pk.lora_stack([q for q, _ in qa], [q for q, _ in qb], scales, ranks,
                                          a_row_scales=[r for _, r in qa], b_row_scales=[r for _, r in qb]))
             int8_stacks.append(row)

@@ -30,8 +30,9 @@ lora_a, y matches lora_b), contiguous, one device; v is always fp32. y is update
 Mixed forms, `add_lora` on CPU only, with fp32 x and y: bf16 stacks (adapters stored at half
 the bytes; the C kernel widens them in registers) and int8 stacks with fp32 row scales
 (`lora_stack(..., a_row_scales=, b_row_scales=)`, made by `quantize_rows`; a quarter of the bytes).
-In int8 stacks a slot's B rows are packed at the slot's rank (`int8_b_view`), so a rank-16
-adapter in a rank-64 stack reads a quarter of the bytes [N, R] rows would pull in.
+In int8 stacks a slot's B takes the first N * rank bytes of its [N, R] block, in rank pairs
+(`int8_b_write`, `pack_int8_b`), so a rank-16 adapter in a rank-64 stack reads a quarter of the
+bytes [N, R] rows would pull in.
 
 Dispatch (`impl`): None (the default) picks by device: CUDA tensors run the Triton kernels
 (punica_kernels.kernels), CPU tensors the torch/C path (punica_kernels.cpu). impl="triton" runs
@@ -73,12 +74,12 @@ import torch
 from . import cpu, reference
 from ._checks import LoRAStack, check_add_lora, lora_stack
 from .metadata import DecodeGroups, LoRAMetadata, build_lora_metadata, group_decode_tokens
-from .quantize import int8_b_view, quantize_rows
+from .quantize import int8_b_read, int8_b_write, pack_int8_b, quantize_rows, unpack_int8_b
 
 __all__ = [
     "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand", "add_lora",
     "build_lora_metadata", "LoRAMetadata", "DecodeGroups", "group_decode_tokens", "LoRAStack", "lora_stack",
-    "quantize_rows", "int8_b_view",
+    "quantize_rows", "int8_b_write", "int8_b_read", "pack_int8_b", "unpack_int8_b",
     "reference",
 ]
 

@@ -214,8 +214,9 @@ class LoRAStack:
 
     int8 stacks (`quantized`) hold each weight as q times its row's scale: A_l[s, j, :] =
     a_slices[l][s, j, :] * a_row_scales[l][s, j] and B_l[s, n, :r] = Q[n] * b_row_scales[l][s, n]
-    with Q = int8_b_view(b_slices[l], s, r), r = ranks[s]: slot s's B rows are packed at its rank
-    in the first N * r entries of its [N, R] block (`quantize_rows` makes q and the scales)."""
+    with Q = int8_b_read(b_slices[l], s, r), r = ranks[s]: slot s's B takes the first N * r
+    entries of its [N, R] block, in rank pairs (`int8_b_write`; `quantize_rows` makes q and the
+    scales)."""
 
     a_slices: list[torch.Tensor]
     b_slices: list[torch.Tensor]

@@ -34,7 +34,7 @@ import torch
 
 from . import cpu_native
 from ._checks import check_add_lora, check_expand, check_segments, check_shrink, check_token_slots
-from .quantize import int8_b_view
+from .quantize import int8_b_read
 
 # Segments at least this long on average go through one matmul per segment on views;
 # shorter ones (decode-like) through the slot-major plan.
@@ -346,15 +346,15 @@ def add_lora(y, x, lora_a, lora_b=None, scales=None, ranks=None, *, meta, offset
     scales, ranks = args.stack.scales, args.stack.ranks
     pairs = list(zip(args.a_slices, args.b_slices))
     if args.stack.quantized:
-        # int8 stacks and no C kernel: dequantize whole stacks here, B from each slot's rows packed
-        # at its rank (correct, but copies per call; the engine stores int8 stacks only where the
+        # int8 stacks and no C kernel: dequantize whole stacks here, B from each slot's block at
+        # its rank (correct, but copies per call; the engine stores int8 stacks only where the
         # kernel is built).
         rank_list = ranks.tolist()
         deq = []
         for (A, B), ars, brs in zip(pairs, args.stack.a_row_scales, args.stack.b_row_scales):
             Bf = torch.zeros(B.shape, dtype=y.dtype)
             for s, r in enumerate(rank_list):
-                Bf[s, :, :r] = int8_b_view(B, s, r).to(y.dtype) * brs[s].unsqueeze(-1)
+                Bf[s, :, :r] = int8_b_read(B, s, r).to(y.dtype) * brs[s].unsqueeze(-1)
             deq.append((A.to(x.dtype) * ars.unsqueeze(-1), Bf))
         pairs = deq
     elif args.a_slices[0].dtype != x.dtype:

@@ -201,8 +201,9 @@ class LoRASlots:
                     part[layer, :rm].copy_(w.a_scale[key])
                 elif s.kind == "b_rs":
                     part[layer].copy_(w.b_scale[key])
-                elif self.quantized:  # B rows packed at the stack's rank (punica_kernels.int8_b_view)
-                    part[layer, :w.b[key].shape[0] * rg].view(-1, rg)[:, :rm].copy_(w.b[key])
+                elif self.quantized:  # B at the group's rank in rank pairs (punica_kernels.int8_b_write)
+                    b = w.b[key] if rm == rg else torch.cat([w.b[key], w.b[key].new_zeros(w.b[key].shape[0], rg - rm)], 1)
+                    part[layer, :b.shape[0] * rg].copy_(punica_kernels.pack_int8_b(b))
                 else:
                     part[layer, :, :rm].copy_(w.b[key])
         return SlotImage(version=w.version, rank=w.rank, quantized=w.quantized, layout=self.layout,

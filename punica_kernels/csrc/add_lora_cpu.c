@@ -4,7 +4,7 @@
  * x [T, K] and y [T, ldy] fp32; slots [T] and ranks [S] int32; A_l [S, R, K], B_l [S, N_l, R] all of one weight type
  * (wtype): fp32, bf16 (half the bytes to read, widened to fp32 in registers) or int8 (a quarter:
  * rows quantized symmetrically, A_l[s, j, :] = q * A_rs[l][s, j] and B_l[s, n, :] = q * B_rs[l][s, n],
- * row scales fp32 [S, R] and [S, N_l]; slot s's B rows packed at its rank, see lora_run_i8); all
+ * row scales fp32 [S, R] and [S, N_l]; slot s's B in rank pairs, see b_at); all
  * contiguous. Accumulation in fp32.
  *
  * Why by hand: a decode step reads every distinct adapter's matrices once, a few KB to tens of
@@ -230,10 +230,10 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
 #endif
 
 /* int8 weights, applied a chunk of one slot's tokens at a time: for each token, v[j] = sc * a_rs[j]
- * * (x . a[j]) for j < r, then y[n] += b_rs[n] * (v . b[n]), where the slot's B rows are packed at
- * its rank r (row n at b + n * r, not n * R): a slot then reads N * r bytes of B whatever the
- * stack's R, where [N, R] rows would pull in whole cache lines of padding (4x the bytes for rank
- * 16 in a rank-64 stack).
+ * * (x . a[j]) for j < r, then y[n] += b_rs[n] * (v . B[n, :r]), where the slot's B takes the first
+ * N * r bytes of its [N, R] block (b_at): a slot then reads N * r bytes of B whatever the stack's
+ * R, where [N, R] rows would pull in whole cache lines of padding (4x the bytes for rank 16 in a
+ * rank-64 stack).
  *
  * With AVX2 the products run in integers: x (per token, in a pass before the work items) and v
  * (per token and slice) are rounded to int16 with one scale each (error at most 2^-16 of their
@@ -242,6 +242,17 @@ ALWAYS_INLINE void expand_row(const float *v, const void *b, int64_t R, int64_t 
  * a many-adapter step's reads do not hide). The row scales and the two int16 scales are applied
  * to each row's sum. AVX-512BW builds take the 16-lane paths below where a block fills them
  * (bit-identical results). Without AVX2: fp32 on the dequantized weights. */
+
+/* Where B[n, j] (output n of N, rank j of r) of a slot lies in its int8 B block: the ranks in
+ * pairs (2p, 2p + 1), each pair a row of 2N bytes with output n's two weights side by side, and
+ * an odd rank's last column a row of N bytes after them; N * r bytes in all
+ * (punica_kernels.quantize.pack_int8_b). The expand multiplies a broadcast pair of v by 16 bytes
+ * of a pair row, 8 outputs' sums in the lanes where they belong: no sums across lanes, and one
+ * forward stream a pair. */
+ALWAYS_INLINE int64_t b_at(int64_t N, int64_t r, int64_t n, int64_t j) {
+    return j / 2 * 2 * N + ((r & 1) && j == r - 1 ? n : 2 * n + (j & 1));
+}
+
 #ifdef TESSERA_HAS_AVX2
 /* q[i] = round(src[i] / scale) (|q| <= 32767) for i < n, zeros from n up to pad; returns scale
  * (0 when src is all zero: q is all zero then). */
@@ -282,8 +293,8 @@ ALWAYS_INLINE __m256i sum8_epi32(const __m256i v[8]) {
 }
 
 #ifdef __AVX512BW__
-/* AVX-512BW (VNNI where present): the same integer products 32 at a time, and rank-16 B rows two
- * to a register. Integer sums are exact in any order and converted to fp32 at the same points as
+/* AVX-512BW (VNNI where present): the shrink's integer products 32 at a time (the expand is the
+ * 8-lane code's in every build). Integer sums are exact in any order and converted to fp32 at the same points as
  * in the 8-lane code, so both give bit-identical results. */
 #ifdef __AVX512VNNI__
 #define TESSERA_DP16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
@@ -371,53 +382,12 @@ ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, co
     }
 }
 
-/* expand_i8's rows n..n+15 for a rank-16 slot: its B rows are 16 bytes each and contiguous, so
- * one 32-byte load holds two of them (vq repeated in both halves of vv2). */
-ALWAYS_INLINE void expand_i8_r16(__m512i vv2, const int8_t *b, int64_t n, const float *rs, __m512 vsv, float *y) {
-    __m512i p[8], w[4];
-    for (int m = 0; m < 8; m++) p[m] = _mm512_madd_epi16(vv2, load_i8x32(b + (n + 2 * m) * 16));
-    /* p[m]: lanes 0-7 row n + 2m, lanes 8-15 row n + 2m + 1 (128-bit lanes 0-1 and 2-3) */
-    for (int i = 0; i < 4; i++) /* lane j of w[i]: the partial sums of row 4i + j */
-        w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_i32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum16_rows4_epi32(w)),
-                                   _mm512_mul_ps(_mm512_loadu_ps(rs + n), vsv));
-    _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), s));
-}
-
-/* expand_i8's rows n..n+15 for 16 < r <= 64: each row in blocks of 32 ranks (vq zero from r up to
- * nb * 32; the caller keeps the reads inside the slot's room). */
-ALWAYS_INLINE void expand_i8_wide(const __m512i *vv, int64_t nb, const int8_t *b, int64_t r, int64_t n,
-                                  const float *rs, __m512 vsv, float *y) {
-    __m512i acc[16];
-    for (int k = 0; k < 16; k++) acc[k] = _mm512_madd_epi16(vv[0], load_i8x32(b + (n + k) * r));
-    for (int64_t i = 1; i < nb; i++)
-        for (int k = 0; k < 16; k++) acc[k] = TESSERA_DP16(acc[k], vv[i], load_i8x32(b + (n + k) * r + 32 * i));
-    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum16_epi32(acc)),
-                                   _mm512_mul_ps(_mm512_loadu_ps(rs + n), vsv));
-    _mm512_storeu_ps(y + n, _mm512_add_ps(_mm512_loadu_ps(y + n), s));
-}
-
-/* The rows expand_i8 leaves to the 8-lane code: from the first row the 16-row paths cannot take. */
-ALWAYS_INLINE int64_t expand_i8_512(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t r,
-                                    int64_t n_out, int64_t room, float *y) {
-    const __m512 vsv = _mm512_set1_ps(vs);
-    int64_t n = 0;
-    if (r == 16) {
-        const __m512i vv2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)vq));
-        for (; n + 16 <= n_out; n += 16) expand_i8_r16(vv2, b, n, rs, vsv, y);
-    } else if (r > 16) {
-        const int64_t nb = (r + 31) / 32;
-        __m512i vv[2];
-        for (int64_t i = 0; i < nb; i++) vv[i] = _mm512_loadu_si512((const void *)(vq + 32 * i));
-        for (; n + 16 <= n_out && (n + 15) * r + 32 * nb <= room; n += 16) expand_i8_wide(vv, nb, b, r, n, rs, vsv, y);
-    }
-    return n;
-}
 #endif
 
-/* v[j] = sc * rs[j] * xs * (xq . a[j]) for j < r (8 rows at a time sharing each load of xq). The
- * int32 sums are moved to fp32 every 4096 inputs: |pair sum| <= 2 * 127 * 32767, 256 of them fit. */
+/* v[j] = sc * rs[j] * xs * (xq . a[j]) for j < r, in blocks of 8 rows read row after row (the
+ * slot's matrix as one forward stream, which the hardware prefetcher follows: 8 rows side by side
+ * are 8 short streams), two accumulators a row. The int32 sums are moved to fp32 every 4096
+ * inputs: |pair sum| <= 2 * 127 * 32767, 256 of them fit. */
 ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
                              float sc, float *v) {
     const int64_t K16 = K / 16 * 16;
@@ -430,17 +400,29 @@ ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const
         }
 #endif
         const int64_t left = r - j0 < 8 ? r - j0 : 8;
-        const int8_t *row[8]; /* rows past r repeat the block's first (result dropped) */
+        const int8_t *row[8]; /* rows past r: the block's first, for the tail loop (result dropped) */
         for (int k = 0; k < 8; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K;
         float tot[8] = {0};
         for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
             const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
             __m256i acc[8];
-            for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
-            for (int64_t c = c0; c < c1; c += 16) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c));
-                for (int k = 0; k < 8; k++)
-                    acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(xv, load_i8x16(row[k] + c, 16)));
+            for (int k = 0; k < 8; k++) {
+                __m256i p0 = _mm256_setzero_si256(), p1 = p0;
+                if (k >= left) { /* past r: no row to read */
+                    acc[k] = p0;
+                    continue;
+                }
+                int64_t c = c0;
+                for (; c + 32 <= c1; c += 32) {
+                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c)),
+                                                                load_i8x16(row[k] + c, 16)));
+                    p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c + 16)),
+                                                                load_i8x16(row[k] + c + 16, 16)));
+                }
+                if (c < c1)
+                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c)),
+                                                                load_i8x16(row[k] + c, 16)));
+                acc[k] = _mm256_add_epi32(p0, p1);
             }
             float out[8];
             _mm256_storeu_ps(out, _mm256_cvtepi32_ps(sum8_epi32(acc)));
@@ -454,41 +436,50 @@ ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const
     }
 }
 
-/* rows n..n+7 of expand_i8 (row n at b + n * r), nb blocks of 16 ranks; `partial` (a constant at
- * each call site): each row's last block is read through a buffer, not past the row's r bytes */
-ALWAYS_INLINE void expand_block_i8(const __m256i *vv, int64_t nb, const int8_t *b, int64_t r, int64_t n,
-                                   const float *rs, __m256 vsv, float *y, int partial) {
-    __m256i acc[8];
-    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < nb; i++) {
-        const int64_t valid = partial && i == nb - 1 ? r - 16 * i : 16;
-        for (int k = 0; k < 8; k++)
-            acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(vv[i], load_i8x16(b + (n + k) * r + 16 * i, valid)));
-    }
-    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum8_epi32(acc)), _mm256_mul_ps(_mm256_loadu_ps(rs + n), vsv));
-    _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
-}
-
-/* y[n] += rs[n] * vs * (vq . b[n * r : n * r + r]) for n < n_out, 8 rows at a time: the slot's B
- * rows packed at its own rank (b holds `room` readable bytes). vq is zero from r up to a multiple
- * of 16, so whole 16-byte loads may run into the next row: they do while that stays inside the
- * slot's room, and the rows after go through a buffer. |sum| <= 64 * 127 * 32767: int32. */
-ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t r, int64_t n_out,
-                             int64_t room, float *y) {
-    const int64_t nb = (r + 15) / 16; /* blocks of 16 ranks, at most 4 */
-    __m256i vv[4];
-    for (int64_t i = 0; i < nb; i++) vv[i] = _mm256_loadu_si256((const __m256i *)(vq + 16 * i));
-    const __m256 vsv = _mm256_set1_ps(vs);
-#ifdef __AVX512BW__
-    int64_t n = expand_i8_512(vq, vs, b, rs, r, n_out, room, y);
-#else
+/* y[n] += rs[n] * vs * (vq . B[n, :r]) for n < N (layout: b_at). A broadcast pair (vq[2p],
+ * vq[2p + 1]) times 16 bytes of pair row p is 8 outputs' int32 sums: no horizontal sums. The
+ * integer sums are exact, so any order gives the same bits; |sum| <= 64 * 127 * 32767: int32. */
+ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t r, int64_t N,
+                             float *y) {
+    const int64_t np = r / 2;
+    const int odd = (int)(r & 1);
+    const int8_t *last = b + np * 2 * N; /* odd r: the last column */
     int64_t n = 0;
-#endif
-    for (; n + 8 <= n_out && (n + 7) * r + 16 * nb <= room; n += 8) expand_block_i8(vv, nb, b, r, n, rs, vsv, y, 0);
-    for (; n + 8 <= n_out; n += 8) expand_block_i8(vv, nb, b, r, n, rs, vsv, y, 1);
-    for (; n < n_out; n++) {
+    __m256i vp[32];
+    for (int64_t p = 0; p < np; p++) {
+        int32_t pair;
+        memcpy(&pair, vq + 2 * p, sizeof pair);
+        vp[p] = _mm256_set1_epi32(pair);
+    }
+    const __m256i vl = _mm256_set1_epi32(odd ? vq[r - 1] : 0);
+    const __m256 vsv = _mm256_set1_ps(vs);
+    for (; n + 32 <= N; n += 32) {
+        __m256i acc[4];
+        for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_si256();
+        for (int64_t p = 0; p < np; p++) {
+            const int8_t *row = b + p * 2 * N + 2 * n;
+            for (int i = 0; i < 4; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(vp[p], load_i8x16(row + 16 * i, 16)));
+        }
+        for (int i = 0; i < 4; i++) {
+            if (odd)
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(
+                                                      _mm_loadl_epi64((const __m128i *)(last + n + 8 * i)))));
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(_mm256_loadu_ps(rs + n + 8 * i), vsv));
+            _mm256_storeu_ps(y + n + 8 * i, _mm256_add_ps(_mm256_loadu_ps(y + n + 8 * i), s));
+        }
+    }
+    for (; n + 8 <= N; n += 8) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int64_t p = 0; p < np; p++)
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(vp[p], load_i8x16(b + p * 2 * N + 2 * n, 16)));
+        if (odd)
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(last + n)))));
+        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_loadu_ps(rs + n), vsv));
+        _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
+    }
+    for (; n < N; n++) {
         int32_t acc = 0;
-        for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[j] * b[n * r + j];
+        for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[j] * b[b_at(N, r, n, j)];
         y[n] += rs[n] * vs * (float)acc;
     }
 }
@@ -502,24 +493,20 @@ static void quantize_rows_i16(int64_t t0, int64_t t1, int64_t K, const float *x,
 
 ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
                                int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
-                               int64_t R, int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
+                               int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
     (void)x;
     float v[64];
     int16_t vq[64];
     for (int64_t i = t0; i < t0 + n_tok; i++) {
         shrink_i8(xq + i * K, xs[i], a, a_rs, K, r, sc, v);
-#ifdef __AVX512BW__
-        const float vs = quantize_i16(v, r, (r + 31) / 32 * 32, vq); /* expand_i8_wide reads 32 ranks a block */
-#else
-        const float vs = quantize_i16(v, r, (r + 15) / 16 * 16, vq);
-#endif
-        if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, r, n_out, n_out * R, y + i * ldy);
+        const float vs = quantize_i16(v, r, r, vq);
+        if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, r, n_out, y + i * ldy);
     }
 }
 #else
 ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
                                int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
-                               int64_t R, int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
+                               int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
     (void)xq, (void)xs;
     float v[64];
     for (int64_t i = t0; i < t0 + n_tok; i++) {
@@ -530,7 +517,7 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
         }
         for (int64_t n = 0; n < n_out; n++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < r; j++) acc += v[j] * (float)b[n * r + j];
+            for (int64_t j = 0; j < r; j++) acc += v[j] * (float)b[b_at(n_out, r, n, j)];
             y[i * ldy + n] += b_rs[n] * acc;
         }
     }
@@ -619,7 +606,7 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
              * run's next tokens (a run is at most CHUNK tokens). One call site per weight type so
              * each is compiled for it. */
             if (wtype == W_I8) {
-                lora_run_i8(t0, n_tok, x, xq, xs, K, a, A_rs[l] + s * R, b, B_rs[l] + s * n_out, R, r, sc, n_out,
+                lora_run_i8(t0, n_tok, x, xq, xs, K, a, A_rs[l] + s * R, b, B_rs[l] + s * n_out, r, sc, n_out,
                             y + off[l], ldy);
             } else if (wtype == W_BF16) {
                 for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);

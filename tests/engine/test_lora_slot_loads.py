@@ -80,9 +80,9 @@ def _write_per_tensor(slots: LoRASlots, slot: int, w) -> None:
             a[slot, :rm].copy_(w.a[key])
             a[slot, rm:rg].zero_()
             if slots.quantized:
-                view = punica_kernels.int8_b_view(b, slot, rg)
-                view[:, :rm].copy_(w.b[key])
-                view[:, rm:].zero_()
+                padded = torch.zeros(b.shape[1], rg, dtype=torch.int8)
+                padded[:, :rm] = w.b[key]
+                punica_kernels.int8_b_write(b, slot, padded)
                 slots.a_rs[key][slot, :rm].copy_(w.a_scale[key])
                 slots.a_rs[key][slot, rm:rg].zero_()
                 slots.b_rs[key][slot].copy_(w.b_scale[key])
@@ -164,7 +164,7 @@ def test_a_rewritten_slot_computes_only_its_new_adapter(adapters, dtype):
             for m in GROUPS[group]:
                 rm = w.a[(layer, m)].shape[0] if (layer, m) in w.a else 0
                 assert not rewritten.a[(layer, m)][0, rm:rg].any(), (name, layer, m)
-                b = (punica_kernels.int8_b_view(rewritten.b[(layer, m)], 0, rg) if dtype == torch.int8
+                b = (punica_kernels.int8_b_read(rewritten.b[(layer, m)], 0, rg) if dtype == torch.int8
                      else rewritten.b[(layer, m)][0, :, :rg])
                 assert not b[:, rm:].any(), (name, layer, m)
     assert rewritten.rank_in(0, 0, "o") == 0 and rewritten.rank_in(0, 0, "qkv") == 4

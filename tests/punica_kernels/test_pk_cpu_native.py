@@ -169,10 +169,10 @@ def test_bad_calls_on_a_prepared_stack():
 
 
 def _int8_stack(bt, ranks):
-    """bt's weights as an int8 stack (quantize_rows; each slot's B rows packed at its rank,
-    int8_b_view), and bt rewritten to the dequantized values the op sees. Rows of A past each
-    slot's rank get weight 127 and a NaN scale, and B's entries past N * rank 127, so a kernel
-    that reads them shows it."""
+    """bt's weights as an int8 stack (quantize_rows; each slot's B at its rank, int8_b_write),
+    and bt rewritten to the dequantized values the op sees. Rows of A past each slot's rank get
+    weight 127 and a NaN scale, and B's entries past N * rank 127, so a kernel that reads them
+    shows it."""
     qa = [pk.quantize_rows(torch.nan_to_num(a, nan=0.0)) for a in bt.a]
     qb = [pk.quantize_rows(torch.nan_to_num(b, nan=0.0)) for b in bt.b]  # rows: outputs, over R (zeros past r)
     packed = []
@@ -181,7 +181,7 @@ def _int8_stack(bt, ranks):
             q[s, r:], rs[s, r:] = 127, float("nan")
         pb = torch.full_like(qbl, 127)
         for s, r in enumerate(ranks):
-            pk.int8_b_view(pb, s, r).copy_(qbl[s, :, :r])
+            pk.int8_b_write(pb, s, qbl[s, :, :r])
         packed.append(pb)
     bt.a = [q.float() * rs.unsqueeze(-1) for q, rs in qa]
     bt.b = [q.float() * rs.unsqueeze(-1) for q, rs in qb]
@@ -192,6 +192,25 @@ def _int8_stack(bt, ranks):
                          a_row_scales=[rs for _, rs in qa], b_row_scales=[rs for _, rs in qb])
 
 
+@pytest.mark.parametrize("n,rank", [(40, 16), (33, 7), (5, 1), (8, 0), (1536, 64)])
+def test_int8_b_holds_a_slot_in_its_first_n_rank_bytes(n, rank):
+    """int8_b_write puts a slot's [N, rank] B in the first N * rank bytes of its block, rank pairs
+    first (output n's two values side by side), an odd rank's last column after them; the rest of
+    the stack is untouched, and int8_b_read gives the values back."""
+    gen = torch.Generator().manual_seed(n + rank)
+    q = torch.randint(-127, 128, (n, rank), generator=gen).to(torch.int8)
+    stack = torch.full((3, n, 64), 99, dtype=torch.int8)
+    pk.int8_b_write(stack, 1, q)
+    block = stack[1].flatten()
+    for j in range(rank):
+        at = j // 2 * 2 * n + (torch.arange(n) if rank % 2 and j == rank - 1 else 2 * torch.arange(n) + j % 2)
+        assert torch.equal(block[at], q[:, j]), j
+    assert (block[n * rank:] == 99).all() and (stack[0] == 99).all() and (stack[2] == 99).all()
+    assert torch.equal(pk.int8_b_read(stack, 1, rank), q)
+    with pytest.raises(ValueError, match="rank 65 outside"):
+        pk.int8_b_read(stack, 1, 65)
+
+
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
 @pytest.mark.parametrize("K,R", [(576, 16), (1536, 64), (200, 24), (33, 8), (576, 64)], ids=lambda v: str(v))
 def test_int8_stacks_with_row_scales(monkeypatch, torch_path, K, R):
@@ -200,9 +219,9 @@ def test_int8_stacks_with_row_scales(monkeypatch, torch_path, K, R):
     to 1e-4 of the adapter term's size (the kernel rounds x and the intermediate to 16 bits for
     its integer products), through the kernel (any run length) and the torch path alike; nothing
     past a slot's rank is read. Ranks below, at and across blocks of 16, and rank-16 slots in a
-    rank-64 stack (the engine's default R); ranks not a multiple of 16 (B rows packed at 8 or 23
-    bytes: whole 16-byte loads up to the slot's end, then through a buffer); K with and without
-    whole blocks of 16."""
+    rank-64 stack (the engine's default R); odd ranks (B's last rank a column of its own) and
+    ranks not a multiple of 16; output widths with and without whole blocks of 8 and 32 (the
+    expand's tails); K with and without whole blocks of 16."""
     slots = _runs([(1, 3), (-1, 2), (0, 70), (2, 1), (3, 9)])  # one run longer than MAX_RUN
     ranks = [R, 1, max(1, R // 2), R - 1] if (K, R) != (576, 64) else [16, 16, 8, 16]
     bt = make_batch(T=slots.numel(), K=K, S=4, R=R, widths=(K, 40), ranks=ranks, seed=41 + K)
@@ -298,7 +317,7 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif("avx512bw" not in _cpu_flags(), reason="needs AVX-512BW: the 16-lane int8 paths")
 def test_int8_avx512_paths_give_the_avx2_builds_bits(monkeypatch):
     """int8 stacks: this machine's build (AVX-512BW, VNNI where present: 16-row shrink blocks read
-    row after row, rank-16 B rows two to a register) gives bit for bit the AVX2 build's result
+    row after row) gives bit for bit the AVX2 build's result
     (8-lane integer products), whatever the ranks (below, at and across the 16-row blocks, up to
     64) and K (with and without whole blocks of 32 and 16 inputs)."""
     avx2 = cpu_native.load_library("x86-64-v3")
