@@ -378,20 +378,39 @@ def test_gated_input_equals_the_activation_then_the_product(device, act, dtype, 
 @pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 @pytest.mark.parametrize("fmt", ["q4_0", "g128", "q4_k"])
 def test_tuned_gemv_config_computes_the_product(device, gpu, fmt):
-    """The GEMV config tuned for H100 / H200 (64 rows x 128 inputs, four warps) on a shape it
-    does not divide (N past a block, K of a partial chunk), its K split and not, plain and gated:
-    the product of the dequantized weights; gated, bit for bit the activation kernel's output
-    multiplied by the same kernel."""
+    """The GEMV config tuned for H100 / H200 (128 rows x 128 inputs, four warps) on a shape it
+    does not divide (N past a block, K of a partial chunk) and on one it does (whole tiles: the
+    unmasked loads through stepped pointers), its K split and not, plain and gated: the product
+    of the dequantized weights; gated, bit for bit the activation kernel's output multiplied by
+    the same kernel."""
     config = w4a16.pick_config(gpu, "gemv", 4096, 14336)
     assert config != w4a16.CONFIGS[("default", "gemv", 0, 0)]
-    w = weights(fmt, 72, 640, seed=7).to(device)
-    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(8)).to(device)
-    gu = gated_input(1, 640, torch.float32, seed=9).to(device)
-    for split in (0, 1, 3):
-        tuned = dataclasses.replace(config, split_k=split)
-        check_product(w4a16_matmul(x, w, path="gemv", config=tuned), x, w, 0.0)
-        fused = w4a16_matmul(gu, w, path="gemv", config=tuned, act="silu")
-        assert torch.equal(fused, w4a16_matmul(GATED["silu"](gu), w, path="gemv", config=tuned))
+    for n, k in ((72, 640), (2 * config.block_n, 5 * config.block_k)):
+        w = weights(fmt, n, k, seed=7).to(device)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).to(device)
+        gu = gated_input(1, k, torch.float32, seed=9).to(device)
+        for split in (0, 1, 3):
+            tuned = dataclasses.replace(config, split_k=split)
+            check_product(w4a16_matmul(x, w, path="gemv", config=tuned), x, w, 0.0)
+            fused = w4a16_matmul(gu, w, path="gemv", config=tuned, act="silu")
+            assert torch.equal(fused, w4a16_matmul(GATED["silu"](gu), w, path="gemv", config=tuned))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "g32", "g128", "q4_k"])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 5)])
+def test_whole_tiles_take_unmasked_stepped_loads(device, fmt, path, m):
+    """N a multiple of the tile's rows and K of its inputs: with one level and whole groups in a
+    tile the kernels load words, scales and mins unmasked through loop-invariant pointers plus
+    one offset a tile (two levels, and groups wider than a tile, keep the masked loads): the
+    product of the dequantized weights whatever the K split, fp32 and bf16 activations alike."""
+    n, k = 48, 512
+    w = weights(fmt, n, k, seed=21).to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(22)).to(device)
+    for block_k in (32, 128):  # G 128 is whole in the wider tile only
+        for split in (1, 3):
+            config = KernelConfig(block_n=16, block_k=block_k, split_k=split, block_m=16)
+            check_product(w4a16_matmul(x, w, path=path, config=config), x, w, 0.0)
+            check_product(w4a16_matmul(x.bfloat16(), w, path=path, config=config), x.bfloat16(), w, 2 * 2.0 ** -8)
 
 
 def test_gated_input_refused_where_it_does_not_fit(device):
@@ -478,16 +497,17 @@ from engine.backends.triton import w4a16 as W
 
 # Split K (the decode shapes') with the plain and the gated input (the down projection's), and
 # one K chunk (prefill's); one-level fp16 and fp32 scales, and Q4_K's two levels (uint8 sub-block
-# values, fp16 factors per 256 inputs: SUPER 8 groups).
+# values, fp16 factors per 256 inputs: SUPER 8 groups). The split variants with whole tiles
+# (EVEN: one level's loads through stepped pointers), the others with masks.
 for scales, sup in (("*fp16", 0), ("*fp32", 0), ("*u8", 8)):
     for split, act in ((True, "none"), (True, "silu"), (False, "none")):
         build(f"gemv {scales} split={split} {act}", W._w4_gemv_kernel, "*u8", scales,
-              {"G": 32, "SUPER": sup, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": split, "ACT": act},
-              num_warps=2, num_stages=2)
+              {"G": 32, "SUPER": sup, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": split, "ACT": act,
+               "EVEN": split}, num_warps=2, num_stages=2)
     for bm, split, act in ((16, True, "none"), (16, True, "gelu_tanh"), (64, False, "none")):  # decode, prefill
         build(f"gemm m{bm} {scales} split={split} {act}", W._w4_gemm_kernel, "*u8", scales,
               {"G": 32, "SUPER": sup, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False, "SPLIT": split,
-               "ACT": act}, num_warps=4, num_stages=3)
+               "ACT": act, "EVEN": split}, num_warps=4, num_stages=3)
 """
 
 

@@ -364,12 +364,12 @@ CONFIGS: dict[tuple[str, str, int, int], KernelConfig] = {
     # 64 weight rows x 128 inputs a tile (64 bytes of each row: four 16-byte loads), up to 64
     # rows of x; K split until the grid fills the GPU.
     ("default", "gemm", 0, 0): KernelConfig(block_n=64, block_k=128, split_k=0, block_m=64, num_warps=4, num_stages=3),
-    # H100 / H200 GEMV: 64 rows x 128 inputs (64 bytes of each row), four warps: a thread's share
-    # of a tile is the default's (8 words), but each x element loaded (and, gated, activated) and
-    # each run's address arithmetic serve 4x the rows. bench/sass.py at Llama-3.1-8B shapes,
-    # group 32: every decode GEMV's issue estimate within 1.1x its bytes' (the default's: 1.08
-    # to 1.27x), 95 registers, no spill.
-    **{(gpu, "gemv", 0, 0): KernelConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=2)
+    # H100 / H200 GEMV: 128 rows x 128 inputs (64 bytes of each row), four warps: 16 words a
+    # thread, so each x element loaded (and, gated, activated) and each run's address arithmetic
+    # serve 4 rows. bench/sass.py at Llama-3.1-8B shapes: every decode GEMV's issue estimate
+    # within 1.15x its bytes' at group 128 and under them at group 32 (64 rows: up to 1.20x),
+    # 128 registers, no spill (bench/RESULTS.md).
+    **{(gpu, "gemv", 0, 0): KernelConfig(block_n=128, block_k=128, split_k=0, num_warps=4, num_stages=2)
        for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")},
 }
 
@@ -472,12 +472,33 @@ def _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, st
 
 
 @triton.jit
-def _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss, bias,
-                  G: tl.constexpr, NB: tl.constexpr, SUPER: tl.constexpr, DTYPE: tl.constexpr):
-    """One K tile of weights, [BLOCK_N, NB * 32] in input order and DTYPE (see _load_words);
-    `bias` 2^23's bits as a run-time value (_biased_halves)."""
-    words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s,
-                                   stride_ss, G, NB, SUPER)
+def _stepped_bases(words_ptr, s_ptr, m_ptr, rows, stride_w, stride_s, G: tl.constexpr, NB: tl.constexpr):
+    """The loop-invariant pointers `_load_stepped` offsets: a K tile's words, scales and mins at
+    k0 = 0 for `rows`, in _load_words' shapes. For kernels whose every tile is whole (no masks)
+    with one level and whole groups in a tile (BLOCK_K % G == 0), so a tile's loads are these
+    pointers plus one scalar each: recomputing masks and 64-bit offsets from k0 in every trip is
+    about a tenth of a GEMV loop's instructions."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 4)
+    w_base = words_ptr + rows[:, None, None] * stride_w + (b[:, None] * 4 + i[None, :])[None, :, :]
+    g_off = rows[:, None] * stride_s + (b * 32 // G)[None, :]
+    return w_base, s_ptr + g_off, m_ptr + g_off
+
+
+@triton.jit
+def _load_stepped(w_base, s_base, m_base, k0, G: tl.constexpr):
+    """_load_words' (words, scales, mins) of the tile at k0 (a multiple of the tile, so of G and of
+    32) through `_stepped_bases`' pointers, unmasked."""
+    words = tl.load(w_base + tl.multiple_of(k0 // 8, 4))
+    sc = tl.load(s_base + k0 // G).to(tl.float32)[:, :, None]
+    mn = tl.load(m_base + k0 // G).to(tl.float32)[:, :, None]
+    return words, sc, mn
+
+
+@triton.jit
+def _dequant_words(words, sc, mn, bias, DTYPE: tl.constexpr):
+    """A K tile's weights from _load_words' (words [BLOCK_N, NB, 4], scales, mins): [BLOCK_N,
+    NB * 32] in input order and DTYPE; `bias` 2^23's bits as a run-time value (_biased_halves)."""
     lo, hi = _biased_halves(words, bias)
     p0 = _biased_plane(lo, hi, sc, mn, 0).to(DTYPE)
     p1 = _biased_plane(lo, hi, sc, mn, 1).to(DTYPE)
@@ -491,7 +512,7 @@ def _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, 
     # join picks P's lowest bit; flattened, [.., word, 2, 2, 2] reads p0, p1, ..., p7 a word.
     even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
     odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
-    return tl.reshape(tl.join(even, odd), (rows.shape[0], NB * 32))
+    return tl.reshape(tl.join(even, odd), (words.shape[0], words.shape[1] * 32))
 
 
 @triton.jit
@@ -543,12 +564,13 @@ def _w4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
     G: tl.constexpr, SUPER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, ACT: tl.constexpr,
+    SPLIT: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr,
 ):
     # One row of x (M == 1). grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk
     # s of output tile n (split_k_store). Each thread keeps its products in registers,
     # [BLOCK_N, NB, 4] fp32 (a word's 8 products summed into one), and the block reduces once,
     # after the K loop.
+    # EVEN: N a multiple of BLOCK_N and K of BLOCK_K, so every tile is whole (_stepped_bases).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 32
@@ -564,9 +586,16 @@ def _w4_gemv_kernel(
     bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
+    STEPPED: tl.constexpr = EVEN and SUPER == 0 and BLOCK_K % G == 0
+    if STEPPED:
+        w_base, s_base, m_base = _stepped_bases(words_ptr, s_ptr, m_ptr, rows, stride_w, stride_s, G, NB)
     for k0 in range(k_start, k_end, BLOCK_K):
-        words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w,
-                                            stride_s, stride_ss, G, NB, SUPER)
+        if STEPPED:
+            words, sc, mn = _load_stepped(w_base, s_base, m_base, k0, G)
+            mask_b = b < NB
+        else:
+            words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K,
+                                                stride_w, stride_s, stride_ss, G, NB, SUPER)
         # x of word (b, i): inputs k0 + 32 b + 8 i + P, as [NB, 4, 8] split into its 8 planes P
         # (the same halving as the weights' joins: the last axis of 2 is P's lowest bit).
         xv = load_input(x_ptr, k0 + b[:, None, None] * 32 + i[None, :, None] * 8 + j[None, None, :],
@@ -596,11 +625,11 @@ def _w4_gemm_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
     G: tl.constexpr, SUPER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
     # of output tile (m, n) (split_k_store). M blocks vary fastest: programs running together
-    # share weight tiles.
+    # share weight tiles. EVEN: N a multiple of BLOCK_N and K of BLOCK_K (_stepped_bases).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -620,9 +649,16 @@ def _w4_gemm_kernel(
     bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
+    STEPPED: tl.constexpr = EVEN and SUPER == 0 and BLOCK_K % G == 0
+    if STEPPED:
+        w_base, s_base, m_base = _stepped_bases(words_ptr, s_ptr, m_ptr, rows, stride_w, stride_s, G, BLOCK_K // 32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w = _dequant_tile(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w, stride_s, stride_ss,
-                          bias, G, BLOCK_K // 32, SUPER, dtype)
+        if STEPPED:
+            words, sc, mn = _load_stepped(w_base, s_base, m_base, k0, G)
+        else:
+            words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w,
+                                           stride_s, stride_ss, G, BLOCK_K // 32, SUPER)
+        w = _dequant_words(words, sc, mn, bias, dtype)
         e = k0 + kk
         x = load_input(x_ptr, offs_m[None, :] * stride_xm + e[:, None], mask_m[None, :] & (e < K)[:, None], K,
                     ACT).to(dtype)
@@ -782,7 +818,8 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     two = w.super_size != 0
     ss, sm = (w.super_scales, w.super_mins) if two else (w.scales, w.mins)
     common = dict(G=w.group_size, SUPER=w.super_size // w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-                  BLOCK_K=plan.block_k, SPLIT=plan.split_k > 1, ACT=gate, num_warps=plan.num_warps,
+                  BLOCK_K=plan.block_k, SPLIT=plan.split_k > 1, ACT=gate,
+                  EVEN=n % plan.block_n == 0 and k % plan.block_k == 0, num_warps=plan.num_warps,
                   num_stages=plan.num_stages)
     n_blocks = triton.cdiv(n, plan.block_n)
     m_blocks = 1 if plan.path == "gemv" else triton.cdiv(m, plan.block_m)
