@@ -399,14 +399,15 @@ def test_tuned_gemv_config_computes_the_product(device, gpu, fmt):
 @pytest.mark.parametrize("fmt", ["q4_0", "g32", "g128", "q4_k"])
 @pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 5)])
 def test_whole_tiles_take_unmasked_stepped_loads(device, fmt, path, m):
-    """N a multiple of the tile's rows and K of its inputs: with one level and whole groups in a
-    tile the kernels load words, scales and mins unmasked through loop-invariant pointers plus
-    one offset a tile (two levels, and groups wider than a tile, keep the masked loads): the
-    product of the dequantized weights whatever the K split, fp32 and bf16 activations alike."""
+    """N a multiple of the tile's rows and K of its inputs, tiles and groups (and Q4_K's 256-input
+    super-blocks) nested: the kernels load words and group parameters unmasked through
+    loop-invariant pointers plus one offset a tile. The product of the dequantized weights
+    whatever the K split, with groups narrower and wider than the tile, fp32 and bf16
+    activations alike."""
     n, k = 48, 512
     w = weights(fmt, n, k, seed=21).to(device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(22)).to(device)
-    for block_k in (32, 128):  # G 128 is whole in the wider tile only
+    for block_k in (32, 128):  # G 128: a group spans 4 narrow tiles, or is one wide one
         for split in (1, 3):
             config = KernelConfig(block_n=16, block_k=block_k, split_k=split, block_m=16)
             check_product(w4a16_matmul(x, w, path=path, config=config), x, w, 0.0)

@@ -472,26 +472,45 @@ def _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, st
 
 
 @triton.jit
-def _stepped_bases(words_ptr, s_ptr, m_ptr, rows, stride_w, stride_s, G: tl.constexpr, NB: tl.constexpr):
-    """The loop-invariant pointers `_load_stepped` offsets: a K tile's words, scales and mins at
-    k0 = 0 for `rows`, in _load_words' shapes. For kernels whose every tile is whole (no masks)
-    with one level and whole groups in a tile (BLOCK_K % G == 0), so a tile's loads are these
-    pointers plus one scalar each: recomputing masks and 64-bit offsets from k0 in every trip is
-    about a tenth of a GEMV loop's instructions."""
+def _stepped(EVEN: tl.constexpr, G: tl.constexpr, SUPER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Whether a kernel's tiles load through `_stepped_bases`: every tile whole (EVEN: N a
+    multiple of BLOCK_N, K of BLOCK_K) and the tile and the groups (and super-blocks) nested, one
+    a multiple of the other, so a run's group at tile k0 is k0 // G plus its own offset in the
+    tile (b * 32 // G), and alike for super-blocks."""
+    D: tl.constexpr = G * SUPER
+    return EVEN and (BLOCK_K % G == 0 or G % BLOCK_K == 0) and (SUPER == 0 or BLOCK_K % D == 0 or D % BLOCK_K == 0)
+
+
+@triton.jit
+def _stepped_bases(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, stride_w, stride_s, stride_ss, G: tl.constexpr,
+                   NB: tl.constexpr, SUPER: tl.constexpr):
+    """The loop-invariant pointers `_load_stepped` offsets (kernels where `_stepped`): a K tile's
+    words, scales and mins (two levels: and super-block factors) at k0 = 0 for `rows`, in
+    _load_words' shapes. A tile's loads are then these pointers plus one scalar each, unmasked:
+    recomputing masks and 64-bit offsets from k0 in every trip is about a tenth of a GEMV loop's
+    instructions."""
     b = tl.arange(0, NB)
     i = tl.arange(0, 4)
     w_base = words_ptr + rows[:, None, None] * stride_w + (b[:, None] * 4 + i[None, :])[None, :, :]
     g_off = rows[:, None] * stride_s + (b * 32 // G)[None, :]
-    return w_base, s_ptr + g_off, m_ptr + g_off
+    f_off = rows[:, None] * stride_ss + (b * 32 // (G * tl.maximum(SUPER, 1)))[None, :]
+    return w_base, s_ptr + g_off, m_ptr + g_off, ss_ptr + f_off, sm_ptr + f_off
 
 
 @triton.jit
-def _load_stepped(w_base, s_base, m_base, k0, G: tl.constexpr):
-    """_load_words' (words, scales, mins) of the tile at k0 (a multiple of the tile, so of G and of
-    32) through `_stepped_bases`' pointers, unmasked."""
+def _load_stepped(w_base, s_base, m_base, ss_base, sm_base, k0, G: tl.constexpr, SUPER: tl.constexpr):
+    """_load_words' (words, scales, mins) of the tile at k0 (a multiple of the tile) through
+    `_stepped_bases`' pointers, unmasked; two levels multiply each group's values by its
+    super-block's factors as _load_words does."""
     words = tl.load(w_base + tl.multiple_of(k0 // 8, 4))
-    sc = tl.load(s_base + k0 // G).to(tl.float32)[:, :, None]
-    mn = tl.load(m_base + k0 // G).to(tl.float32)[:, :, None]
+    g = k0 // G
+    if SUPER > 0:
+        f = k0 // (G * SUPER)
+        sc = (tl.load(s_base + g).to(tl.float32) * tl.load(ss_base + f).to(tl.float32))[:, :, None]
+        mn = (tl.load(m_base + g).to(tl.float32) * tl.load(sm_base + f).to(tl.float32))[:, :, None]
+    else:
+        sc = tl.load(s_base + g).to(tl.float32)[:, :, None]
+        mn = tl.load(m_base + g).to(tl.float32)[:, :, None]
     return words, sc, mn
 
 
@@ -570,7 +589,7 @@ def _w4_gemv_kernel(
     # s of output tile n (split_k_store). Each thread keeps its products in registers,
     # [BLOCK_N, NB, 4] fp32 (a word's 8 products summed into one), and the block reduces once,
     # after the K loop.
-    # EVEN: N a multiple of BLOCK_N and K of BLOCK_K, so every tile is whole (_stepped_bases).
+    # EVEN: N a multiple of BLOCK_N and K of BLOCK_K, so every tile is whole (_stepped).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 32
@@ -586,12 +605,13 @@ def _w4_gemv_kernel(
     bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
-    STEPPED: tl.constexpr = EVEN and SUPER == 0 and BLOCK_K % G == 0
+    STEPPED: tl.constexpr = _stepped(EVEN, G, SUPER, BLOCK_K)
     if STEPPED:
-        w_base, s_base, m_base = _stepped_bases(words_ptr, s_ptr, m_ptr, rows, stride_w, stride_s, G, NB)
+        w_base, s_base, m_base, ss_base, sm_base = _stepped_bases(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows,
+                                                                  stride_w, stride_s, stride_ss, G, NB, SUPER)
     for k0 in range(k_start, k_end, BLOCK_K):
         if STEPPED:
-            words, sc, mn = _load_stepped(w_base, s_base, m_base, k0, G)
+            words, sc, mn = _load_stepped(w_base, s_base, m_base, ss_base, sm_base, k0, G, SUPER)
             mask_b = b < NB
         else:
             words, sc, mn, mask_b = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K,
@@ -629,7 +649,7 @@ def _w4_gemm_kernel(
 ):
     # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
     # of output tile (m, n) (split_k_store). M blocks vary fastest: programs running together
-    # share weight tiles. EVEN: N a multiple of BLOCK_N and K of BLOCK_K (_stepped_bases).
+    # share weight tiles. EVEN: N a multiple of BLOCK_N and K of BLOCK_K (_stepped).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -649,12 +669,14 @@ def _w4_gemm_kernel(
     bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
-    STEPPED: tl.constexpr = EVEN and SUPER == 0 and BLOCK_K % G == 0
+    STEPPED: tl.constexpr = _stepped(EVEN, G, SUPER, BLOCK_K)
     if STEPPED:
-        w_base, s_base, m_base = _stepped_bases(words_ptr, s_ptr, m_ptr, rows, stride_w, stride_s, G, BLOCK_K // 32)
+        w_base, s_base, m_base, ss_base, sm_base = _stepped_bases(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows,
+                                                                  stride_w, stride_s, stride_ss, G, BLOCK_K // 32,
+                                                                  SUPER)
     for k0 in range(k_start, k_end, BLOCK_K):
         if STEPPED:
-            words, sc, mn = _load_stepped(w_base, s_base, m_base, k0, G)
+            words, sc, mn = _load_stepped(w_base, s_base, m_base, ss_base, sm_base, k0, G, SUPER)
         else:
             words, sc, mn, _ = _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, stride_w,
                                            stride_s, stride_ss, G, BLOCK_K // 32, SUPER)
