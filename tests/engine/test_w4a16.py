@@ -498,17 +498,17 @@ from engine.backends.triton import w4a16 as W
 
 # Split K (the decode shapes') with the plain and the gated input (the down projection's), and
 # one K chunk (prefill's); one-level fp16 and fp32 scales, and Q4_K's two levels (uint8 sub-block
-# values, fp16 factors per 256 inputs: SUPER 8 groups). The split variants with whole tiles
-# (EVEN: one level's loads through stepped pointers), the others with masks.
+# values, fp16 factors per 256 inputs: SUPER 8 groups). The split variants load through stepped
+# pointers (whole tiles, nested groups: w4a16.stepped), the others with masks.
 for scales, sup in (("*fp16", 0), ("*fp32", 0), ("*u8", 8)):
     for split, act in ((True, "none"), (True, "silu"), (False, "none")):
         build(f"gemv {scales} split={split} {act}", W._w4_gemv_kernel, "*u8", scales,
               {"G": 32, "SUPER": sup, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": split, "ACT": act,
-               "EVEN": split}, num_warps=2, num_stages=2)
+               "STEPPED": split}, num_warps=2, num_stages=2)
     for bm, split, act in ((16, True, "none"), (16, True, "gelu_tanh"), (64, False, "none")):  # decode, prefill
         build(f"gemm m{bm} {scales} split={split} {act}", W._w4_gemm_kernel, "*u8", scales,
               {"G": 32, "SUPER": sup, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False, "SPLIT": split,
-               "ACT": act, "EVEN": split}, num_warps=4, num_stages=3)
+               "ACT": act, "STEPPED": split}, num_warps=4, num_stages=3)
 """
 
 

@@ -472,19 +472,9 @@ def _load_words(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, mask_n, k0, K, st
 
 
 @triton.jit
-def _stepped(EVEN: tl.constexpr, G: tl.constexpr, SUPER: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Whether a kernel's tiles load through `_stepped_bases`: every tile whole (EVEN: N a
-    multiple of BLOCK_N, K of BLOCK_K) and the tile and the groups (and super-blocks) nested, one
-    a multiple of the other, so a run's group at tile k0 is k0 // G plus its own offset in the
-    tile (b * 32 // G), and alike for super-blocks."""
-    D: tl.constexpr = G * SUPER
-    return EVEN and (BLOCK_K % G == 0 or G % BLOCK_K == 0) and (SUPER == 0 or BLOCK_K % D == 0 or D % BLOCK_K == 0)
-
-
-@triton.jit
 def _stepped_bases(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows, stride_w, stride_s, stride_ss, G: tl.constexpr,
                    NB: tl.constexpr, SUPER: tl.constexpr):
-    """The loop-invariant pointers `_load_stepped` offsets (kernels where `_stepped`): a K tile's
+    """The loop-invariant pointers `_load_stepped` offsets (kernels launched with STEPPED): a K tile's
     words, scales and mins (two levels: and super-block factors) at k0 = 0 for `rows`, in
     _load_words' shapes. A tile's loads are then these pointers plus one scalar each, unmasked:
     recomputing masks and 64-bit offsets from k0 in every trip is about a tenth of a GEMV loop's
@@ -583,13 +573,13 @@ def _w4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
     G: tl.constexpr, SUPER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr,
+    SPLIT: tl.constexpr, ACT: tl.constexpr, STEPPED: tl.constexpr,
 ):
     # One row of x (M == 1). grid = (cdiv(N, BLOCK_N), SPLIT_K); program (n, s) computes K chunk
     # s of output tile n (split_k_store). Each thread keeps its products in registers,
     # [BLOCK_N, NB, 4] fp32 (a word's 8 products summed into one), and the block reduces once,
     # after the K loop.
-    # EVEN: N a multiple of BLOCK_N and K of BLOCK_K, so every tile is whole (_stepped).
+    # STEPPED: the tiles load through _stepped_bases (`stepped`).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 32
@@ -605,7 +595,6 @@ def _w4_gemv_kernel(
     bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(k_start + K_CHUNK, K)
-    STEPPED: tl.constexpr = _stepped(EVEN, G, SUPER, BLOCK_K)
     if STEPPED:
         w_base, s_base, m_base, ss_base, sm_base = _stepped_bases(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows,
                                                                   stride_w, stride_s, stride_ss, G, NB, SUPER)
@@ -645,11 +634,11 @@ def _w4_gemm_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_q, stride_s, stride_ss, stride_om, stride_ok,
     G: tl.constexpr, SUPER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, STEPPED: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); program (m, n, s) computes K chunk s
     # of output tile (m, n) (split_k_store). M blocks vary fastest: programs running together
-    # share weight tiles. EVEN: N a multiple of BLOCK_N and K of BLOCK_K (_stepped).
+    # share weight tiles. STEPPED: the tiles load through _stepped_bases (`stepped`).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -669,7 +658,6 @@ def _w4_gemm_kernel(
     bias = _exponent_bits(N)
     k_start = pid_k * K_CHUNK  # K_CHUNK % BLOCK_K == 0: tiles never straddle two chunks
     k_end = tl.minimum(k_start + K_CHUNK, K)
-    STEPPED: tl.constexpr = _stepped(EVEN, G, SUPER, BLOCK_K)
     if STEPPED:
         w_base, s_base, m_base, ss_base, sm_base = _stepped_bases(words_ptr, s_ptr, m_ptr, ss_ptr, sm_ptr, rows,
                                                                   stride_w, stride_s, stride_ss, G, BLOCK_K // 32,
@@ -760,6 +748,16 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, *, path: str | Non
     return LaunchPlan(path, block_m, block_n, block_k, split, k_chunk, cfg.num_warps, cfg.num_stages)
 
 
+def stepped(n: int, k: int, plan: LaunchPlan, group_size: int, super_size: int) -> bool:
+    """Whether the 4-bit kernels load their tiles through `_stepped_bases` (STEPPED): every tile
+    whole (N a multiple of the tile's rows, K of its inputs) and the tile and the groups (and
+    super-blocks) nested, one a multiple of the other, so a run's group at the tile at k0 is
+    k0 // G plus its own offset in the tile, and alike for super-blocks."""
+    nested = lambda d: plan.block_k % d == 0 or d % plan.block_k == 0
+    return (n % plan.block_n == 0 and k % plan.block_k == 0 and nested(group_size)
+            and (super_size == 0 or nested(super_size)))
+
+
 def check_activations(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
     """The launchers' checks of x against K inputs of weights on `device` (ValueError naming what
     is wrong); returns x with a unit column stride (a copy only where it had none)."""
@@ -841,7 +839,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4Weight, *, exact: bool = False, path: str
     ss, sm = (w.super_scales, w.super_mins) if two else (w.scales, w.mins)
     common = dict(G=w.group_size, SUPER=w.super_size // w.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   BLOCK_K=plan.block_k, SPLIT=plan.split_k > 1, ACT=gate,
-                  EVEN=n % plan.block_n == 0 and k % plan.block_k == 0, num_warps=plan.num_warps,
+                  STEPPED=stepped(n, k, plan, w.group_size, w.super_size), num_warps=plan.num_warps,
                   num_stages=plan.num_stages)
     n_blocks = triton.cdiv(n, plan.block_n)
     m_blocks = 1 if plan.path == "gemv" else triton.cdiv(m, plan.block_m)
