@@ -202,7 +202,9 @@ class LoRASlots:
                 elif s.kind == "b_rs":
                     part[layer].copy_(w.b_scale[key])
                 elif self.quantized:  # B at the group's rank in rank pairs (punica_kernels.int8_b_write)
-                    b = w.b[key] if rm == rg else torch.cat([w.b[key], w.b[key].new_zeros(w.b[key].shape[0], rg - rm)], 1)
+                    b = w.b[key]
+                    if rm < rg:  # zero-padded to the group's rank
+                        b = torch.cat([b, b.new_zeros(b.shape[0], rg - rm)], dim=1)
                     part[layer, :b.shape[0] * rg].copy_(punica_kernels.pack_int8_b(b))
                 else:
                     part[layer, :, :rm].copy_(w.b[key])

@@ -276,12 +276,9 @@ static float quantize_i16(const float *src, int64_t n, int64_t pad, int16_t *q) 
     return scale;
 }
 
-/* 16 int8 weights from w (only the first `valid` read when fewer), sign-extended to int16 */
-ALWAYS_INLINE __m256i load_i8x16(const int8_t *w, int64_t valid) {
-    if (valid >= 16) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
-    int8_t buf[16] = {0};
-    memcpy(buf, w, (size_t)valid);
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)buf));
+/* 16 int8 weights from w, sign-extended to int16 */
+ALWAYS_INLINE __m256i load_i8x16(const int8_t *w) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
 }
 
 /* r[k] = sum of the 8 int32 lanes of v[k] (as tessera_sum8) */
@@ -294,8 +291,8 @@ ALWAYS_INLINE __m256i sum8_epi32(const __m256i v[8]) {
 
 #ifdef __AVX512BW__
 /* AVX-512BW (VNNI where present): the shrink's integer products 32 at a time (the expand is the
- * 8-lane code's in every build). Integer sums are exact in any order and converted to fp32 at the same points as
- * in the 8-lane code, so both give bit-identical results. */
+ * 8-lane code's in every build). Integer sums are exact in any order and converted to fp32 at the
+ * same points as in the 8-lane code, so both give bit-identical results. */
 #ifdef __AVX512VNNI__
 #define TESSERA_DP16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
 #else
@@ -368,7 +365,7 @@ ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, co
                 p0 = TESSERA_DP16(p0, _mm512_loadu_si512((const void *)(xq + c)), load_i8x32(row[k] + c));
             if (c < c1)
                 p1 = TESSERA_DP16(p1, _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + c))),
-                                  _mm512_zextsi256_si512(load_i8x16(row[k] + c, 16)));
+                                  _mm512_zextsi256_si512(load_i8x16(row[k] + c)));
             acc[k] = _mm512_add_epi32(p0, p1);
         }
         float out[16];
@@ -415,13 +412,13 @@ ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const
                 int64_t c = c0;
                 for (; c + 32 <= c1; c += 32) {
                     p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c)),
-                                                                load_i8x16(row[k] + c, 16)));
+                                                                load_i8x16(row[k] + c)));
                     p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c + 16)),
-                                                                load_i8x16(row[k] + c + 16, 16)));
+                                                                load_i8x16(row[k] + c + 16)));
                 }
                 if (c < c1)
                     p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c)),
-                                                                load_i8x16(row[k] + c, 16)));
+                                                                load_i8x16(row[k] + c)));
                 acc[k] = _mm256_add_epi32(p0, p1);
             }
             float out[8];
@@ -458,22 +455,25 @@ ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const
         for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_si256();
         for (int64_t p = 0; p < np; p++) {
             const int8_t *row = b + p * 2 * N + 2 * n;
-            for (int i = 0; i < 4; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(vp[p], load_i8x16(row + 16 * i, 16)));
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(vp[p], load_i8x16(row + 16 * i)));
         }
         for (int i = 0; i < 4; i++) {
             if (odd)
                 acc[i] = _mm256_add_epi32(acc[i], _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(
                                                       _mm_loadl_epi64((const __m128i *)(last + n + 8 * i)))));
-            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(_mm256_loadu_ps(rs + n + 8 * i), vsv));
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]),
+                                           _mm256_mul_ps(_mm256_loadu_ps(rs + n + 8 * i), vsv));
             _mm256_storeu_ps(y + n + 8 * i, _mm256_add_ps(_mm256_loadu_ps(y + n + 8 * i), s));
         }
     }
     for (; n + 8 <= N; n += 8) {
         __m256i acc = _mm256_setzero_si256();
         for (int64_t p = 0; p < np; p++)
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(vp[p], load_i8x16(b + p * 2 * N + 2 * n, 16)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(vp[p], load_i8x16(b + p * 2 * N + 2 * n)));
         if (odd)
-            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(last + n)))));
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64((const __m128i *)(last + n)))));
         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_loadu_ps(rs + n), vsv));
         _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
     }
