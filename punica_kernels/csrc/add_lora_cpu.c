@@ -11,10 +11,13 @@
  * KB each, so the work is a stream of short dot products that torch can only express as padded
  * batched GEMMs plus gathers (bench/RESULTS.md). Here consecutive tokens on the same slot (the
  * engine orders decodes by slot) form a run whose weights are read once while they are hot in
- * L1, and the (run, slice) pairs are shared between threads. OpenMP: the process's libgomp is
- * torch's (loaded first, same soname), so both share one thread pool.
+ * L1, and the (slice, run) items are split between threads in contiguous shares of equal cost.
+ * With many adapters a step is bound by reading their weights (a few hundred short blocks), so
+ * each thread prefetches its coming items into L2 (pf_cursor_t). OpenMP: the process's libgomp
+ * is torch's (loaded first, same soname), so both share one thread pool.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,6 +256,61 @@ ALWAYS_INLINE int64_t b_at(int64_t N, int64_t r, int64_t n, int64_t j) {
     return j / 2 * 2 * N + ((r & 1) && j == r - 1 ? n : 2 * n + (j & 1));
 }
 
+/* How far a thread's prefetches run ahead of its reads, in bytes: the int8 items of a
+ * many-adapter step are short blocks (a few KB to tens of KB), too short for the hardware
+ * prefetcher to reach full speed on each, so each thread walks the bytes its coming items read
+ * and asks for them into L2 this far ahead. */
+#define PF_AHEAD 16384
+
+/* A thread's prefetch cursor over its work items (p = first, first + step, ...): each item's A
+ * block, then its B block (the first r * K and r * N bytes of the slot's, all an int8 item reads).
+ * An item whose run continues the previous run's slot is skipped (the same weights, just read). */
+typedef struct {
+    const int64_t *runs;
+    int64_t nruns, end, step, q, K, R;
+    const int32_t *ranks;
+    const void *const *A, *const *B;
+    const int64_t *N;
+    const char *p;
+    int64_t left, debt;
+    int seg;
+} pf_cursor_t;
+
+/* Move c to the next block to prefetch; 0 when the thread's items are done. */
+static int pf_next_block(pf_cursor_t *c) {
+    for (;;) {
+        if (c->seg == 0) {
+            c->seg = 1;
+        } else {
+            c->seg = 0;
+            c->q += c->step;
+        }
+        if (c->q >= c->end) return 0;
+        const int64_t run = c->q % c->nruns, l = c->q / c->nruns, s = c->runs[3 * run + 2], r = c->ranks[s];
+        if (r == 0 || (run > 0 && c->runs[3 * run - 1] == s)) {
+            c->seg = 1; /* the item's B next time round: on to the next item */
+            continue;
+        }
+        c->p = c->seg == 0 ? (const char *)c->A[l] + s * c->R * c->K : (const char *)c->B[l] + s * c->N[l] * c->R;
+        c->left = r * (c->seg == 0 ? c->K : c->N[l]);
+        return 1;
+    }
+}
+
+/* The thread has read `bytes` more of its items: prefetch into L2 as far again ahead (c NULL: nothing). */
+ALWAYS_INLINE void pf_advance(pf_cursor_t *c, int64_t bytes) {
+    if (c == NULL) return;
+    c->debt += bytes;
+    while (c->debt >= 64) {
+        if (c->left <= 0 && !pf_next_block(c)) {
+            c->debt = 0;
+            return;
+        }
+        __builtin_prefetch(c->p, 0, 2); /* prefetcht1: L2 (into L1 the lines would evict what is in use) */
+        c->p += 64, c->left -= 64, c->debt -= 64;
+    }
+}
+
 #ifdef TESSERA_HAS_AVX2
 /* q[i] = round(src[i] / scale) (|q| <= 32767) for i < n, zeros from n up to pad; returns scale
  * (0 when src is all zero: q is all zero then). */
@@ -275,6 +333,14 @@ static float quantize_i16(const float *src, int64_t n, int64_t pad, int16_t *q) 
     for (; i < pad; i++) q[i] = 0;
     return scale;
 }
+
+/* Tokens of one run whose products share each load of the weights: as many as keep the
+ * expand's accumulators and weights in registers (32 with AVX-512, 16 with AVX2). */
+#ifdef __AVX512BW__
+#define TOK_BLOCK 4
+#else
+#define TOK_BLOCK 2
+#endif
 
 /* 16 int8 weights from w, sign-extended to int16 */
 ALWAYS_INLINE __m256i load_i8x16(const int8_t *w) {
@@ -338,60 +404,74 @@ ALWAYS_INLINE __m512i sum16_epi32(const __m512i v[16]) {
     return sum16_rows4_epi32(x);
 }
 
-/* shrink_i8 for a block of 16 rows of a (rows past r contribute zeros, results dropped), row
- * after row: the slot's block is read as one forward stream, which the hardware prefetcher
- * follows (16 rows side by side are 16 short streams), two accumulators a row. */
-ALWAYS_INLINE void shrink_i8_16(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
-                                int64_t j0, float sc, float *v) {
+/* The shrink of up to TOK_BLOCK tokens of one run for a block of 16 rows of a (rows past r
+ * contribute zeros, results dropped), row after row (one forward stream through the slot's
+ * block), two accumulators per row and token; each 32 weights are loaded and widened once for
+ * all the tokens. */
+ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *xs, const int8_t *a, const float *rs,
+                                int64_t K, int64_t r, int64_t j0, float sc, float (*v)[64], pf_cursor_t *pf) {
     const int64_t K16 = K / 16 * 16, left = r - j0 < 16 ? r - j0 : 16;
     const int8_t *row[16];
     for (int k = 0; k < left; k++) row[k] = a + (j0 + k) * K;
-    float tot[16] = {0};
+    float tot[TOK_BLOCK][16] = {{0}};
     for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
         const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
-        __m512i acc[16];
+        __m512i acc[TOK_BLOCK][16];
         for (int k = 0; k < 16; k++) {
-            __m512i p0 = _mm512_setzero_si512(), p1 = p0;
-            if (k >= left) { /* past r: no row to read */
-                acc[k] = p0;
-                continue;
+            __m512i p0[TOK_BLOCK], p1[TOK_BLOCK];
+            for (int t = 0; t < nt; t++) p0[t] = p1[t] = _mm512_setzero_si512();
+            if (k < left) { /* past r: no row to read */
+                pf_advance(pf, c1 - c0);
+                int64_t c = c0;
+                for (; c + 64 <= c1; c += 64) {
+                    const __m512i w0 = load_i8x32(row[k] + c), w1 = load_i8x32(row[k] + c + 32);
+                    for (int t = 0; t < nt; t++) {
+                        p0[t] = TESSERA_DP16(p0[t], _mm512_loadu_si512((const void *)(xq[t] + c)), w0);
+                        p1[t] = TESSERA_DP16(p1[t], _mm512_loadu_si512((const void *)(xq[t] + c + 32)), w1);
+                    }
+                }
+                for (; c + 32 <= c1; c += 32) {
+                    const __m512i w0 = load_i8x32(row[k] + c);
+                    for (int t = 0; t < nt; t++)
+                        p0[t] = TESSERA_DP16(p0[t], _mm512_loadu_si512((const void *)(xq[t] + c)), w0);
+                }
+                if (c < c1) {
+                    const __m512i w1 = _mm512_zextsi256_si512(load_i8x16(row[k] + c));
+                    for (int t = 0; t < nt; t++)
+                        p1[t] = TESSERA_DP16(p1[t], _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[t] + c))),
+                                             w1);
+                }
             }
-            int64_t c = c0;
-            for (; c + 64 <= c1; c += 64) {
-                p0 = TESSERA_DP16(p0, _mm512_loadu_si512((const void *)(xq + c)), load_i8x32(row[k] + c));
-                p1 = TESSERA_DP16(p1, _mm512_loadu_si512((const void *)(xq + c + 32)), load_i8x32(row[k] + c + 32));
-            }
-            for (; c + 32 <= c1; c += 32)
-                p0 = TESSERA_DP16(p0, _mm512_loadu_si512((const void *)(xq + c)), load_i8x32(row[k] + c));
-            if (c < c1)
-                p1 = TESSERA_DP16(p1, _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + c))),
-                                  _mm512_zextsi256_si512(load_i8x16(row[k] + c)));
-            acc[k] = _mm512_add_epi32(p0, p1);
+            for (int t = 0; t < nt; t++) acc[t][k] = _mm512_add_epi32(p0[t], p1[t]);
         }
-        float out[16];
-        _mm512_storeu_ps(out, _mm512_cvtepi32_ps(sum16_epi32(acc)));
-        for (int k = 0; k < 16; k++) tot[k] += out[k];
+        for (int t = 0; t < nt; t++) {
+            float out[16];
+            _mm512_storeu_ps(out, _mm512_cvtepi32_ps(sum16_epi32(acc[t])));
+            for (int k = 0; k < 16; k++) tot[t][k] += out[k];
+        }
     }
-    for (int k = 0; k < left; k++) {
-        int64_t tail = 0; /* K % 16 inputs */
-        for (int64_t c = K16; c < K; c++) tail += (int64_t)xq[c] * row[k][c];
-        v[j0 + k] = sc * rs[j0 + k] * xs * (tot[k] + (float)tail);
-    }
+    for (int t = 0; t < nt; t++)
+        for (int k = 0; k < left; k++) {
+            int64_t tail = 0; /* K % 16 inputs */
+            for (int64_t c = K16; c < K; c++) tail += (int64_t)xq[t][c] * row[k][c];
+            v[t][j0 + k] = sc * rs[j0 + k] * xs[t] * (tot[t][k] + (float)tail);
+        }
 }
 
 #endif
 
-/* v[j] = sc * rs[j] * xs * (xq . a[j]) for j < r, in blocks of 8 rows read row after row (the
- * slot's matrix as one forward stream, which the hardware prefetcher follows: 8 rows side by side
- * are 8 short streams), two accumulators a row. The int32 sums are moved to fp32 every 4096
- * inputs: |pair sum| <= 2 * 127 * 32767, 256 of them fit. */
-ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const float *rs, int64_t K, int64_t r,
-                             float sc, float *v) {
+/* v[t][j] = sc * rs[j] * xs[t] * (xq[t] . a[j]) for j < r and the nt <= TOK_BLOCK tokens of a
+ * block, in blocks of 8 rows read row after row (the slot's matrix as one forward stream), two
+ * accumulators per row and token; each 16 weights are loaded and widened once for all the tokens.
+ * The int32 sums are moved to fp32 every 4096 inputs: |pair sum| <= 2 * 127 * 32767, 256 of them
+ * fit. */
+ALWAYS_INLINE void shrink_i8(int nt, const int16_t *const *xq, const float *xs, const int8_t *a, const float *rs,
+                             int64_t K, int64_t r, float sc, float (*v)[64], pf_cursor_t *pf) {
     const int64_t K16 = K / 16 * 16;
     for (int64_t j0 = 0; j0 < r; j0 += 8) {
 #ifdef __AVX512BW__
         if (r - j0 > 8) { /* more than 8 rows left: 16 at a time */
-            shrink_i8_16(xq, xs, a, rs, K, r, j0, sc, v);
+            shrink_i8_16(nt, xq, xs, a, rs, K, r, j0, sc, v, pf);
             j0 += 8;
             continue;
         }
@@ -399,89 +479,139 @@ ALWAYS_INLINE void shrink_i8(const int16_t *xq, float xs, const int8_t *a, const
         const int64_t left = r - j0 < 8 ? r - j0 : 8;
         const int8_t *row[8]; /* rows past r: the block's first, for the tail loop (result dropped) */
         for (int k = 0; k < 8; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K;
-        float tot[8] = {0};
+        float tot[TOK_BLOCK][8] = {{0}};
         for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
             const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
-            __m256i acc[8];
+            __m256i acc[TOK_BLOCK][8];
             for (int k = 0; k < 8; k++) {
-                __m256i p0 = _mm256_setzero_si256(), p1 = p0;
-                if (k >= left) { /* past r: no row to read */
-                    acc[k] = p0;
-                    continue;
+                __m256i p0[TOK_BLOCK], p1[TOK_BLOCK];
+                for (int t = 0; t < nt; t++) p0[t] = p1[t] = _mm256_setzero_si256();
+                if (k < left) { /* past r: no row to read */
+                    pf_advance(pf, c1 - c0);
+                    int64_t c = c0;
+                    for (; c + 32 <= c1; c += 32) {
+                        const __m256i w0 = load_i8x16(row[k] + c), w1 = load_i8x16(row[k] + c + 16);
+                        for (int t = 0; t < nt; t++) {
+                            p0[t] = _mm256_add_epi32(
+                                p0[t], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq[t] + c)), w0));
+                            p1[t] = _mm256_add_epi32(
+                                p1[t], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq[t] + c + 16)), w1));
+                        }
+                    }
+                    if (c < c1) {
+                        const __m256i w0 = load_i8x16(row[k] + c);
+                        for (int t = 0; t < nt; t++)
+                            p0[t] = _mm256_add_epi32(
+                                p0[t], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq[t] + c)), w0));
+                    }
                 }
-                int64_t c = c0;
-                for (; c + 32 <= c1; c += 32) {
-                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c)),
-                                                                load_i8x16(row[k] + c)));
-                    p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c + 16)),
-                                                                load_i8x16(row[k] + c + 16)));
-                }
-                if (c < c1)
-                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + c)),
-                                                                load_i8x16(row[k] + c)));
-                acc[k] = _mm256_add_epi32(p0, p1);
+                for (int t = 0; t < nt; t++) acc[t][k] = _mm256_add_epi32(p0[t], p1[t]);
             }
-            float out[8];
-            _mm256_storeu_ps(out, _mm256_cvtepi32_ps(sum8_epi32(acc)));
-            for (int k = 0; k < 8; k++) tot[k] += out[k];
+            for (int t = 0; t < nt; t++) {
+                float out[8];
+                _mm256_storeu_ps(out, _mm256_cvtepi32_ps(sum8_epi32(acc[t])));
+                for (int k = 0; k < 8; k++) tot[t][k] += out[k];
+            }
         }
-        for (int k = 0; k < 8; k++) {
-            int64_t tail = 0; /* K % 16 inputs */
-            for (int64_t c = K16; c < K; c++) tail += (int64_t)xq[c] * row[k][c];
-            if (k < left) v[j0 + k] = sc * rs[j0 + k] * xs * (tot[k] + (float)tail);
-        }
+        for (int t = 0; t < nt; t++)
+            for (int k = 0; k < left; k++) {
+                int64_t tail = 0; /* K % 16 inputs */
+                for (int64_t c = K16; c < K; c++) tail += (int64_t)xq[t][c] * row[k][c];
+                v[t][j0 + k] = sc * rs[j0 + k] * xs[t] * (tot[t][k] + (float)tail);
+            }
     }
 }
 
-/* y[n] += rs[n] * vs * (vq . B[n, :r]) for n < N (layout: b_at). A broadcast pair (vq[2p],
- * vq[2p + 1]) times 16 bytes of pair row p is 8 outputs' int32 sums: no horizontal sums. The
- * integer sums are exact, so any order gives the same bits; |sum| <= 64 * 127 * 32767: int32. */
-ALWAYS_INLINE void expand_i8(const int16_t *vq, float vs, const int8_t *b, const float *rs, int64_t r, int64_t N,
-                             float *y) {
+/* y[t][n] += rs[n] * vs[t] * (vq[t] . B[n, :r]) for n < N and the nt <= TOK_BLOCK tokens of a
+ * block (layout: b_at). A broadcast pair (vq[t][2p], vq[t][2p + 1]) times a pair row's bytes is
+ * one int32 sum per output in the lane where it belongs: no horizontal sums; each run of weights
+ * is loaded and widened once for all the tokens. The integer sums are exact, so any order gives
+ * the same bits; |sum| <= 64 * 127 * 32767: int32. */
+ALWAYS_INLINE void expand_i8(int nt, const int16_t (*vq)[64], const float *vs, const int8_t *b, const float *rs,
+                             int64_t r, int64_t N, float *const *y, pf_cursor_t *pf) {
     const int64_t np = r / 2;
     const int odd = (int)(r & 1);
     const int8_t *last = b + np * 2 * N; /* odd r: the last column */
+    int32_t pair[TOK_BLOCK][32];
+    for (int t = 0; t < nt; t++) memcpy(pair[t], vq[t], sizeof(int32_t) * (size_t)np);
     int64_t n = 0;
-    __m256i vp[32];
-    for (int64_t p = 0; p < np; p++) {
-        int32_t pair;
-        memcpy(&pair, vq + 2 * p, sizeof pair);
-        vp[p] = _mm256_set1_epi32(pair);
-    }
-    const __m256i vl = _mm256_set1_epi32(odd ? vq[r - 1] : 0);
-    const __m256 vsv = _mm256_set1_ps(vs);
-    for (; n + 32 <= N; n += 32) {
-        __m256i acc[4];
-        for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_si256();
+#ifdef __AVX512BW__
+    for (; n + 32 <= N; n += 32) { /* 32 outputs: 2 x 32 bytes of each pair row */
+        pf_advance(pf, 32 * r);
+        __m512i acc[TOK_BLOCK][2];
+        for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
         for (int64_t p = 0; p < np; p++) {
             const int8_t *row = b + p * 2 * N + 2 * n;
-            for (int i = 0; i < 4; i++)
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(vp[p], load_i8x16(row + 16 * i)));
+            const __m512i w0 = load_i8x32(row), w1 = load_i8x32(row + 32);
+            for (int t = 0; t < nt; t++) {
+                const __m512i vp = _mm512_set1_epi32(pair[t][p]);
+                acc[t][0] = TESSERA_DP16(acc[t][0], vp, w0);
+                acc[t][1] = TESSERA_DP16(acc[t][1], vp, w1);
+            }
+        }
+        for (int i = 0; i < 2; i++) {
+            const __m512i l = odd ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(last + n + 16 * i)))
+                                  : _mm512_setzero_si512();
+            const __m512 rsv = _mm512_loadu_ps(rs + n + 16 * i);
+            for (int t = 0; t < nt; t++) {
+                if (!(vs[t] > 0.0f)) continue; /* an all-zero intermediate adds nothing */
+                __m512i a = acc[t][i];
+                if (odd) a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(vq[t][r - 1]), l));
+                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(rsv, _mm512_set1_ps(vs[t])));
+                _mm512_storeu_ps(y[t] + n + 16 * i, _mm512_add_ps(_mm512_loadu_ps(y[t] + n + 16 * i), s));
+            }
+        }
+    }
+#else
+    for (; n + 32 <= N; n += 32) { /* 32 outputs: 4 x 16 bytes of each pair row */
+        pf_advance(pf, 32 * r);
+        __m256i acc[TOK_BLOCK][4];
+        for (int t = 0; t < nt; t++)
+            for (int i = 0; i < 4; i++) acc[t][i] = _mm256_setzero_si256();
+        for (int64_t p = 0; p < np; p++) {
+            const int8_t *row = b + p * 2 * N + 2 * n;
+            __m256i w[4];
+            for (int i = 0; i < 4; i++) w[i] = load_i8x16(row + 16 * i);
+            for (int t = 0; t < nt; t++) {
+                const __m256i vp = _mm256_set1_epi32(pair[t][p]);
+                for (int i = 0; i < 4; i++) acc[t][i] = _mm256_add_epi32(acc[t][i], _mm256_madd_epi16(vp, w[i]));
+            }
         }
         for (int i = 0; i < 4; i++) {
-            if (odd)
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(
-                                                      _mm_loadl_epi64((const __m128i *)(last + n + 8 * i)))));
-            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]),
-                                           _mm256_mul_ps(_mm256_loadu_ps(rs + n + 8 * i), vsv));
-            _mm256_storeu_ps(y + n + 8 * i, _mm256_add_ps(_mm256_loadu_ps(y + n + 8 * i), s));
+            const __m256i l = odd ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(last + n + 8 * i)))
+                                  : _mm256_setzero_si256();
+            const __m256 rsv = _mm256_loadu_ps(rs + n + 8 * i);
+            for (int t = 0; t < nt; t++) {
+                if (!(vs[t] > 0.0f)) continue;
+                __m256i a = acc[t][i];
+                if (odd) a = _mm256_add_epi32(a, _mm256_mullo_epi32(_mm256_set1_epi32(vq[t][r - 1]), l));
+                const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(rsv, _mm256_set1_ps(vs[t])));
+                _mm256_storeu_ps(y[t] + n + 8 * i, _mm256_add_ps(_mm256_loadu_ps(y[t] + n + 8 * i), s));
+            }
         }
     }
+#endif
     for (; n + 8 <= N; n += 8) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int64_t p = 0; p < np; p++)
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(vp[p], load_i8x16(b + p * 2 * N + 2 * n)));
-        if (odd)
-            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(vl, _mm256_cvtepi8_epi32(
-                                            _mm_loadl_epi64((const __m128i *)(last + n)))));
-        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_loadu_ps(rs + n), vsv));
-        _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
+        pf_advance(pf, 8 * r);
+        const __m256i l = odd ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(last + n))) : _mm256_setzero_si256();
+        const __m256 rsv = _mm256_loadu_ps(rs + n);
+        for (int t = 0; t < nt; t++) {
+            if (!(vs[t] > 0.0f)) continue;
+            __m256i acc = _mm256_setzero_si256();
+            for (int64_t p = 0; p < np; p++)
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi32(pair[t][p]), load_i8x16(b + p * 2 * N + 2 * n)));
+            if (odd) acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(vq[t][r - 1]), l));
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(rsv, _mm256_set1_ps(vs[t])));
+            _mm256_storeu_ps(y[t] + n, _mm256_add_ps(_mm256_loadu_ps(y[t] + n), s));
+        }
     }
-    for (; n < N; n++) {
-        int32_t acc = 0;
-        for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[j] * b[b_at(N, r, n, j)];
-        y[n] += rs[n] * vs * (float)acc;
-    }
+    for (; n < N; n++)
+        for (int t = 0; t < nt; t++) {
+            if (!(vs[t] > 0.0f)) continue;
+            int32_t acc = 0;
+            for (int64_t j = 0; j < r; j++) acc += (int32_t)vq[t][j] * b[b_at(N, r, n, j)];
+            y[t][n] += rs[n] * vs[t] * (float)acc;
+        }
 }
 
 /* x rows of the tokens that have an adapter, as int16 (xq [T, K]) with one scale each (xs [T]) */
@@ -491,23 +621,49 @@ static void quantize_rows_i16(int64_t t0, int64_t t1, int64_t K, const float *x,
         if (slots[t] >= 0) xs[t] = quantize_i16(x + t * K, K, K, xq + t * K);
 }
 
+/* One block of nt <= TOK_BLOCK tokens of a run (nt a constant where inlined: the loops over the
+ * tokens unroll and their accumulators stay in registers). */
+ALWAYS_INLINE void lora_block_i8(int nt, int64_t i0, const int16_t *xq, const float *xs, int64_t K, const int8_t *a,
+                                 const float *a_rs, const int8_t *b, const float *b_rs, int64_t r, float sc,
+                                 int64_t n_out, float *y, int64_t ldy, pf_cursor_t *pf) {
+    const int16_t *xrow[TOK_BLOCK];
+    float v[TOK_BLOCK][64], vs[TOK_BLOCK];
+    int16_t vq[TOK_BLOCK][64];
+    float *yrow[TOK_BLOCK];
+    int any = 0;
+    for (int t = 0; t < nt; t++) xrow[t] = xq + (i0 + t) * K, yrow[t] = y + (i0 + t) * ldy;
+    shrink_i8(nt, xrow, xs + i0, a, a_rs, K, r, sc, v, pf);
+    for (int t = 0; t < nt; t++) any |= (vs[t] = quantize_i16(v[t], r, r, vq[t])) > 0.0f;
+    if (any)
+        expand_i8(nt, (const int16_t(*)[64])vq, vs, b, b_rs, r, n_out, yrow, pf);
+    else
+        pf_advance(pf, r * n_out);
+}
+
+/* The tokens [t0, t0 + n_tok) of one run, TOK_BLOCK at a time; the prefetch cursor advances
+ * over the first block only (the later ones read the same weights, now in cache). */
 ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
                                int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
-                               int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
+                               int64_t r, float sc, int64_t n_out, float *y, int64_t ldy, pf_cursor_t *pf) {
     (void)x;
-    float v[64];
-    int16_t vq[64];
-    for (int64_t i = t0; i < t0 + n_tok; i++) {
-        shrink_i8(xq + i * K, xs[i], a, a_rs, K, r, sc, v);
-        const float vs = quantize_i16(v, r, r, vq);
-        if (vs > 0.0f) expand_i8(vq, vs, b, b_rs, r, n_out, y + i * ldy);
+    for (int64_t i = t0; i < t0 + n_tok; i += TOK_BLOCK) {
+        const int64_t nt = t0 + n_tok - i < TOK_BLOCK ? t0 + n_tok - i : TOK_BLOCK;
+        pf_cursor_t *c = i == t0 ? pf : NULL;
+        if (nt == 1)
+            lora_block_i8(1, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+        else if (nt == 2)
+            lora_block_i8(2, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+        else if (nt == 3)
+            lora_block_i8(3, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+        else
+            lora_block_i8(TOK_BLOCK, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
     }
 }
 #else
 ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
                                int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
-                               int64_t r, float sc, int64_t n_out, float *y, int64_t ldy) {
-    (void)xq, (void)xs;
+                               int64_t r, float sc, int64_t n_out, float *y, int64_t ldy, pf_cursor_t *pf) {
+    (void)xq, (void)xs, (void)pf;
     float v[64];
     for (int64_t i = t0; i < t0 + n_tok; i++) {
         for (int64_t j = 0; j < r; j++) {
@@ -569,6 +725,19 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
         t = e;
     }
     const int64_t work = nruns * nslices;
+    /* Items slice-major (p = l * nruns + run): a thread's items then read each slice's stacks
+     * forward, slot after slot. cum[p]: the cost of the items before p (bytes read per token). */
+    int64_t *cum = malloc(sizeof(int64_t) * (size_t)(work + 1));
+    if (cum == NULL) {
+        free(runs);
+        return -2;
+    }
+    cum[0] = 0;
+    for (int64_t p = 0; p < work; p++) {
+        const int64_t *run = runs + 3 * (p % nruns);
+        const int64_t l = p / nruns;
+        cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[l]) * (run[1] - run[0] + 1) + 1;
+    }
     int16_t *xq = NULL; /* int8 weights with AVX2: the x rows as int16 and their scales */
     float *xs = NULL;
 #ifdef TESSERA_HAS_AVX2
@@ -576,7 +745,7 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
         xq = malloc(sizeof(int16_t) * (size_t)(T * K > 0 ? T * K : 1));
         xs = malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
         if (xq == NULL || xs == NULL) {
-            free(xq), free(xs), free(runs);
+            free(xq), free(xs), free(runs), free(cum);
             return -2;
         }
     }
@@ -592,22 +761,32 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
             for (int64_t t = 0; t < T; t += CHUNK) quantize_rows_i16(t, t + CHUNK < T ? t + CHUNK : T, K, x, slots, xq, xs);
         }
 #endif
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t p = 0; p < work; p++) {
-            const int64_t *run = runs + 3 * (p / nslices);
-            const int64_t l = p % nslices, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
+        /* Each thread takes one contiguous share of the items (those whose cost midpoint falls in
+         * its part of the total), so it reads its stacks forward and knows its coming items: it
+         * prefetches them (pf_cursor_t; int8 items, the engine's storage). */
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        int64_t lo = 0, hi = 0;
+        while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
+        hi = lo;
+        while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
+        pf_cursor_t pfc = {runs, nruns, hi, 1, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
+        pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
+        pf_advance(pf, PF_AHEAD);
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t *run = runs + 3 * (p % nruns);
+            const int64_t l = p / nruns, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
             const int64_t r = ranks[s], n_out = N[l];
             const float sc = scales[s];
             if (r == 0) continue;
             float v[CHUNK][64];
             const void *a = (const char *)A[l] + s * R * K * es;
             const void *b = (const char *)B[l] + s * n_out * R * es;
-            /* Token by token: each token's pass reads the slot's weights, which stay in L1/L2 for the
-             * run's next tokens (a run is at most CHUNK tokens). One call site per weight type so
-             * each is compiled for it. */
+            /* The run's tokens (at most CHUNK) read the slot's weights in turn (int8: TOK_BLOCK
+             * tokens a pass), hot in L1/L2 after the first. One call site per weight type so each
+             * is compiled for it. */
             if (wtype == W_I8) {
                 lora_run_i8(t0, n_tok, x, xq, xs, K, a, A_rs[l] + s * R, b, B_rs[l] + s * n_out, r, sc, n_out,
-                            y + off[l], ldy);
+                            y + off[l], ldy, pf);
             } else if (wtype == W_BF16) {
                 for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
                 for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 1);
@@ -617,6 +796,6 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
             }
         }
     }
-    free(xq), free(xs), free(runs);
+    free(xq), free(xs), free(runs), free(cum);
     return 0;
 }

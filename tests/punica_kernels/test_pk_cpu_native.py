@@ -240,6 +240,39 @@ def test_int8_stacks_with_row_scales(monkeypatch, torch_path, K, R):
     assert torch.equal(y[slots == -1], bt.y[slots == -1])
 
 
+def test_int8_results_do_not_depend_on_threads_or_token_blocks():
+    """int8 stacks: the kernel splits a call's (slice, run) items into one contiguous share per
+    thread and multiplies up to four tokens of a run per pass over the weights; neither may change
+    a bit. One, two and three threads give the same result for a step of 24 distinct adapters
+    beside runs of every length up to two passes, and a token whose x is all zero (an all-zero
+    intermediate) inside a run adds nothing while its neighbours in the same pass are added."""
+    runs = [(s, 1) for s in range(24)] + [(24, 2), (-1, 3), (25, 3), (26, 5), (27, 7), (28, 16), (29, 13)]
+    slots = _runs(runs)
+    S = 30
+    ranks = [16, 7, 1, 12] * 7 + [16, 9]
+    bt = make_batch(T=slots.numel(), K=576, S=S, R=16, widths=(576, 192, 40), ranks=ranks, seed=5)
+    bt.token_slots = slots
+    zero = int((slots == 28).nonzero()[2])  # the third token of the 16-token run
+    bt.x[zero] = 0.0
+    stack = _int8_stack(bt, ranks)
+    meta = pk.build_lora_metadata(slots, num_slots=S)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got.append(pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, got[0]) for g in got[1:])
+    y = got[0]
+    assert torch.equal(y[zero], bt.y[zero]) and torch.equal(y[slots == -1], bt.y[slots == -1])
+    want = _reference(bt)
+    term = (want - bt.y).abs().max()
+    assert (y - want).abs().max() < 1e-4 * term
+    assert ((y - bt.y)[slots == 28].abs().amax(1) > 0).sum() == 15  # every other token of that run added
+
+
 def test_int8_stacks_stay_close_to_the_float_weights():
     """Rows quantized to int8 keep the adapter term within 2% of the float weights' (what an int8
     engine's adapters do to the model), on the engine's q/k/v shapes."""
