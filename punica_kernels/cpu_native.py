@@ -17,6 +17,7 @@ import ctypes
 import functools
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +61,7 @@ class StackArgs(ctypes.Structure):
 
 #: Per LoRAStack: the kernel's view of it (`_stack_args`), dropped with the stack.
 _STACK_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNSEEN = object()
 #: Per LoRAMetadata: its longest run of one adapter slot (`max_adapter_run`), dropped with it.
 _MAX_RUN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -74,10 +76,23 @@ def max_adapter_run(meta) -> int:
     return run
 
 
-def _stack_args(stack) -> tuple[int, int, tuple] | None:
-    """(weight type, address of the stack's StackArgs, what keeps it alive), built once per
-    `LoRAStack` and kept beside it here (the stacks are never reallocated, only written into); None
-    when the stack is not one the kernel takes (mixed or other dtypes, rank > MAX_RANK)."""
+class KernelStack(NamedTuple):
+    """A stack as the kernel takes it (`_stack_args`): its argument struct's address, its weight
+    type, and what a call checks its activations against; `keep` holds the struct and its arrays."""
+
+    wtype: int
+    address: int
+    num_slots: int
+    in_features: int
+    min_out_width: int
+    ranks_ptr: int | None  # None where the ranks are not a contiguous int32 tensor (add_lora's checks serve it)
+    keep: tuple
+
+
+def _stack_args(stack) -> KernelStack | None:
+    """The kernel's view of a `LoRAStack`, built once and kept beside it here (the stacks are
+    never reallocated, only written into); None when the stack is not one the kernel takes (mixed
+    or other dtypes, rank > MAX_RANK)."""
     if stack not in _STACK_ARGS:
         a0 = stack.a_slices[0]
         weights = stack.a_slices + stack.b_slices
@@ -100,7 +115,10 @@ def _stack_args(stack) -> tuple[int, int, tuple] | None:
 
         st = StackArgs(stack.in_features, stack.max_rank, n, WEIGHT_TYPES[a0.dtype], stack.scales.data_ptr(),
                        *(address(arr) for arr in arrays))
-        _STACK_ARGS[stack] = (WEIGHT_TYPES[a0.dtype], ctypes.addressof(st), (st, arrays))
+        ranks = stack.ranks
+        ranks_ptr = ranks.data_ptr() if ranks.dtype == torch.int32 and ranks.is_contiguous() else None
+        _STACK_ARGS[stack] = KernelStack(WEIGHT_TYPES[a0.dtype], ctypes.addressof(st), stack.num_slots,
+                                         stack.in_features, stack.min_out_width, ranks_ptr, (st, arrays))
     return _STACK_ARGS[stack]
 
 
@@ -128,18 +146,21 @@ class StepCall:
     def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
         """y += the adapter term of x on `stack` (punica_kernels.add_lora's contract) through the
         kernel; False (nothing done) where add_lora must serve the call instead."""
-        stack_args = _stack_args(stack)
-        if (stack_args is None or stack.num_slots != self.num_slots or x.dtype != torch.float32 or y.dtype != torch.float32 or not x.is_contiguous()
-                or y.stride(1) != 1 or x.shape[0] != self.num_tokens or y.shape[0] != self.num_tokens
-                or x.shape[1] != stack.in_features or y.shape[1] < stack.min_out_width
-                or stack.ranks.dtype != torch.int32 or not stack.ranks.is_contiguous()):
+        ks = _STACK_ARGS.get(stack, _UNSEEN)
+        if ks is _UNSEEN:
+            ks = _stack_args(stack)
+        n = self.num_tokens
+        if ks is None or ks.ranks_ptr is None or ks.num_slots != self.num_slots or n == 0:
             return False
-        wtype, stack_address, _ = stack_args
-        if self.num_tokens == 0 or (wtype == WEIGHT_TYPES[torch.float32] and self.max_run > MAX_RUN):
+        ys, ystride = y.shape, y.stride()
+        if (x.dtype is not torch.float32 or y.dtype is not torch.float32 or x.shape != (n, ks.in_features)
+                or ys[0] != n or ys[1] < ks.min_out_width or ystride[1] != 1 or not x.is_contiguous()
+                or (ks.wtype == WEIGHT_TYPES[torch.float32] and self.max_run > MAX_RUN)):
             return False
-        rc = self.lib.tessera_add_lora_f32(stack_address, self.num_tokens, y.stride(0), x.data_ptr(), y.data_ptr(),
-                                           self.slots_ptr, stack.ranks.data_ptr())
-        _raise_for(rc)
+        rc = self.lib.tessera_add_lora_f32(ks.address, n, ystride[0], x.data_ptr(), y.data_ptr(), self.slots_ptr,
+                                           ks.ranks_ptr)
+        if rc:
+            _raise_for(rc)
         return True
 
 
@@ -160,11 +181,10 @@ def add_lora_f32(args, meta) -> bool:
     x, y = args.x, args.y
     if x.shape[0] == 0 or x.dtype != torch.float32 or y.dtype != torch.float32:
         return False
-    stack_args = _stack_args(args.stack)
-    if stack_args is None:
+    ks = _stack_args(args.stack)
+    if ks is None:
         return False
-    wtype, stack_address, _ = stack_args
-    if wtype == WEIGHT_TYPES[torch.float32] and max_adapter_run(meta) > MAX_RUN:
+    if ks.wtype == WEIGHT_TYPES[torch.float32] and max_adapter_run(meta) > MAX_RUN:
         return False
     lib = library()
     if lib is None:
@@ -172,7 +192,7 @@ def add_lora_f32(args, meta) -> bool:
     slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
     ranks = args.stack.ranks
     ranks32 = ranks if ranks.dtype == torch.int32 else ranks.to(torch.int32)
-    rc = lib.tessera_add_lora_f32(stack_address, x.shape[0], y.stride(0), x.data_ptr(), y.data_ptr(),
+    rc = lib.tessera_add_lora_f32(ks.address, x.shape[0], y.stride(0), x.data_ptr(), y.data_ptr(),
                                   slots.data_ptr(), ranks32.data_ptr())
     _raise_for(rc)
     return True

@@ -692,110 +692,125 @@ typedef struct {
     const float *const *A_rs, *const *B_rs;
 } lora_stack_t;
 
+/* What one call's threads share: the stack, the activations and the call's run list. */
+typedef struct {
+    const lora_stack_t *st;
+    int64_t T, ldy, nruns, work;
+    const float *x;
+    float *y;
+    const int32_t *slots, *ranks;
+    const int64_t *runs, *cum; /* (start, end, slot) per run; cum[p]: the cost of the items before p */
+    int16_t *xq;               /* int8 weights with AVX2: the x rows as int16 and their scales */
+    float *xs;
+} lora_call_t;
+
+/* Thread tid of nth's part of a call: with int8 weights it rounds its share of the x rows to int16
+ * (then waits for the others at the barrier, where nth > 1), then it takes one contiguous share of
+ * the (slice, run) items: those whose cost midpoint falls in its part of the total. It reads its
+ * stacks forward, slot after slot (the items are slice-major), and knows its coming items, so it
+ * prefetches them (pf_cursor_t; int8 items, the engine's storage). */
+static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
+    const lora_stack_t *st = c->st;
+    const int64_t K = st->K, R = st->R, wtype = st->wtype, nruns = c->nruns, work = c->work;
+    const int64_t *N = st->N, *off = st->off, *runs = c->runs, *cum = c->cum;
+    const int32_t *ranks = c->ranks;
+    const void *const *A = st->A, *const *B = st->B;
+    const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
+#ifdef TESSERA_HAS_AVX2
+    if (wtype == W_I8) {
+        const int64_t T = c->T, chunks = (T + CHUNK - 1) / CHUNK;
+        for (int64_t i = chunks * tid / nth; i < chunks * (tid + 1) / nth; i++)
+            quantize_rows_i16(i * CHUNK, (i + 1) * CHUNK < T ? (i + 1) * CHUNK : T, K, c->x, c->slots, c->xq, c->xs);
+        if (nth > 1) {
+#pragma omp barrier
+        }
+    }
+#endif
+    int64_t lo = 0, hi = 0;
+    while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
+    hi = lo;
+    while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
+    pf_cursor_t pfc = {runs, nruns, hi, 1, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
+    pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
+    pf_advance(pf, PF_AHEAD);
+    for (int64_t p = lo; p < hi; p++) {
+        const int64_t *run = runs + 3 * (p % nruns);
+        const int64_t l = p / nruns, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
+        const int64_t r = ranks[s], n_out = N[l];
+        const float sc = st->scales[s];
+        if (r == 0) continue;
+        float v[CHUNK][64];
+        const void *a = (const char *)A[l] + s * R * K * es;
+        const void *b = (const char *)B[l] + s * n_out * R * es;
+        float *yl = c->y + off[l];
+        const float *x = c->x;
+        const int64_t ldy = c->ldy;
+        /* The run's tokens (at most CHUNK) read the slot's weights in turn (int8: TOK_BLOCK tokens
+         * a pass), hot in L1/L2 after the first. One call site per weight type so each is
+         * compiled for it. */
+        if (wtype == W_I8) {
+            lora_run_i8(t0, n_tok, x, c->xq, c->xs, K, a, st->A_rs[l] + s * R, b, st->B_rs[l] + s * n_out, r, sc,
+                        n_out, yl, ldy, pf);
+        } else if (wtype == W_BF16) {
+            for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
+            for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, yl + (t0 + i) * ldy, 1);
+        } else {
+            for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 0);
+            for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, yl + (t0 + i) * ldy, 0);
+        }
+    }
+}
+
 /* Returns 0, -1 if a rank is outside [0, R] or wtype is unknown, or -2 without memory for the run
  * list (nothing is written then). */
 int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const float *x, float *y,
                          const int32_t *slots, const int32_t *ranks) {
     const int64_t K = st->K, R = st->R, nslices = st->nslices, wtype = st->wtype;
-    const float *scales = st->scales;
-    const void *const *A = st->A, *const *B = st->B;
-    const int64_t *N = st->N, *off = st->off;
-    const float *const *A_rs = st->A_rs, *const *B_rs = st->B_rs;
+    const int64_t *N = st->N;
     if (R > 64 || wtype < W_F32 || wtype > W_I8) return -1;
-    const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
-    int64_t *runs = malloc(sizeof(int64_t) * 3 * (size_t)(T > 0 ? T : 1)); /* (start, end, slot) per run */
-    if (runs == NULL) return -2;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= 0 && (ranks[slots[t]] < 0 || ranks[slots[t]] > R)) return -1;
+    /* One allocation for the call: at most ceil(T / CHUNK) + (slot changes) <= 2T runs, their items'
+     * cumulative costs, and (int8 with AVX2) the int16 x rows and their scales. */
+    const int64_t max_runs = 2 * T + 1, tq = wtype == W_I8 ? T : 0;
+    const size_t n_runs = sizeof(int64_t) * 3 * (size_t)max_runs, n_cum = sizeof(int64_t) * (size_t)(max_runs * nslices + 1);
+    const size_t n_xq = (sizeof(int16_t) * (size_t)(tq * K) + 63) / 64 * 64;
+    char *mem = malloc(n_runs + n_cum + n_xq + sizeof(float) * (size_t)(tq + 1));
+    if (mem == NULL) return -2;
+    int64_t *runs = (int64_t *)mem, *cum = (int64_t *)(mem + n_runs);
     int64_t nruns = 0;
     for (int64_t t = 0; t < T;) {
-        int32_t s = slots[t];
+        const int32_t s = slots[t];
         int64_t e = t + 1;
         while (e < T && slots[e] == s) e++;
-        if (s >= 0) {
-            if (ranks[s] < 0 || ranks[s] > R) {
-                free(runs);
-                return -1;
-            }
+        if (s >= 0)
             for (int64_t c = t; c < e; c += CHUNK) {
                 runs[3 * nruns] = c;
                 runs[3 * nruns + 1] = c + CHUNK < e ? c + CHUNK : e;
                 runs[3 * nruns + 2] = s;
                 nruns++;
             }
-        }
         t = e;
     }
+    /* Items slice-major (p = l * nruns + run); an item's cost: the bytes it reads per token, times
+     * its tokens plus one (its weights' first read). */
     const int64_t work = nruns * nslices;
-    /* Items slice-major (p = l * nruns + run): a thread's items then read each slice's stacks
-     * forward, slot after slot. cum[p]: the cost of the items before p (bytes read per token). */
-    int64_t *cum = malloc(sizeof(int64_t) * (size_t)(work + 1));
-    if (cum == NULL) {
-        free(runs);
-        return -2;
-    }
     cum[0] = 0;
     for (int64_t p = 0; p < work; p++) {
         const int64_t *run = runs + 3 * (p % nruns);
-        const int64_t l = p / nruns;
-        cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[l]) * (run[1] - run[0] + 1) + 1;
+        cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p / nruns]) * (run[1] - run[0] + 1) + 1;
     }
-    int16_t *xq = NULL; /* int8 weights with AVX2: the x rows as int16 and their scales */
-    float *xs = NULL;
-#ifdef TESSERA_HAS_AVX2
-    if (wtype == W_I8) {
-        xq = malloc(sizeof(int16_t) * (size_t)(T * K > 0 ? T * K : 1));
-        xs = malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
-        if (xq == NULL || xs == NULL) {
-            free(xq), free(xs), free(runs), free(cum);
-            return -2;
-        }
-    }
-#endif
+    const lora_call_t call = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
+                              (int16_t *)(mem + n_runs + n_cum), (float *)(mem + n_runs + n_cum + n_xq)};
     /* Under 16 tokens the items are a few microseconds of work each, less than waking the other
      * threads costs: the engine's decode steps of a few streams (measured at 1 and 8) run these
-     * calls faster on the calling thread. */
-#pragma omp parallel if (work > 1 && T >= 16)
-    {
-#ifdef TESSERA_HAS_AVX2
-        if (wtype == W_I8) { /* the rows first (the loop's barrier), shared by every slice's items */
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t += CHUNK) quantize_rows_i16(t, t + CHUNK < T ? t + CHUNK : T, K, x, slots, xq, xs);
-        }
-#endif
-        /* Each thread takes one contiguous share of the items (those whose cost midpoint falls in
-         * its part of the total), so it reads its stacks forward and knows its coming items: it
-         * prefetches them (pf_cursor_t; int8 items, the engine's storage). */
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        int64_t lo = 0, hi = 0;
-        while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
-        hi = lo;
-        while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
-        pf_cursor_t pfc = {runs, nruns, hi, 1, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
-        pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
-        pf_advance(pf, PF_AHEAD);
-        for (int64_t p = lo; p < hi; p++) {
-            const int64_t *run = runs + 3 * (p % nruns);
-            const int64_t l = p / nruns, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
-            const int64_t r = ranks[s], n_out = N[l];
-            const float sc = scales[s];
-            if (r == 0) continue;
-            float v[CHUNK][64];
-            const void *a = (const char *)A[l] + s * R * K * es;
-            const void *b = (const char *)B[l] + s * n_out * R * es;
-            /* The run's tokens (at most CHUNK) read the slot's weights in turn (int8: TOK_BLOCK
-             * tokens a pass), hot in L1/L2 after the first. One call site per weight type so each
-             * is compiled for it. */
-            if (wtype == W_I8) {
-                lora_run_i8(t0, n_tok, x, xq, xs, K, a, A_rs[l] + s * R, b, B_rs[l] + s * n_out, r, sc, n_out,
-                            y + off[l], ldy, pf);
-            } else if (wtype == W_BF16) {
-                for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
-                for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 1);
-            } else {
-                for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 0);
-                for (int64_t i = 0; i < n_tok; i++) expand_row(v[i], b, R, r, n_out, y + (t0 + i) * ldy + off[l], 0);
-            }
-        }
+     * calls faster on the calling thread, without entering a parallel region at all. */
+    if (work > 1 && T >= 16) {
+#pragma omp parallel
+        lora_call_part(&call, omp_get_thread_num(), omp_get_num_threads());
+    } else if (work > 0) {
+        lora_call_part(&call, 0, 1);
     }
-    free(xq), free(xs), free(runs), free(cum);
+    free(mem);
     return 0;
 }
