@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import weakref
 from pathlib import Path
 from typing import NamedTuple
@@ -131,17 +132,36 @@ class StepCall:
     another slot count than the metadata was checked for answers False."""
 
     def __init__(self, lib: ctypes.CDLL, meta):
+        slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
+        self._bind(lib, slots, meta.num_slots, max_adapter_run(meta))  # slots checked by build_lora_metadata
+
+    def _bind(self, lib: ctypes.CDLL, slots: torch.Tensor, num_slots: int | None, max_run: int) -> None:
         self.lib = lib
-        self.num_tokens = meta.num_tokens
-        self.num_slots = meta.num_slots  # the slot values were checked against it (build_lora_metadata)
-        self.slots = meta.token_slots if meta.token_slots.dtype == torch.int32 else meta.token_slots.to(torch.int32)
-        self.slots_ptr = self.slots.data_ptr()
-        self.max_run = max_adapter_run(meta)
+        self.num_tokens = slots.shape[0]
+        self.num_slots = num_slots  # the slot values were checked against it
+        self.slots = slots
+        self.slots_ptr = slots.data_ptr()
+        self.max_run = max_run
 
     @classmethod
     def for_meta(cls, meta) -> StepCall | None:
         lib = library()
         return None if lib is None or meta.token_slots.device.type != "cpu" else cls(lib, meta)
+
+    @classmethod
+    def for_slots(cls, token_slots: list[int], num_slots: int) -> StepCall | None:
+        """The kernel bound to a step given as its token slots (ints in [-1, num_slots); -1: no
+        adapter), without building a LoRAMetadata: what a CPU step needs when every call goes to
+        the kernel. None where the kernel is not built; ValueError for a slot out of range."""
+        lib = library()
+        if lib is None:
+            return None
+        if token_slots and (min(token_slots) < -1 or max(token_slots) >= num_slots):
+            raise ValueError(f"token slots must be in [-1, {num_slots}); got {min(token_slots)}..{max(token_slots)}")
+        call = cls.__new__(cls)
+        max_run = max((len(list(run)) for s, run in itertools.groupby(token_slots) if s >= 0), default=0)
+        call._bind(lib, torch.tensor(token_slots, dtype=torch.int32), num_slots, max_run)
+        return call
 
     def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
         """y += the adapter term of x on `stack` (punica_kernels.add_lora's contract) through the

@@ -277,6 +277,26 @@ def test_int8_results_do_not_depend_on_threads_or_token_blocks():
     assert ((y - bt.y)[slots == 28].abs().amax(1) > 0).sum() == 15  # every other token of that run added
 
 
+def test_a_step_bound_from_its_slot_list_matches_one_bound_from_metadata():
+    """StepCall.for_slots (the engine's CPU steps: no LoRAMetadata built) binds the same tokens,
+    slot count and longest run as StepCall.for_meta, gives the same result, and refuses a slot
+    outside [-1, S)."""
+    token_slots = [-1, 3, 3, 0, 0, 0, -1, -1, 2] + [1] * 70
+    bt = make_batch(T=len(token_slots), K=64, S=4, R=8, widths=(64, 16), seed=9)
+    bt.token_slots = torch.tensor(token_slots, dtype=torch.int32)
+    meta = pk.build_lora_metadata(token_slots, num_slots=4)
+    a, b = cpu_native.StepCall.for_meta(meta), cpu_native.StepCall.for_slots(token_slots, 4)
+    assert (b.num_tokens, b.num_slots, b.max_run) == (a.num_tokens, a.num_slots, a.max_run) == (79, 4, 70)
+    assert torch.equal(a.slots, b.slots)
+    stack = _int8_stack(bt, [8, 8, 8, 8])
+    ya, yb = bt.y.clone(), bt.y.clone()
+    assert a(stack, bt.x, ya) and b(stack, bt.x, yb)
+    assert torch.equal(ya, yb) and not torch.equal(ya, bt.y)
+    for bad in ([0, 4], [-2, 0]):
+        with pytest.raises(ValueError, match="token slots must be in"):
+            cpu_native.StepCall.for_slots(bad, 4)
+
+
 def test_int8_stacks_stay_close_to_the_float_weights():
     """Rows quantized to int8 keep the adapter term within 2% of the float weights' (what an int8
     engine's adapters do to the model), on the engine's q/k/v shapes."""

@@ -49,17 +49,26 @@ def switches_from_env(environ=os.environ) -> dict[str, bool]:
 
 class CpuLoRABatch(LoRABatch):
     """One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole
-    mixed batch; tokens without an adapter (slot -1) cost nothing. The metadata (and the CPU
-    path's slot-major token plan, cached for it by punica_kernels.cpu) is built once per step and
-    shared by every layer. Calls the C kernel takes go to it directly through the step's
-    `cpu_native.StepCall` (the per-call checks of add_lora, ~3 us each, are a share of a
-    single-stream step's 120 calls); the rest through add_lora."""
+    mixed batch; tokens without an adapter (slot -1) cost nothing. Calls the C kernel takes go to
+    it directly through the step's `cpu_native.StepCall`, bound to the token slots once per step
+    (the per-call checks of add_lora, ~3 us each, and building a LoRAMetadata, ~100 us a step,
+    are a share of a single-stream step); the rest through add_lora, on the step's metadata (and
+    the CPU path's slot-major token plan, cached for it by punica_kernels.cpu), built the first
+    time one needs it and shared by every layer."""
 
     def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput):
         self.slots = slots
         self._layout = layout
-        self.meta = punica_kernels.build_lora_metadata(token_slots, num_slots=slots.num_slots)
-        self.native = cpu_native.StepCall.for_meta(self.meta)
+        self._token_slots = token_slots
+        self._meta = None
+        self.native = cpu_native.StepCall.for_slots(token_slots, slots.num_slots)
+
+    @property
+    def meta(self):
+        """The step's punica_kernels.LoRAMetadata (built on first use)."""
+        if self._meta is None:
+            self._meta = punica_kernels.build_lora_metadata(self._token_slots, num_slots=self.slots.num_slots)
+        return self._meta
 
     def layout(self, sched: SchedulerOutput) -> SchedulerOutput:
         """The step with its decodes ordered by slot (built by CpuBackend.lora_batch)."""
