@@ -262,12 +262,12 @@ ALWAYS_INLINE int64_t b_at(int64_t N, int64_t r, int64_t n, int64_t j) {
  * and asks for them into L2 this far ahead. */
 #define PF_AHEAD 16384
 
-/* A thread's prefetch cursor over its work items (p = first, first + step, ...): each item's A
+/* A thread's prefetch cursor over its share of the work items, in order: each item's A
  * block, then its B block (the first r * K and r * N bytes of the slot's, all an int8 item reads).
  * An item whose run continues the previous run's slot is skipped (the same weights, just read). */
 typedef struct {
     const int64_t *runs;
-    int64_t nruns, end, step, q, K, R;
+    int64_t nruns, end, q, K, R;
     const int32_t *ranks;
     const void *const *A, *const *B;
     const int64_t *N;
@@ -283,7 +283,7 @@ static int pf_next_block(pf_cursor_t *c) {
             c->seg = 1;
         } else {
             c->seg = 0;
-            c->q += c->step;
+            c->q++;
         }
         if (c->q >= c->end) return 0;
         const int64_t run = c->q % c->nruns, l = c->q / c->nruns, s = c->runs[3 * run + 2], r = c->ranks[s];
@@ -420,7 +420,7 @@ ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *x
         for (int k = 0; k < 16; k++) {
             __m512i p0[TOK_BLOCK], p1[TOK_BLOCK];
             for (int t = 0; t < nt; t++) p0[t] = p1[t] = _mm512_setzero_si512();
-            if (k < left) { /* past r: no row to read */
+            if (k < left) { /* a row of a (past r there is none) */
                 pf_advance(pf, c1 - c0);
                 int64_t c = c0;
                 for (; c + 64 <= c1; c += 64) {
@@ -438,8 +438,8 @@ ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *x
                 if (c < c1) {
                     const __m512i w1 = _mm512_zextsi256_si512(load_i8x16(row[k] + c));
                     for (int t = 0; t < nt; t++)
-                        p1[t] = TESSERA_DP16(p1[t], _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[t] + c))),
-                                             w1);
+                        p1[t] = TESSERA_DP16(
+                            p1[t], _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[t] + c))), w1);
                 }
             }
             for (int t = 0; t < nt; t++) acc[t][k] = _mm512_add_epi32(p0[t], p1[t]);
@@ -486,7 +486,7 @@ ALWAYS_INLINE void shrink_i8(int nt, const int16_t *const *xq, const float *xs, 
             for (int k = 0; k < 8; k++) {
                 __m256i p0[TOK_BLOCK], p1[TOK_BLOCK];
                 for (int t = 0; t < nt; t++) p0[t] = p1[t] = _mm256_setzero_si256();
-                if (k < left) { /* past r: no row to read */
+                if (k < left) { /* a row of a (past r there is none) */
                     pf_advance(pf, c1 - c0);
                     int64_t c = c0;
                     for (; c + 32 <= c1; c += 32) {
@@ -593,13 +593,15 @@ ALWAYS_INLINE void expand_i8(int nt, const int16_t (*vq)[64], const float *vs, c
 #endif
     for (; n + 8 <= N; n += 8) {
         pf_advance(pf, 8 * r);
-        const __m256i l = odd ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(last + n))) : _mm256_setzero_si256();
+        const __m256i l =
+            odd ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(last + n))) : _mm256_setzero_si256();
         const __m256 rsv = _mm256_loadu_ps(rs + n);
         for (int t = 0; t < nt; t++) {
             if (!(vs[t] > 0.0f)) continue;
             __m256i acc = _mm256_setzero_si256();
             for (int64_t p = 0; p < np; p++)
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi32(pair[t][p]), load_i8x16(b + p * 2 * N + 2 * n)));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi32(pair[t][p]),
+                                                              load_i8x16(b + p * 2 * N + 2 * n)));
             if (odd) acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(vq[t][r - 1]), l));
             const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(rsv, _mm256_set1_ps(vs[t])));
             _mm256_storeu_ps(y[t] + n, _mm256_add_ps(_mm256_loadu_ps(y[t] + n), s));
@@ -726,11 +728,11 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
         }
     }
 #endif
-    int64_t lo = 0, hi = 0;
+    int64_t lo = 0;
     while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
-    hi = lo;
+    int64_t hi = lo;
     while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
-    pf_cursor_t pfc = {runs, nruns, hi, 1, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
+    pf_cursor_t pfc = {runs, nruns, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
     pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
     pf_advance(pf, PF_AHEAD);
     for (int64_t p = lo; p < hi; p++) {
@@ -773,7 +775,8 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
     /* One allocation for the call: at most ceil(T / CHUNK) + (slot changes) <= 2T runs, their items'
      * cumulative costs, and (int8 with AVX2) the int16 x rows and their scales. */
     const int64_t max_runs = 2 * T + 1, tq = wtype == W_I8 ? T : 0;
-    const size_t n_runs = sizeof(int64_t) * 3 * (size_t)max_runs, n_cum = sizeof(int64_t) * (size_t)(max_runs * nslices + 1);
+    const size_t n_runs = sizeof(int64_t) * 3 * (size_t)max_runs;
+    const size_t n_cum = sizeof(int64_t) * (size_t)(max_runs * nslices + 1);
     const size_t n_xq = (sizeof(int16_t) * (size_t)(tq * K) + 63) / 64 * 64;
     char *mem = malloc(n_runs + n_cum + n_xq + sizeof(float) * (size_t)(tq + 1));
     if (mem == NULL) return -2;
