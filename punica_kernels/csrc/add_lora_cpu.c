@@ -313,17 +313,31 @@ ALWAYS_INLINE void pf_advance(pf_cursor_t *c, int64_t bytes) {
 
 #ifdef TESSERA_HAS_AVX2
 /* q[i] = round(src[i] / scale) (|q| <= 32767) for i < n, zeros from n up to pad; returns scale
- * (0 when src is all zero: q is all zero then). */
+ * (0 when src is all zero: q is all zero then). AVX-512 builds take 16 values a step where they can
+ * (the same maximum, roundings and saturation: the same bits). */
 static float quantize_i16(const float *src, int64_t n, int64_t pad, int16_t *q) {
+    int64_t i = 0;
+    float mx = 0.0f;
+#ifdef __AVX512F__
+    __m512 mw = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) mw = _mm512_max_ps(mw, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+    mx = _mm512_reduce_max_ps(mw);
+#endif
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 mv = _mm256_setzero_ps();
-    int64_t i = 0;
     for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
-    float mx = tessera_hmax8(mv);
+    const float m8 = tessera_hmax8(mv);
+    mx = m8 > mx ? m8 : mx;
     for (; i < n; i++) mx = fabsf(src[i]) > mx ? fabsf(src[i]) : mx;
     const float scale = mx / 32767.0f, inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
-    const __m256 iv = _mm256_set1_ps(inv);
     i = 0;
+#ifdef __AVX512F__
+    const __m512 iw = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16) /* vpmovsdw saturates as packs does */
+        _mm256_storeu_si256((__m256i *)(q + i),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), iw))));
+#endif
+    const __m256 iv = _mm256_set1_ps(inv);
     for (; i + 16 <= n; i += 16) { /* packs interleaves 128-bit lanes; the permute restores the order */
         const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i), iv));
         const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), iv));
@@ -360,7 +374,14 @@ ALWAYS_INLINE __m256i sum8_epi32(const __m256i v[8]) {
  * 8-lane code's in every build). Integer sums are exact in any order and converted to fp32 at the
  * same points as in the 8-lane code, so both give bit-identical results. */
 #ifdef __AVX512VNNI__
-#define TESSERA_DP16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+/* acc += a . b in place. GCC 12 compiles _mm512_dpwssd_epi32 on loop-carried accumulators with
+ * two register copies around each product (it does not tie the result to the accumulator); the
+ * asm names one register for both. b may be a memory operand. */
+ALWAYS_INLINE __m512i dp16_vnni(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+    return acc;
+}
+#define TESSERA_DP16(acc, a, b) dp16_vnni((acc), (a), (b))
 #else
 #define TESSERA_DP16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
 #endif
@@ -405,44 +426,48 @@ ALWAYS_INLINE __m512i sum16_epi32(const __m512i v[16]) {
 }
 
 /* The shrink of up to TOK_BLOCK tokens of one run for a block of 16 rows of a (rows past r
- * contribute zeros, results dropped), row after row (one forward stream through the slot's
- * block), two accumulators per row and token; each 32 weights are loaded and widened once for
- * all the tokens. */
+ * contribute nothing, results dropped). The rows go in groups of 16 / nt (16 accumulators: one
+ * per row and token): each step loads the tokens' next 32 inputs once for all the group's rows
+ * and each row's next 32 weights once for all the tokens, so a product costs far less than one
+ * load (the bound of a row at a time, which reloads the inputs for every row). A group reads its
+ * rows side by side, one forward stream each. */
 ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *xs, const int8_t *a, const float *rs,
                                 int64_t K, int64_t r, int64_t j0, float sc, float (*v)[64], pf_cursor_t *pf) {
     const int64_t K16 = K / 16 * 16, left = r - j0 < 16 ? r - j0 : 16;
+    const int G = nt <= 2 ? 8 : 4; /* rows per group: G * nt <= 16 accumulators */
     const int8_t *row[16];
-    for (int k = 0; k < left; k++) row[k] = a + (j0 + k) * K;
+    for (int k = 0; k < 16; k++) row[k] = a + (j0 + (k < left ? k : 0)) * K; /* past r: row 0, dropped */
     float tot[TOK_BLOCK][16] = {{0}};
     for (int64_t c0 = 0; c0 < K16; c0 += 4096) {
         const int64_t c1 = c0 + 4096 < K16 ? c0 + 4096 : K16;
         __m512i acc[TOK_BLOCK][16];
-        for (int k = 0; k < 16; k++) {
-            __m512i p0[TOK_BLOCK], p1[TOK_BLOCK];
-            for (int t = 0; t < nt; t++) p0[t] = p1[t] = _mm512_setzero_si512();
-            if (k < left) { /* a row of a (past r there is none) */
-                pf_advance(pf, c1 - c0);
+        for (int g = 0; g < 16; g += G) {
+            __m512i q[16][TOK_BLOCK];
+            for (int k = 0; k < G; k++)
+                for (int t = 0; t < nt; t++) q[k][t] = _mm512_setzero_si512();
+            if (g < left) { /* a group with a row of a (past r there is none) */
+                pf_advance(pf, (c1 - c0) * (left - g < G ? left - g : G));
                 int64_t c = c0;
-                for (; c + 64 <= c1; c += 64) {
-                    const __m512i w0 = load_i8x32(row[k] + c), w1 = load_i8x32(row[k] + c + 32);
-                    for (int t = 0; t < nt; t++) {
-                        p0[t] = TESSERA_DP16(p0[t], _mm512_loadu_si512((const void *)(xq[t] + c)), w0);
-                        p1[t] = TESSERA_DP16(p1[t], _mm512_loadu_si512((const void *)(xq[t] + c + 32)), w1);
+                for (; c + 32 <= c1; c += 32) {
+                    __m512i xv[TOK_BLOCK];
+                    for (int t = 0; t < nt; t++) xv[t] = _mm512_loadu_si512((const void *)(xq[t] + c));
+                    for (int k = 0; k < G; k++) {
+                        const __m512i w = load_i8x32(row[g + k] + c);
+                        for (int t = 0; t < nt; t++) q[k][t] = TESSERA_DP16(q[k][t], xv[t], w);
                     }
                 }
-                for (; c + 32 <= c1; c += 32) {
-                    const __m512i w0 = load_i8x32(row[k] + c);
+                if (c < c1) { /* 16 inputs left */
+                    __m512i xv[TOK_BLOCK];
                     for (int t = 0; t < nt; t++)
-                        p0[t] = TESSERA_DP16(p0[t], _mm512_loadu_si512((const void *)(xq[t] + c)), w0);
-                }
-                if (c < c1) {
-                    const __m512i w1 = _mm512_zextsi256_si512(load_i8x16(row[k] + c));
-                    for (int t = 0; t < nt; t++)
-                        p1[t] = TESSERA_DP16(
-                            p1[t], _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[t] + c))), w1);
+                        xv[t] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[t] + c)));
+                    for (int k = 0; k < G; k++) {
+                        const __m512i w = _mm512_zextsi256_si512(load_i8x16(row[g + k] + c));
+                        for (int t = 0; t < nt; t++) q[k][t] = TESSERA_DP16(q[k][t], xv[t], w);
+                    }
                 }
             }
-            for (int t = 0; t < nt; t++) acc[t][k] = _mm512_add_epi32(p0[t], p1[t]);
+            for (int k = 0; k < G; k++)
+                for (int t = 0; t < nt; t++) acc[t][g + k] = q[k][t];
         }
         for (int t = 0; t < nt; t++) {
             float out[16];
