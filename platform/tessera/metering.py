@@ -21,6 +21,7 @@ event written before a field existed (cached_tokens) is recorded with that field
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -39,6 +40,7 @@ from tessera.outbox import UsageOutbox, database_tag
 from tessera_core.db import utcnow
 
 log = logging.getLogger(__name__)
+_SQLITE_BUSY = 5  # SQLite's primary result code for a lock held by another connection
 
 
 @dataclass
@@ -119,9 +121,16 @@ class Meter:
         self._deferred_total, self._depth_gauge = usage_outbox_metrics()
 
     def record_sync(self, usage: Usage) -> bool:
-        """Insert the event and commit; False if one with this request id already exists."""
+        """Insert the event and commit; False if one with this request id already exists.
+        Waits for the database's write lock (SQLite: its busy timeout) when another writer holds it."""
         if self._sqlite is not None:
-            return self._sqlite.insert(usage)
+            try:
+                return self._sqlite.insert(usage)
+            except WriterBusy:
+                pass
+        return self._insert_pooled(usage)
+
+    def _insert_pooled(self, usage: Usage) -> bool:
         # Core on a plain connection: a quarter of the cost of an ORM session per event.
         with self.engine.begin() as conn:
             return conn.execute(self._stmt, dict(vars(usage))).rowcount == 1
@@ -140,13 +149,19 @@ class Meter:
     async def record(self, usage: Usage) -> bool:
         """`record_sync`, shielded so a cancelled request still gets its event. On SQLite (embedded,
         WAL, one process writing) the insert is far cheaper than a hop to a worker thread, so it
-        runs inline; on Postgres it runs on a worker thread (network round trips).
+        runs inline, unless another writer holds the database (a billing rollup, an admin change):
+        the inline insert does not wait for it (that would stop every stream the event loop serves
+        for as long as the other transaction lasts), the event is inserted from a worker thread
+        that waits. On Postgres it runs on a worker thread (network round trips).
         If the insert fails the event goes to the outbox (durable when this returns) and True is
         not returned; the observer still sees the request, once."""
         with anyio.CancelScope(shield=True):
             try:
                 if self.inline:
-                    inserted = self.record_sync(usage)
+                    try:
+                        inserted = self._sqlite.insert(usage)
+                    except WriterBusy:
+                        inserted = await anyio.to_thread.run_sync(self._insert_pooled, usage)
                 else:
                     inserted = await anyio.to_thread.run_sync(self.record_sync, usage)
             except Exception as e:  # noqa: BLE001 - the database's failure must not fail the response
@@ -267,13 +282,19 @@ def _summary(error: Exception) -> str:
     return f"{type(error).__name__}: {first[0] if first else ''}"[:300]
 
 
+class WriterBusy(Exception):
+    """The embedded usage insert found another connection holding SQLite's write lock."""
+
+
 class _SQLiteInsert:
     """The embedded mode's usage insert on one dedicated SQLite connection: the statement that
     SQLAlchemy compiled for `stmt` (same SQL, same column conversions, the engine's connect-time
     pragmas), executed in SQLite's autocommit mode, where the single INSERT is its own durable
     transaction. It is on every response's critical path (the event must be durable before the
     last bytes go out), and a pooled connection plus BEGIN/COMMIT round trips would cost more than
-    the insert itself (bench/RESULTS.md, gateway)."""
+    the insert itself (bench/RESULTS.md, gateway). Its connection never waits for the write lock
+    (busy timeout 0): `insert` raises WriterBusy at once while another transaction writes, and the
+    caller inserts through a pooled connection, which waits, off the event loop."""
 
     def __init__(self, engine: Engine, stmt):
         columns = [f.name for f in fields(Usage)] + ["created_at"]
@@ -294,10 +315,16 @@ class _SQLiteInsert:
         with self._lock:
             if self._fairy is None:
                 self._fairy = self._engine.raw_connection()
+                self._fairy.driver_connection.execute("PRAGMA busy_timeout = 0")
             conn = self._fairy.driver_connection
             if conn.in_transaction:  # never expected; a failed statement must not leave one open
                 conn.rollback()
-            return conn.execute(self.sql, params).rowcount == 1
+            try:
+                return conn.execute(self.sql, params).rowcount == 1
+            except sqlite3.OperationalError as e:
+                if getattr(e, "sqlite_errorcode", 0) & 0xFF == _SQLITE_BUSY or "locked" in str(e):
+                    raise WriterBusy(str(e)) from e
+                raise
 
     def close(self) -> None:
         with self._lock:

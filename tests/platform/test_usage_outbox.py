@@ -169,6 +169,49 @@ def test_lock_timeout_defers_to_the_outbox_and_the_drain_records_each_event_once
     engine.dispose()
 
 
+def test_a_writer_holding_sqlite_does_not_stop_the_event_loop(sqlite_db, tmp_path):
+    """The embedded gateway inserts each usage event inline on its event loop; while another
+    connection holds SQLite's write lock (a billing rollup's transaction, an admin change) the
+    insert must not wait there, which would freeze every stream the loop serves. The loop keeps
+    running, and the event is recorded in the database (not the outbox) once the lock is released."""
+    tid = make_tenant(sqlite_db)
+    engine = make_engine(sqlite_db)  # the gateway's engine: a 30 s busy timeout
+    meter = meter_on(engine, outbox_dir=tmp_path / "outbox")
+    event_ = usage(tid, 6, 9)
+    holder = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    ticks = 0
+
+    async def main() -> bool:
+        nonlocal ticks
+        done, result = anyio.Event(), {}
+
+        async def record():
+            result["inserted"] = await meter.record(event_)
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(record)
+            for _ in range(20):  # the loop's other work: 20 ticks of 10 ms while the lock is held
+                await anyio.sleep(0.01)
+                ticks += 1
+            waited = not done.is_set()
+            holder.execute("COMMIT")
+            with anyio.fail_after(10):
+                await done.wait()
+        return waited and result["inserted"]
+
+    try:
+        assert anyio.run(main)
+    finally:
+        holder.close()
+    assert ticks == 20
+    assert stored(sqlite_db, tid) == {event_.request_id: 15} and meter.outbox_depth == 0
+    assert anyio.run(meter.record, usage(tid, 1, 1))  # and the inline insert serves the next one
+    meter.close()
+    engine.dispose()
+
+
 def test_postgres_outage_and_a_meter_restart_with_a_pending_outbox(pg_db, tmp_path):
     tid = make_tenant(pg_db)
     outbox = tmp_path / "outbox"
