@@ -306,6 +306,7 @@ class _SQLiteInsert:
                         if (p := table.c[k].type.dialect_impl(engine.dialect).bind_processor(engine.dialect))}
         self._engine = engine
         self._fairy = None  # a pool connection kept for the meter's lifetime
+        self._pool_busy_ms = 0  # its busy timeout as the pool gave it, restored when it goes back
         self._lock = threading.Lock()
 
     def insert(self, usage: Usage) -> bool:
@@ -315,7 +316,9 @@ class _SQLiteInsert:
         with self._lock:
             if self._fairy is None:
                 self._fairy = self._engine.raw_connection()
-                self._fairy.driver_connection.execute("PRAGMA busy_timeout = 0")
+                driver = self._fairy.driver_connection
+                self._pool_busy_ms = driver.execute("PRAGMA busy_timeout").fetchone()[0]
+                driver.execute("PRAGMA busy_timeout = 0")
             conn = self._fairy.driver_connection
             if conn.in_transaction:  # never expected; a failed statement must not leave one open
                 conn.rollback()
@@ -329,5 +332,9 @@ class _SQLiteInsert:
     def close(self) -> None:
         with self._lock:
             if self._fairy is not None:
+                try:  # back to the pool with the wait its other users expect
+                    self._fairy.driver_connection.execute(f"PRAGMA busy_timeout = {int(self._pool_busy_ms)}")
+                except sqlite3.Error:
+                    self._fairy.invalidate()  # closed rather than pooled as it is
                 self._fairy.close()
                 self._fairy = None
