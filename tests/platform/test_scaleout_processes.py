@@ -152,11 +152,12 @@ def test_burst_with_a_worker_killed_and_an_upload_served_through_the_other_gatew
     def stream(i: int) -> None:
         res = results[i]
         res.update(received=0, error=None, done=False)
-        # ignore_eos: no stream may end on its own before the kill (one that did, on the worker
-        # to be killed, left nothing running there).
+        # ignore_eos and 160 tokens: no stream may end before the kill (one that did, on the worker
+        # to be killed, left nothing running there; with 48 tokens a loaded CI machine finished the
+        # other worker's two streams while the first one's six were still starting).
         # continuous_usage_stats: every chunk carries the completion tokens it shows so far (a token
         # whose text is held back, an incomplete character, shows with a later chunk).
-        body = chat(models[i % 3], 48, stream=True, ignore_eos=True,
+        body = chat(models[i % 3], 160, stream=True, ignore_eos=True,
                     stream_options={"include_usage": True, "continuous_usage_stats": True})
         try:
             with httpx.stream("POST", f"{(a, b)[i % 2]}/v1/chat/completions", json=body, headers=auth,
