@@ -325,7 +325,7 @@ class _SQLiteInsert:
             try:
                 return conn.execute(self.sql, params).rowcount == 1
             except sqlite3.OperationalError as e:
-                if getattr(e, "sqlite_errorcode", 0) & 0xFF == _SQLITE_BUSY or "locked" in str(e):
+                if e.sqlite_errorcode & 0xFF == _SQLITE_BUSY:  # extended codes keep the primary in the low byte
                     raise WriterBusy(str(e)) from e
                 raise
 
