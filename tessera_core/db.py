@@ -6,11 +6,13 @@ Postgres and SQLite alike, which migrations rely on.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from sqlalchemy import MetaData, create_engine, event
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import DeclarativeBase, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -32,9 +34,19 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+#: Execution option of a connection whose transaction only reads (see `read_only_session`).
+READ_ONLY = "tessera_read_only"
+
+
 def make_engine(url: str) -> Engine:
     """An Engine for `url`. SQLite gets foreign keys enforced and a busy timeout, so the embedded
-    mode keeps the same integrity guarantees as Postgres."""
+    mode keeps the same integrity guarantees as Postgres.
+
+    SQLite transactions begin IMMEDIATE (they take the write lock first, waiting up to the busy
+    timeout for it) unless the connection is marked READ_ONLY. A deferred transaction that reads
+    and then writes cannot wait: SQLite refuses its upgrade at once ("database is locked", no busy
+    handler) whenever another connection holds the write lock, so an admin creating a tenant while
+    a usage event was being written failed instead of waiting its turn."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
@@ -49,7 +61,7 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn):
-            conn.exec_driver_sql("BEGIN")
+            conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
         return engine
     # libpq options: a database that does not answer a connect within seconds is an outage (the
@@ -63,3 +75,14 @@ def make_engine(url: str) -> Engine:
 def make_session_factory(engine: Engine) -> sessionmaker:
     """Session factory; expire_on_commit=False so returned ORM objects stay readable after commit."""
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+@contextmanager
+def read_only_session(session_factory: sessionmaker) -> Iterator[Session]:
+    """A session for a unit of work that only reads. On SQLite its transaction begins deferred, so
+    it never waits for the write lock nor holds it (readers on the request path, such as key and
+    adapter lookups, run side by side); what it writes is refused whenever another connection
+    writes. Elsewhere it is an ordinary session."""
+    with session_factory() as session:
+        session.connection(execution_options={READ_ONLY: True})
+        yield session

@@ -20,6 +20,7 @@ from tessera.gateway import Gateway, get_gateway
 from tessera.observability import tracing
 from tessera.services import Caller, TenantSuspended, authenticate, hash_key
 from tessera.settings import PlatformSettings
+from tessera_core.db import read_only_session
 
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
@@ -52,7 +53,7 @@ async def _caller(request: Request, gateway: GatewayDep) -> Caller:
         return cached
 
     def lookup() -> Caller | None:
-        with gateway.session_factory() as session:
+        with read_only_session(gateway.session_factory) as session:
             return authenticate(session=session, key=key)
 
     try:

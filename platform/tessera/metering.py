@@ -37,7 +37,7 @@ from tessera.billing.periods import Period
 from tessera.models import UsageEvent
 from tessera.observability.metrics import usage_outbox_metrics
 from tessera.outbox import UsageOutbox, database_tag
-from tessera_core.db import utcnow
+from tessera_core.db import read_only_session, utcnow
 
 log = logging.getLogger(__name__)
 _SQLITE_BUSY = 5  # SQLite's primary result code for a lock held by another connection
@@ -95,7 +95,7 @@ def used_in_month(session_factory: sessionmaker, *, tenant_id: int, month: Perio
     (a UTC month, as quota.month_of gives it): what its monthly budget counter starts from.
     Blocking (run it off the event loop); raises SQLAlchemyError when the database fails."""
     since = month.start_datetime()
-    with session_factory() as session:
+    with read_only_session(session_factory) as session:
         return int(session.scalar(
             select(func.coalesce(func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens), 0))
             .where(UsageEvent.tenant_id == tenant_id, UsageEvent.created_at >= since)))

@@ -13,6 +13,7 @@ from tessera.api.failures import unavailable
 from tessera.errors import ApiError
 from tessera.gateway import Gateway
 from tessera.services import Caller
+from tessera_core.db import read_only_session
 from tessera_core.errors import TesseraError
 
 
@@ -31,7 +32,7 @@ async def resolve_adapter(*, gw: Gateway, caller: Caller, model: str, request_id
         return None
 
     def resolve() -> tuple[str, str, str | None]:
-        with gw.session_factory() as session:
+        with read_only_session(gw.session_factory) as session:
             tenant = session.get(Tenant, caller.tenant_id)
             v = registry.resolve_version(session=session, tenant=tenant, ref=model)
             return v.sha256, v.ref, v.base_model
@@ -71,7 +72,7 @@ async def models_of(*, gw: Gateway, caller: Caller) -> list[dict]:
     """The base model, then the caller's own adapters that have a ready version."""
 
     def adapters() -> list[dict]:
-        with gw.session_factory() as session:
+        with read_only_session(gw.session_factory) as session:
             tenant = session.get(Tenant, caller.tenant_id)
             return [model_card(a.name, caller.tenant_name, a.created_at.timestamp())
                     for a in registry.list_adapters(session=session, tenant=tenant) if a.current_version_id]

@@ -39,6 +39,8 @@ import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import select
 
+from tessera_core.db import read_only_session
+
 log = logging.getLogger(__name__)
 
 # Bucket bounds (seconds) sized for LLM serving: TTFT from tens of ms (short prompt, idle engine)
@@ -141,7 +143,7 @@ class GatewayMetrics:
     def _lookup(self, tenant_id: int) -> str:
         from adapter_registry.models import Tenant
 
-        with self.session_factory() as session:
+        with read_only_session(self.session_factory) as session:
             name = session.scalar(select(Tenant.name).where(Tenant.id == tenant_id))
         return name or str(tenant_id)
 
