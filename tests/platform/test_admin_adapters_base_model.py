@@ -111,10 +111,12 @@ def test_a_version_for_another_base_than_the_one_served_is_refused_at_request_ti
     for name, path in (("old", "/models/SmolLM2-135M-Instruct"), ("legacy", "HuggingFaceTB/SmolLM2-135M-Instruct")):
         r = post(platform, t.name, name, saved_from(tmp_path / name, path))  # different bytes: two versions
         assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+    # The versions' ids first: the gateway's reads wait while this test's transaction holds the write lock.
+    sha = {name: platform.admin.get(f"/admin/v1/tenants/{t.name}/adapters/{name}").json()["versions"][0]["sha256"]
+           for name in ("old", "legacy")}
     with platform.gateway.session_factory() as s:
         for name, base in (("old", "Qwen/Qwen2.5-7B-Instruct"), ("legacy", "HuggingFaceTB/SmolLM2-135M-Instruct")):
-            s.execute(update(AdapterVersion).where(AdapterVersion.sha256 == platform.admin.get(
-                f"/admin/v1/tenants/{t.name}/adapters/{name}").json()["versions"][0]["sha256"]).values(base_model=base))
+            s.execute(update(AdapterVersion).where(AdapterVersion.sha256 == sha[name]).values(base_model=base))
         s.commit()
     client = platform.openai(t)
     with pytest.raises(openai.ConflictError) as e:

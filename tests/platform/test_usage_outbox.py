@@ -209,8 +209,8 @@ def test_a_writer_holding_sqlite_does_not_stop_the_event_loop(sqlite_db, tmp_pat
     assert stored(sqlite_db, tid) == {event_.request_id: 15} and meter.outbox_depth == 0
     assert anyio.run(meter.record, usage(tid, 1, 1))  # and the inline insert serves the next one
     meter.close()
-    conns = [engine.connect() for _ in range(3)]  # every pooled connection (the meter's too) waits as before
-    assert [c.exec_driver_sql("PRAGMA busy_timeout").scalar() for c in conns] == [30000] * 3
+    conns = [engine.raw_connection() for _ in range(3)]  # every pooled connection (the meter's too) waits as before
+    assert [c.driver_connection.execute("PRAGMA busy_timeout").fetchone()[0] for c in conns] == [30000] * 3
     for c in conns:
         c.close()
     engine.dispose()
