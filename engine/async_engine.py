@@ -34,7 +34,7 @@ from typing import AsyncIterator
 
 from engine import metrics as engine_metrics
 from engine import omp_threads
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import STALL_WAIT_S, LLMEngine
 from engine.sampling_params import GenerationRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class AsyncLLMEngine:
         # The engine was built (and warmed up) on this thread; from now on it steps on its own:
         # this thread's OpenMP workers would only slow the step's regions (engine.omp_threads).
         omp_threads.release_pool()
+        if engine.lora_manager is not None:
+            engine.lora_manager.load_listeners.append(self._wake.set)
         self._thread = threading.Thread(target=self._supervise, name="tessera-engine", daemon=True)
         self._thread.start()
 
@@ -241,6 +243,9 @@ class AsyncLLMEngine:
                 continue
             for out in self.engine.step():
                 self._deliver(out.request_id, out)
+            if self.engine.stalled:  # its requests wait for adapter loads (which wake it) or room
+                self._wake.wait(timeout=STALL_WAIT_S)
+                self._wake.clear()
 
     def _supervise(self) -> None:
         while not self._stopped.is_set():

@@ -71,6 +71,9 @@ from engine.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 
 NON_FINITE_MESSAGE = "the model produced non-finite values for this request"
+#: How long a step loop waits after a stalled step (`LLMEngine.stalled`) before stepping again,
+#: unless woken sooner (a new command, an adapter load ending).
+STALL_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -129,6 +132,8 @@ class LLMEngine:
         self.overlap_steps: bool = ec.overlap_steps if ec.overlap_steps is not None else self.device.type == "cuda"
         #: The step launched and not yet applied (overlapped steps only), and when it started.
         self._inflight: tuple[LaunchedStep, float] | None = None
+        #: Whether the last step ran nothing and produced nothing (see `step`).
+        self.stalled = False
         self.stats = {"steps": 0, "preemptions": 0, "last_step_s": 0.0, "last_batch_tokens": 0,
                       "overlapped_steps": 0}
         #: How long finished requests held a seat (first scheduled to finished, however they
@@ -232,6 +237,9 @@ class LLMEngine:
                 outputs += self._update(launched, t0)
         if inflight is not None:
             outputs += self._update(*inflight)
+        # Nothing ran and nothing came out: every unfinished request waits (for its adapter's load,
+        # for room in the cache); a loop stepping again at once would only spin.
+        self.stalled = sched.is_empty and not overlapped and not outputs
         return outputs
 
     def _needs_tokens(self, seqs: list[Sequence]) -> bool:
@@ -419,7 +427,10 @@ class LLMEngine:
             self.add_request(r)
             agg[r.request_id] = RequestOutput(r.request_id, "", [])
         while self.has_unfinished():
-            for out in self.step():
+            outs = self.step()
+            if self.stalled:
+                time.sleep(STALL_WAIT_S)  # the GIL to the adapter loaders, not to a spinning loop
+            for out in outs:
                 a = agg[out.request_id]
                 a.text += out.text
                 a.token_ids += out.token_ids

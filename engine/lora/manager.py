@@ -75,6 +75,9 @@ class LoRAManager:
         #: none on CPU).
         self.stats = {"cpu_hits": 0, "cpu_misses": 0, "slot_hits": 0, "slot_loads": 0, "slot_load_transfers": 0,
                       "evictions": 0}
+        #: Called (on the loader's thread, without arguments) after every load ends, loaded or
+        #: failed: a step loop that waits while its requests wait for adapters wakes on it.
+        self.load_listeners: list = []
         #: Successful loads into the CPU tier (fetch + parse), recorded under the lock.
         self.load_times = Durations(ADAPTER_LOAD_BUCKETS_S)
         #: version -> (start, end) in time.monotonic() of the load that put it in the CPU tier,
@@ -193,6 +196,7 @@ class LoRAManager:
                 self._errors[version] = (msg, time.monotonic())
                 self._loading.pop(version, None)
             log.warning(msg, exc_info=not known)
+            self._loads_ended()
             return
         with self._lock:
             self.load_spans[version] = (started, time.monotonic())  # before it can be scheduled
@@ -200,6 +204,11 @@ class LoRAManager:
             self._loading.pop(version, None)
             self.load_times.record(time.perf_counter() - t0)
             self._evict_cpu_locked()
+        self._loads_ended()
+
+    def _loads_ended(self) -> None:
+        for listener in list(self.load_listeners):
+            listener()
 
     def _evict_cpu_locked(self) -> None:
         total = sum(w.nbytes for w in self._cpu.values())

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
-from engine.sampling_params import InvalidRequestError
+from engine.sampling_params import GenerationRequest, InvalidRequestError, SamplingParams
 
 from .conftest import chat
 from .helpers import greedy
@@ -79,3 +79,56 @@ def test_task_cancellation_aborts(aengine, engine):
         time.sleep(0.05)
     assert not engine.requests
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_step_loop_waits_instead_of_spinning_while_a_request_waits_for_its_adapter(make_engine, tmp_path):
+    """While the only request waits for its adapter's load, the engine thread must not step in a
+    busy loop: it would hold the GIL against the loader (a newcomer's first adapter request took
+    seconds). It waits, is woken when the load ends, and the request is served."""
+    import threading
+
+    from engine.lora.source import LocalDirectoryAdapterSource
+
+    from .lora_fixtures import write_random_adapter
+
+    write_random_adapter(tmp_path / "slow", 8, seed=3)
+    released = threading.Event()
+
+    class SlowSource(LocalDirectoryAdapterSource):
+        def fetch(self, version):  # a download that takes a while
+            released.wait(10)
+            return super().fetch(version)
+
+    engine = make_engine(SlowSource(tmp_path), max_loras=2, max_lora_rank=8)
+    steps = 0
+    step = engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted
+    a = AsyncLLMEngine(engine)
+    try:
+        async def main():
+            outs = []
+
+            async def consume():
+                request = GenerationRequest("w", prompt="Hello", adapter="slow",
+                                            params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+                async for out in a.generate(request):
+                    outs.append(out)
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.5)  # the request waits for the fetch all this time
+            waited_steps = steps
+            released.set()
+            await asyncio.wait_for(task, 60)
+            return waited_steps, outs
+
+        waited_steps, outs = asyncio.run(main())
+    finally:
+        a.shutdown()
+    assert outs[-1].finished and outs[-1].completion_tokens == 4 and outs[-1].error is None
+    # 0.5 s of waiting at the loop's stall wait is ~50 steps; a spinning loop makes thousands.
+    assert waited_steps < 150, waited_steps
