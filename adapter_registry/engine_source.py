@@ -31,6 +31,7 @@ from sqlalchemy.orm import sessionmaker
 from adapter_registry.content import sha256_file, version_digest
 from adapter_registry.models import Adapter, AdapterVersion
 from engine.lora.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterFetchError, check_version_id
+from tessera_core.db import read_only_session
 from tessera_core.errors import ObjectNotFound, TesseraError
 from tessera_core.objectstore import ObjectStore
 
@@ -115,7 +116,7 @@ class RegistryAdapterSource:
         if self.tenant_id is not None:
             q = q.where(Adapter.tenant_id == self.tenant_id)
         try:
-            with self.session_factory() as session:
+            with read_only_session(self.session_factory) as session:  # never waits behind a writer
                 version = session.scalar(q)
         except SQLAlchemyError as e:
             raise AdapterFetchError(f"adapter registry database unavailable ({type(e).__name__})") from e
