@@ -177,9 +177,12 @@ def _sha256(path: Path) -> str:
 def write_export(session: Session, store: ObjectStore, *, tenant: Tenant, period: Period, fmt: str,
                  currency: str) -> Export:
     """Build the export, put it in the object store and record it (replacing an earlier one of
-    the same tenant, period and format); commits."""
+    the same tenant, period and format); commits. The rows are read in the session's current
+    transaction, which ends before the upload; the record is written in a short one of its own
+    (on SQLite a transaction that writes holds the database's one write lock)."""
     with tempfile.TemporaryDirectory(prefix="tessera-export-") as tmp:
         built = build_export(session, tenant=tenant, period=period, fmt=fmt, currency=currency, out_dir=Path(tmp))
+        session.commit()  # ends the reading transaction; nothing was written in it
         key = object_key(tenant, period, fmt)
         store.put_file(key, built.path)
         values = dict(object_key=key, sha256=_sha256(built.path), size_bytes=built.path.stat().st_size,

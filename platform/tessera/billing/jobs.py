@@ -12,6 +12,7 @@ from tessera.billing.invoices import close_due, close_period
 from tessera.billing.periods import Period
 from tessera.billing.rollup import RollupReport, rollup
 from tessera_core.context import Context
+from tessera_core.db import read_only_session
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def close_period_job(ctx: Context, *, tenant_id: int, period: Period):
 def export_job(ctx: Context, *, tenant_id: int, period: Period, fmt: str):
     """Roll up (so an open period's export is current), then write the export; returns its record."""
     rollup_job(ctx)
-    with ctx.session_factory() as session:
+    with read_only_session(ctx.session_factory) as session:  # write_export writes in its own transaction
         tenant = registry.get_tenant(session=session, tenant_id=tenant_id)
         return write_export(session, ctx.store, tenant=tenant, period=period, fmt=fmt,
                             currency=ctx.settings.billing_currency)
