@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -77,7 +78,7 @@ class LoRAManager:
                       "evictions": 0}
         #: Called (on the loader's thread, without arguments) after every load ends, loaded or
         #: failed: a step loop that waits while its requests wait for adapters wakes on it.
-        self.load_listeners: list = []
+        self.load_listeners: list[Callable[[], None]] = []
         #: Successful loads into the CPU tier (fetch + parse), recorded under the lock.
         self.load_times = Durations(ADAPTER_LOAD_BUCKETS_S)
         #: version -> (start, end) in time.monotonic() of the load that put it in the CPU tier,

@@ -1,13 +1,16 @@
 """The async API: streaming deltas, cancellation, and an event loop that never blocks."""
 import asyncio
+import threading
 
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
+from engine.lora.source import LocalDirectoryAdapterSource
 from engine.sampling_params import GenerationRequest, InvalidRequestError, SamplingParams
 
 from .conftest import chat
 from .helpers import greedy
+from .lora_fixtures import write_random_adapter
 
 
 @pytest.fixture
@@ -85,12 +88,6 @@ def test_the_step_loop_waits_instead_of_spinning_while_a_request_waits_for_its_a
     """While the only request waits for its adapter's load, the engine thread must not step in a
     busy loop: it would hold the GIL against the loader (a newcomer's first adapter request took
     seconds). It waits, is woken when the load ends, and the request is served."""
-    import threading
-
-    from engine.lora.source import LocalDirectoryAdapterSource
-
-    from .lora_fixtures import write_random_adapter
-
     write_random_adapter(tmp_path / "slow", 8, seed=3)
     released = threading.Event()
 
@@ -119,6 +116,7 @@ def test_the_step_loop_waits_instead_of_spinning_while_a_request_waits_for_its_a
                                             params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
                 async for out in a.generate(request):
                     outs.append(out)
+
             task = asyncio.create_task(consume())
             await asyncio.sleep(0.5)  # the request waits for the fetch all this time
             waited_steps = steps

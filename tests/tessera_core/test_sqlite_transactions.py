@@ -9,8 +9,7 @@ import time
 
 from sqlalchemy import Column, Integer, MetaData, Table, insert, select
 
-from tessera_core.db import make_engine, make_session_factory
-from tessera_core.db import read_only_session  # noqa
+from tessera_core.db import make_engine, make_session_factory, read_only_session
 
 META = MetaData()
 ROWS = Table("rows", META, Column("id", Integer, primary_key=True), Column("n", Integer))
@@ -20,10 +19,10 @@ def database(tmp_path):
     path = tmp_path / "t.db"
     engine = make_engine(f"sqlite:///{path}")
     META.create_all(engine)
-    return path, engine, make_session_factory(engine)
+    return path, make_session_factory(engine)
 
 
-def hold_write_lock(path, seconds: float) -> tuple[threading.Thread, threading.Event]:
+def hold_write_lock(path, seconds: float) -> threading.Thread:
     """Another connection holding the write lock (a pending write) for `seconds`, in a thread."""
     taken = threading.Event()
 
@@ -39,12 +38,12 @@ def hold_write_lock(path, seconds: float) -> tuple[threading.Thread, threading.E
     t = threading.Thread(target=run)
     t.start()
     assert taken.wait(10)
-    return t, taken
+    return t
 
 
 def test_a_read_then_write_waits_for_another_writer_and_commits(tmp_path):
-    path, engine, sessions = database(tmp_path)
-    holder, _ = hold_write_lock(path, 0.5)
+    path, sessions = database(tmp_path)
+    holder = hold_write_lock(path, 0.5)
     with sessions() as s:  # read first, then write: the shape of an admin change
         before = s.scalar(select(ROWS.c.n).where(ROWS.c.n == 7))
         s.execute(insert(ROWS).values(n=7))
@@ -68,11 +67,11 @@ def can_take_write_lock(path) -> bool:
 
 
 def test_a_read_only_session_reads_beside_a_writer_and_leaves_the_lock_free(tmp_path):
-    path, engine, sessions = database(tmp_path)
+    path, sessions = database(tmp_path)
     with sessions() as s:
         s.execute(insert(ROWS).values(n=1))
         s.commit()
-    holder, _ = hold_write_lock(path, 0.3)
+    holder = hold_write_lock(path, 0.3)
     with read_only_session(sessions) as s:  # reads at once, beside the holder's pending write
         assert list(s.scalars(select(ROWS.c.n))) == [1]
     holder.join()
