@@ -306,8 +306,11 @@ ALWAYS_INLINE void pf_advance(pf_cursor_t *c, int64_t bytes) {
             c->debt = 0;
             return;
         }
-        __builtin_prefetch(c->p, 0, 2); /* prefetcht1: L2 (into L1 the lines would evict what is in use) */
-        c->p += 64, c->left -= 64, c->debt -= 64;
+        /* the whole lines owed within this block (or the block's rest), in a tight loop */
+        const int64_t n = (c->debt < c->left ? c->debt : c->left + 63) / 64 * 64;
+        const char *p = c->p, *const e = p + n;
+        for (; p < e; p += 64) __builtin_prefetch(p, 0, 2); /* prefetcht1: L2 (into L1 the lines would evict what is in use) */
+        c->p = e, c->left -= n, c->debt -= n;
     }
 }
 
@@ -447,9 +450,10 @@ ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *x
             for (int k = 0; k < G; k++)
                 for (int t = 0; t < nt; t++) q[k][t] = _mm512_setzero_si512();
             if (g < left) { /* a group with a row of a (past r there is none) */
-                pf_advance(pf, (c1 - c0) * (left - g < G ? left - g : G));
+                const int64_t step_bytes = 32 * (left - g < G ? left - g : G); /* the group's bytes a step */
                 int64_t c = c0;
                 for (; c + 32 <= c1; c += 32) {
+                    pf_advance(pf, step_bytes);
                     __m512i xv[TOK_BLOCK];
                     for (int t = 0; t < nt; t++) xv[t] = _mm512_loadu_si512((const void *)(xq[t] + c));
                     for (int k = 0; k < G; k++) {
@@ -458,6 +462,7 @@ ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *x
                     }
                 }
                 if (c < c1) { /* 16 inputs left */
+                    pf_advance(pf, step_bytes / 2);
                     __m512i xv[TOK_BLOCK];
                     for (int t = 0; t < nt; t++)
                         xv[t] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[t] + c)));
