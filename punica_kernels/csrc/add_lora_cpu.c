@@ -553,6 +553,46 @@ ALWAYS_INLINE void shrink_i8(int nt, const int16_t *const *xq, const float *xs, 
     }
 }
 
+#ifdef __AVX512BW__
+/* expand_i8's AVX-512 blocks of 32 * W outputs (2W vectors of 16 a token, W <= 4) from output n
+ * while a whole block fits; returns where it stopped. */
+ALWAYS_INLINE int64_t expand_i8_512(int W, int nt, int64_t n, const int32_t (*pair)[32], const int16_t (*vq)[64],
+                                    const float *vs, const int8_t *b, const float *rs, int64_t r, int64_t N,
+                                    float *const *y, pf_cursor_t *pf) {
+    const int64_t np = r / 2;
+    const int odd = (int)(r & 1);
+    const int8_t *last = b + np * 2 * N; /* odd r: the last column */
+    for (; n + 32 * W <= N; n += 32 * W) { /* 2W x 32 bytes of each pair row */
+        pf_advance(pf, 32 * W * r);
+        __m512i acc[TOK_BLOCK][8];
+        for (int t = 0; t < nt; t++)
+            for (int i = 0; i < 2 * W; i++) acc[t][i] = _mm512_setzero_si512();
+        for (int64_t p = 0; p < np; p++) {
+            const int8_t *row = b + p * 2 * N + 2 * n;
+            __m512i w[8];
+            for (int i = 0; i < 2 * W; i++) w[i] = load_i8x32(row + 32 * i);
+            for (int t = 0; t < nt; t++) {
+                const __m512i vp = _mm512_set1_epi32(pair[t][p]);
+                for (int i = 0; i < 2 * W; i++) acc[t][i] = TESSERA_DP16(acc[t][i], vp, w[i]);
+            }
+        }
+        for (int i = 0; i < 2 * W; i++) {
+            const __m512i l = odd ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(last + n + 16 * i)))
+                                  : _mm512_setzero_si512();
+            const __m512 rsv = _mm512_loadu_ps(rs + n + 16 * i);
+            for (int t = 0; t < nt; t++) {
+                if (!(vs[t] > 0.0f)) continue; /* an all-zero intermediate adds nothing */
+                __m512i a = acc[t][i];
+                if (odd) a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(vq[t][r - 1]), l));
+                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(rsv, _mm512_set1_ps(vs[t])));
+                _mm512_storeu_ps(y[t] + n + 16 * i, _mm512_add_ps(_mm512_loadu_ps(y[t] + n + 16 * i), s));
+            }
+        }
+    }
+    return n;
+}
+#endif
+
 /* y[t][n] += rs[n] * vs[t] * (vq[t] . B[n, :r]) for n < N and the nt <= TOK_BLOCK tokens of a
  * block (layout: b_at). A broadcast pair (vq[t][2p], vq[t][2p + 1]) times a pair row's bytes is
  * one int32 sum per output in the lane where it belongs: no horizontal sums; each run of weights
@@ -567,32 +607,11 @@ ALWAYS_INLINE void expand_i8(int nt, const int16_t (*vq)[64], const float *vs, c
     for (int t = 0; t < nt; t++) memcpy(pair[t], vq[t], sizeof(int32_t) * (size_t)np);
     int64_t n = 0;
 #ifdef __AVX512BW__
-    for (; n + 32 <= N; n += 32) { /* 32 outputs: 2 x 32 bytes of each pair row */
-        pf_advance(pf, 32 * r);
-        __m512i acc[TOK_BLOCK][2];
-        for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
-        for (int64_t p = 0; p < np; p++) {
-            const int8_t *row = b + p * 2 * N + 2 * n;
-            const __m512i w0 = load_i8x32(row), w1 = load_i8x32(row + 32);
-            for (int t = 0; t < nt; t++) {
-                const __m512i vp = _mm512_set1_epi32(pair[t][p]);
-                acc[t][0] = TESSERA_DP16(acc[t][0], vp, w0);
-                acc[t][1] = TESSERA_DP16(acc[t][1], vp, w1);
-            }
-        }
-        for (int i = 0; i < 2; i++) {
-            const __m512i l = odd ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(last + n + 16 * i)))
-                                  : _mm512_setzero_si512();
-            const __m512 rsv = _mm512_loadu_ps(rs + n + 16 * i);
-            for (int t = 0; t < nt; t++) {
-                if (!(vs[t] > 0.0f)) continue; /* an all-zero intermediate adds nothing */
-                __m512i a = acc[t][i];
-                if (odd) a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(vq[t][r - 1]), l));
-                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(rsv, _mm512_set1_ps(vs[t])));
-                _mm512_storeu_ps(y[t] + n + 16 * i, _mm512_add_ps(_mm512_loadu_ps(y[t] + n + 16 * i), s));
-            }
-        }
-    }
+    /* Blocks of 32 * W outputs with W = 4 / nt, so that a block keeps 8 accumulators in flight
+     * (with one or two tokens, 32 outputs a block would leave each product waiting on the one
+     * before it), then 32 at a time. */
+    n = expand_i8_512(nt == 1 ? 4 : nt == 2 ? 2 : 1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
+    n = expand_i8_512(1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
 #else
     for (; n + 32 <= N; n += 32) { /* 32 outputs: 4 x 16 bytes of each pair row */
         pf_advance(pf, 32 * r);
