@@ -607,10 +607,10 @@ ALWAYS_INLINE void expand_i8(int nt, const int16_t (*vq)[64], const float *vs, c
     for (int t = 0; t < nt; t++) memcpy(pair[t], vq[t], sizeof(int32_t) * (size_t)np);
     int64_t n = 0;
 #ifdef __AVX512BW__
-    /* Blocks of 32 * W outputs with W = 4 / nt, so that a block keeps 8 accumulators in flight
-     * (with one or two tokens, 32 outputs a block would leave each product waiting on the one
-     * before it), then 32 at a time. */
-    n = expand_i8_512(nt == 1 ? 4 : nt == 2 ? 2 : 1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
+    /* One or two tokens: blocks of 64 outputs, 4 or 8 accumulators in flight (32 outputs a block
+     * left each product waiting on the one before it; 128 for one token was faster in cache but
+     * slower on a many-adapter step's reads from memory), then 32 at a time. */
+    n = expand_i8_512(nt <= 2 ? 2 : 1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
     n = expand_i8_512(1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
 #else
     for (; n + 32 <= N; n += 32) { /* 32 outputs: 4 x 16 bytes of each pair row */
