@@ -62,3 +62,17 @@ def test_step_model_counts_a_decode_layers_launches_and_host_time():
     for key in ("host_ms", "host_per_layer_ms", "host_at_real_depth_ms"):
         assert case["decode_host"][key] > 0
     assert case["prefill_step"]["triton_launches"] > 0
+
+
+@pytest.mark.usefixtures("needs_c_compiler")
+def test_lora_kernel_ab_compares_a_revisions_kernel_with_the_trees():
+    """bench/lora_kernel_ab.py builds the kernel from a git revision beside this tree's and reports
+    both on every case; against this tree's own revision the two give the same bits."""
+    out = _run("lora_kernel_ab.py", "--against", "HEAD", "--rounds", "2", interpret=False)
+    assert out["against"] == "HEAD" and out["stack_rank"] == 16
+    assert set(out["cases"]) == {"distinct", "two_slots", "one_layer", "8_tokens"}
+    for case in out["cases"].values():
+        assert case["same_bits"] is True
+        for label in ("HEAD", "tree"):
+            assert 0 < case[label]["min_ms"] <= case[label]["median_ms"]
+    assert out["machine"]["cores"] >= 1
