@@ -261,16 +261,21 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
                                   "checked against it; nothing was stored, try again once an engine is up")
     max_bytes, max_count = _limits_for(tenant, settings)
     limits = ArchiveLimits(settings.archive_max_uncompressed_bytes, settings.archive_max_files)
+    tenant_name = tenant.name  # read before the caller's transaction ends (no query for it later)
     # Staging, the reads and the object store puts below take seconds for a large upload: they run
     # in a transaction that only reads, which on SQLite holds no write lock (usage events, other
     # admins and the billing rollup go on meanwhile); the version is written in its own transaction.
-    _begin_read_only(session)
+    try:
+        _begin_read_only(session)
+    except SQLAlchemyError as e:
+        session.rollback()
+        raise _db_unavailable(e) from e
     with tempfile.TemporaryDirectory(prefix="tessera-upload-") as work:
         staged = stage_upload(Path(source), Path(work), limits)
         weights_size = staged.weights_path.stat().st_size
         if weights_size > max_bytes:
             raise QuotaExceeded(
-                f"adapter weights are {weights_size} bytes; tenant {tenant.name!r} may upload at most {max_bytes} bytes"
+                f"adapter weights are {weights_size} bytes; tenant {tenant_name!r} may upload at most {max_bytes} bytes"
             )
         try:  # refused before anything is stored; the version records the served model
             base = base_of_upload(config_path=staged.config_path, base_model=base_model, settings=settings)
@@ -292,7 +297,7 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
                 count = session.scalar(select(func.count(Adapter.id)).where(
                     Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)))
                 if count >= max_count:
-                    raise QuotaExceeded(f"tenant {tenant.name!r} already has {count} adapters (limit {max_count})")
+                    raise QuotaExceeded(f"tenant {tenant_name!r} already has {count} adapters (limit {max_count})")
             else:
                 existing = session.scalar(select(AdapterVersion).where(
                     AdapterVersion.adapter_id == adapter.id, AdapterVersion.sha256 == digest))
