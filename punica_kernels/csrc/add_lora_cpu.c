@@ -306,10 +306,11 @@ ALWAYS_INLINE void pf_advance(pf_cursor_t *c, int64_t bytes) {
             c->debt = 0;
             return;
         }
-        /* the whole lines owed within this block (or the block's rest), in a tight loop */
+        /* the whole lines owed within this block (or the block's rest), in a tight loop;
+         * prefetcht1: into L2 (into L1 the lines would evict what is in use) */
         const int64_t n = (c->debt < c->left ? c->debt : c->left + 63) / 64 * 64;
         const char *p = c->p, *const e = p + n;
-        for (; p < e; p += 64) __builtin_prefetch(p, 0, 2); /* prefetcht1: L2 (into L1 the lines would evict what is in use) */
+        for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
         c->p = e, c->left -= n, c->debt -= n;
     }
 }
@@ -607,9 +608,8 @@ ALWAYS_INLINE void expand_i8(int nt, const int16_t (*vq)[64], const float *vs, c
     for (int t = 0; t < nt; t++) memcpy(pair[t], vq[t], sizeof(int32_t) * (size_t)np);
     int64_t n = 0;
 #ifdef __AVX512BW__
-    /* One or two tokens: blocks of 64 outputs, 4 or 8 accumulators in flight (32 outputs a block
-     * left each product waiting on the one before it; 128 for one token was faster in cache but
-     * slower on a many-adapter step's reads from memory), then 32 at a time. */
+    /* One or two tokens: blocks of 64 outputs, so that 4 or 8 accumulators are in flight (with 32
+     * a block each product would wait on the one before it), then 32 at a time. */
     n = expand_i8_512(nt <= 2 ? 2 : 1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
     n = expand_i8_512(1, nt, n, pair, vq, vs, b, rs, r, N, y, pf);
 #else
