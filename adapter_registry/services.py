@@ -52,7 +52,7 @@ from adapter_registry.settings import RegistrySettings
 from adapter_registry.task_queue import STUCK_SLACK_S, send_validation
 from adapter_registry.validation import AdapterRejected, base_of_upload, check_fits_base, validate_in_sandbox
 from engine.lora.peft_format import BaseModelShape
-from tessera_core.db import READ_ONLY, utcnow
+from tessera_core.db import begin_read_only, utcnow
 from tessera_core.errors import ObjectStoreError, Unavailable
 from tessera_core.objectstore import ObjectStore
 
@@ -204,14 +204,6 @@ def _limits_for(tenant: Tenant, settings: RegistrySettings) -> tuple[int, int]:
     return max_bytes, max_count
 
 
-def _begin_read_only(session: Session) -> None:
-    """End `session`'s transaction (its caller's reads: upload_adapter's callers keep nothing
-    pending, like every writer here) and begin one marked read-only (tessera_core.db.READ_ONLY:
-    on SQLite deferred, so it neither waits for nor holds the write lock)."""
-    session.rollback()
-    session.connection(execution_options={READ_ONLY: True})
-
-
 def _put_blob(session: Session, store: ObjectStore, sha: str, path: Path) -> None:
     # A committed blob row means the object is stored; otherwise (re)upload: content-addressed
     # puts of the same bytes are idempotent, and a concurrent uploader's object is identical.
@@ -265,11 +257,9 @@ def upload_adapter(*, session: Session, store: ObjectStore, settings: RegistrySe
     # Staging, the reads and the object store puts below take seconds for a large upload: they run
     # in a transaction that only reads, which on SQLite holds no write lock (usage events, other
     # admins and the billing rollup go on meanwhile); the version is written in its own transaction.
-    try:
-        _begin_read_only(session)
-    except SQLAlchemyError as e:
-        session.rollback()
-        raise _db_unavailable(e) from e
+    # The caller keeps nothing pending (like every writer here).
+    with _database_call(session):
+        begin_read_only(session)
     with tempfile.TemporaryDirectory(prefix="tessera-upload-") as work:
         staged = stage_upload(Path(source), Path(work), limits)
         weights_size = staged.weights_path.stat().st_size

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 import punica_kernels as pk  # noqa: E402
 from bench.common import machine  # noqa: E402
-from punica_kernels import cbuild, cpu_native  # noqa: E402
+from punica_kernels import cpu_native  # noqa: E402
 
 HIDDEN, Q, KV, INTER, LAYERS, RANK = 576, 576, 192, 1536, 30, 16
 GROUPS = {"qkv": (HIDDEN, (Q, KV, KV)), "o": (Q, (HIDDEN,)), "gate_up": (HIDDEN, (INTER, INTER)),
@@ -51,8 +51,7 @@ def build_at(rev: str, into: Path):
 
 
 def load(source: Path):
-    lib = cbuild.load(source, None, {"tessera_add_lora_f32": ("ptr", "i64", "i64") + ("ptr",) * 4},
-                      {"tessera_add_lora_f32": "int"})
+    lib = cpu_native.load_library(source=source)
     if lib is None:
         raise SystemExit("bench/lora_kernel_ab.py: the kernel could not be built (no C compiler?)")
     return lib

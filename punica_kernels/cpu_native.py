@@ -34,10 +34,11 @@ MAX_RUN = 64
 MAX_RANK = 64
 
 
-def load_library(march: str = "native") -> ctypes.CDLL | None:
+def load_library(march: str = "native", source: Path = SOURCE) -> ctypes.CDLL | None:
     """The kernel built for `-march=<march>` and loaded, or None (TESSERA_CPU_LORA_KERNEL=0, or
-    it could not be built). Tests load an "x86-64" build to run its plain C paths here."""
-    return cbuild.load(SOURCE, "TESSERA_CPU_LORA_KERNEL", {
+    it could not be built). Tests load an "x86-64" build to run its plain C paths here;
+    bench/lora_kernel_ab.py another revision's `source`."""
+    return cbuild.load(source, "TESSERA_CPU_LORA_KERNEL", {
         "tessera_add_lora_f32": ("ptr", "i64", "i64") + ("ptr",) * 4,
     }, returns={"tessera_add_lora_f32": "int"}, march=march)
 

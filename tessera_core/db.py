@@ -84,5 +84,13 @@ def read_only_session(session_factory: sessionmaker) -> Iterator[Session]:
     adapter lookups, run side by side); what it writes is refused whenever another connection
     writes. Elsewhere it is an ordinary session."""
     with session_factory() as session:
-        session.connection(execution_options={READ_ONLY: True})
+        begin_read_only(session)
         yield session
+
+
+def begin_read_only(session: Session) -> None:
+    """End `session`'s transaction (a rollback: the caller keeps nothing pending) and begin one
+    that only reads, as `read_only_session`'s: on SQLite deferred, neither waiting for nor holding
+    the write lock."""
+    session.rollback()
+    session.connection(execution_options={READ_ONLY: True})
