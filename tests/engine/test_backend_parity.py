@@ -83,6 +83,10 @@ def _run(engine: LLMEngine, requests) -> tuple[dict, dict]:
     engine.runner.execute = recording
     for r in requests:
         engine.add_request(r)
+    # Adapters load on background threads; the schedule (and so whether memory runs short
+    # enough to preempt) is only the same on both engines once every load is in.
+    for adapter in {r.adapter for r in requests} - {None}:
+        engine.lora_manager.wait_loaded(adapter)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     while engine.has_unfinished():
         for out in engine.step():
