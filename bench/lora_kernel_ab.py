@@ -93,10 +93,8 @@ def main() -> None:
         t = len(slots)
         xs = {k: torch.randn(t, k, generator=gen) for k in (HIDDEN, INTER)}
         ys = {n: torch.zeros(t, n) for _, k, n in step_stacks[:4]}
-        calls = {}
-        for label, lib in libs.items():
-            calls[label] = cpu_native.StepCall.for_slots(slots, step_stacks[0][0].num_slots)
-            calls[label].lib = lib
+        calls = {label: cpu_native.StepCall.for_slots(slots, step_stacks[0][0].num_slots, lib=lib)
+                 for label, lib in libs.items()}
         ms = {label: [] for label in libs}
         outs = {}
         for _ in range(args.rounds):

@@ -124,6 +124,17 @@ def _stack_args(stack) -> KernelStack | None:
     return _STACK_ARGS[stack]
 
 
+def kernel_stack(stack) -> KernelStack | None:
+    """The kernel's view of `stack` (None where the kernel does not take it), for a caller that
+    resolves its stacks once and passes the views to `StepCall.run`."""
+    ks = _STACK_ARGS.get(stack, _UNSEEN)
+    return _stack_args(stack) if ks is _UNSEEN else ks
+
+
+_F32 = torch.float32
+_W_F32 = WEIGHT_TYPES[torch.float32]
+
+
 class StepCall:
     """The kernel bound to one step's LoRAMetadata, for a caller that makes the same kind of call
     on many stacks in a step (the engine's CPU backend: four a layer): the token slots are
@@ -138,6 +149,7 @@ class StepCall:
 
     def _bind(self, lib: ctypes.CDLL, slots: torch.Tensor, num_slots: int | None, max_run: int) -> None:
         self.lib = lib
+        self.fn = lib.tessera_add_lora_f32
         self.num_tokens = slots.shape[0]
         self.num_slots = num_slots  # the slot values were checked against it
         self.slots = slots
@@ -150,11 +162,12 @@ class StepCall:
         return None if lib is None or meta.token_slots.device.type != "cpu" else cls(lib, meta)
 
     @classmethod
-    def for_slots(cls, token_slots: list[int], num_slots: int) -> StepCall | None:
+    def for_slots(cls, token_slots: list[int], num_slots: int, lib: ctypes.CDLL | None = None) -> StepCall | None:
         """The kernel bound to a step given as its token slots (ints in [-1, num_slots); -1: no
         adapter), without building a LoRAMetadata: what a CPU step needs when every call goes to
-        the kernel. None where the kernel is not built; ValueError for a slot out of range."""
-        lib = library()
+        the kernel. None where the kernel is not built; ValueError for a slot out of range. `lib`:
+        another build of the kernel (load_library) instead of this CPU's."""
+        lib = lib or library()
         if lib is None:
             return None
         if token_slots and (min(token_slots) < -1 or max(token_slots) >= num_slots):
@@ -163,6 +176,26 @@ class StepCall:
         max_run = max((len(list(run)) for s, run in itertools.groupby(token_slots) if s >= 0), default=0)
         call._bind(lib, torch.tensor(token_slots, dtype=torch.int32), num_slots, max_run)
         return call
+
+    def run(self, ks: KernelStack | None, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """`__call__` on a stack already resolved with `kernel_stack`, for contiguous activations
+        (the engine's): y's rows are its row stride. The fewest accesses to x and y that keep the
+        kernel inside them, because the engine makes this call between base-model matmuls that
+        have pushed the interpreter's, torch's and ctypes' state out of L2: each object or method
+        touched costs misses (bench/RESULTS.md, session 28). False (nothing done) where `__call__`
+        or add_lora must serve the call."""
+        n = self.num_tokens
+        if (ks is None or ks.ranks_ptr is None or ks.num_slots != self.num_slots or n == 0
+                or x.dtype is not _F32 or y.dtype is not _F32 or (ks.wtype == _W_F32 and self.max_run > MAX_RUN)):
+            return False
+        xs, ys = x.shape, y.shape
+        if (xs[0] != n or xs[1] != ks.in_features or ys[0] != n or ys[1] < ks.min_out_width
+                or not x.is_contiguous() or not y.is_contiguous()):
+            return False
+        rc = self.fn(ks.address, n, ys[1], x.data_ptr(), y.data_ptr(), self.slots_ptr, ks.ranks_ptr)
+        if rc:
+            _raise_for(rc)
+        return True
 
     def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
         """y += the adapter term of x on `stack` (punica_kernels.add_lora's contract) through the
@@ -178,7 +211,7 @@ class StepCall:
                 or ys[0] != n or ys[1] < ks.min_out_width or ystride[1] != 1 or not x.is_contiguous()
                 or (ks.wtype == WEIGHT_TYPES[torch.float32] and self.max_run > MAX_RUN)):
             return False
-        rc = self.lib.tessera_add_lora_f32(ks.address, n, ystride[0], x.data_ptr(), y.data_ptr(), self.slots_ptr,
+        rc = self.fn(ks.address, n, ystride[0], x.data_ptr(), y.data_ptr(), self.slots_ptr,
                                            ks.ranks_ptr)
         if rc:
             _raise_for(rc)

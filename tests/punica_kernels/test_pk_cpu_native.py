@@ -297,6 +297,36 @@ def test_a_step_bound_from_its_slot_list_matches_one_bound_from_metadata():
             cpu_native.StepCall.for_slots(bad, 4)
 
 
+def test_a_call_on_a_resolved_stack_matches_the_checked_call_and_passes_what_it_cannot_take():
+    """StepCall.run (the engine's calls, on stacks resolved once with kernel_stack) gives the
+    bits of StepCall.__call__ on contiguous activations, and answers False, writing nothing, for
+    what it cannot take: a y whose rows are strided, x of another width or dtype, y narrower than
+    the stack, another token count, a stack the kernel does not take; __call__ still serves the
+    strided y."""
+    token_slots = [-1, 2, 2, 0, 1, 1, 1, 3]
+    bt = make_batch(T=len(token_slots), K=64, S=4, R=8, widths=(64, 16), seed=11)
+    bt.token_slots = torch.tensor(token_slots, dtype=torch.int32)
+    stack = _int8_stack(bt, [8, 3, 8, 5])
+    call = cpu_native.StepCall.for_slots(token_slots, 4)
+    ks = cpu_native.kernel_stack(stack)
+    assert ks is cpu_native.kernel_stack(stack)  # built once per stack
+    want, got = bt.y.clone(), bt.y.clone()
+    assert call(stack, bt.x, want) and call.run(ks, bt.x, got)
+    assert torch.equal(got, want) and not torch.equal(got, bt.y)
+
+    wide = torch.zeros(len(token_slots), 2 * bt.y.shape[1])
+    strided = wide[:, : bt.y.shape[1]].copy_(bt.y)
+    refused = [(ks, bt.x, strided), (ks, bt.x[:, :32].contiguous(), bt.y.clone()), (ks, bt.x.double(), bt.y.clone()),
+               (ks, bt.x, bt.y[:, :40].clone()), (ks, bt.x[:4].contiguous(), bt.y[:4].clone()),
+               (ks, bt.x.t().contiguous().t(), bt.y.clone()), (None, bt.x, bt.y.clone())]
+    for k, x, y in refused:
+        before = y.clone()
+        assert not call.run(k, x, y)
+        assert torch.equal(y, before)
+    assert call(stack, bt.x, strided)
+    assert torch.equal(strided, want)
+
+
 def test_int8_stacks_stay_close_to_the_float_weights():
     """Rows quantized to int8 keep the adapter term within 2% of the float weights' (what an int8
     engine's adapters do to the model), on the engine's q/k/v shapes."""

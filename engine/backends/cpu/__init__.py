@@ -56,12 +56,16 @@ class CpuLoRABatch(LoRABatch):
     the CPU path's slot-major token plan, cached for it by punica_kernels.cpu), built the first
     time one needs it and shared by every layer."""
 
-    def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput):
+    def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput,
+                 kernel_stacks: list[dict[str, tuple]] | None = None):
         self.slots = slots
         self._layout = layout
         self._token_slots = token_slots
         self._meta = None
         self.native = cpu_native.StepCall.for_slots(token_slots, slots.num_slots)
+        #: Per layer, group -> (its LoRAStack, the kernel's view of it): resolved once per slots
+        #: object (CpuBackend.lora_batch), so a call looks up nothing else.
+        self._kernel_stacks = kernel_stacks
 
     @property
     def meta(self):
@@ -75,9 +79,15 @@ class CpuLoRABatch(LoRABatch):
         return self._layout
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        native = self.native
+        if native is not None and self._kernel_stacks is not None:
+            stack, ks = self._kernel_stacks[layer][group]
+            if native.run(ks, x, y):
+                return
+        else:
+            stack = self.slots.stacks[(layer, group)]
         x = x if x.is_contiguous() else x.contiguous()
-        stack = self.slots.stacks[(layer, group)]
-        if self.native is None or not self.native(stack, x, y):
+        if native is None or not native(stack, x, y):
             punica_kernels.add_lora(y, x, stack, meta=self.meta)
 
 
@@ -92,6 +102,8 @@ class CpuBackend(Backend):
         #: What prepare_model chose for the int8 format (formats.FormatChoice); None before, or
         #: for the fp32/bf16 formats.
         self.formats: formats.FormatChoice | None = None
+        #: (the LoRA slots, per layer group -> (stack, cpu_native.kernel_stack)), for lora_batch
+        self._kernel_stacks: tuple | None = None
 
     @property
     def exact_prefill(self) -> bool:
@@ -237,4 +249,9 @@ class CpuBackend(Backend):
         for s in sched.prefills:
             token_slots.extend([slot(s.seq)] * s.num_tokens)
         layout = SchedulerOutput(decodes=decodes, prefills=list(sched.prefills), preempted=list(sched.preempted))
-        return CpuLoRABatch(slots, token_slots, layout)
+        if self._kernel_stacks is None or self._kernel_stacks[0] is not slots:
+            per_layer: list[dict[str, tuple]] = [{} for _ in range(1 + max(layer for layer, _ in slots.stacks))]
+            for (layer, group), stack in slots.stacks.items():
+                per_layer[layer][group] = (stack, cpu_native.kernel_stack(stack))
+            self._kernel_stacks = (slots, per_layer)
+        return CpuLoRABatch(slots, token_slots, layout, self._kernel_stacks[1])
