@@ -38,9 +38,16 @@ def load_library(march: str = "native", source: Path = SOURCE) -> ctypes.CDLL | 
     """The kernel built for `-march=<march>` and loaded, or None (TESSERA_CPU_LORA_KERNEL=0, or
     it could not be built). Tests load an "x86-64" build to run its plain C paths here;
     bench/lora_kernel_ab.py another revision's `source`."""
-    return cbuild.load(source, "TESSERA_CPU_LORA_KERNEL", {
+    lib = cbuild.load(source, "TESSERA_CPU_LORA_KERNEL", {
         "tessera_add_lora_f32": ("ptr", "i64", "i64") + ("ptr",) * 4,
     }, returns={"tessera_add_lora_f32": "int"}, march=march)
+    if lib is not None and getattr(lib, "tessera_lora_step_call", None) is not None:  # earlier sources lack it
+        lib.tessera_lora_step_new.argtypes, lib.tessera_lora_step_new.restype = [ctypes.c_int64, ctypes.c_void_p], \
+            ctypes.c_void_p
+        lib.tessera_lora_step_free.argtypes, lib.tessera_lora_step_free.restype = [ctypes.c_void_p], None
+        lib.tessera_lora_step_call.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+        lib.tessera_lora_step_call.restype = ctypes.c_int
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,12 +156,29 @@ class StepCall:
 
     def _bind(self, lib: ctypes.CDLL, slots: torch.Tensor, num_slots: int | None, max_run: int) -> None:
         self.lib = lib
-        self.fn = lib.tessera_add_lora_f32
         self.num_tokens = slots.shape[0]
         self.num_slots = num_slots  # the slot values were checked against it
-        self.slots = slots
+        self.slots = slots  # the step reads it: held as long as the step
         self.slots_ptr = slots.data_ptr()
         self.max_run = max_run
+        # The step's run list and scratch, built once for its calls (csrc: lora_step_t); a build
+        # of an earlier source (bench/lora_kernel_ab.py) has only the one-call entry.
+        self.step_fn = getattr(lib, "tessera_lora_step_call", None)
+        self.step = None
+        if self.step_fn is not None:
+            self.step = lib.tessera_lora_step_new(self.num_tokens, self.slots_ptr)
+            if not self.step:
+                raise MemoryError("CPU LoRA kernel: no memory for a step's run list")
+            weakref.finalize(self, lib.tessera_lora_step_free, self.step)
+
+    def _call(self, ks: KernelStack, n: int, ldy: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.step_fn is not None:
+            rc = self.step_fn(ks.address, self.step, ldy, x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
+        else:
+            rc = self.lib.tessera_add_lora_f32(ks.address, n, ldy, x.data_ptr(), y.data_ptr(), self.slots_ptr,
+                                               ks.ranks_ptr)
+        if rc:
+            _raise_for(rc)
 
     @classmethod
     def for_meta(cls, meta) -> StepCall | None:
@@ -192,9 +216,12 @@ class StepCall:
         if (xs[0] != n or xs[1] != ks.in_features or ys[0] != n or ys[1] < ks.min_out_width
                 or not x.is_contiguous() or not y.is_contiguous()):
             return False
-        rc = self.fn(ks.address, n, ys[1], x.data_ptr(), y.data_ptr(), self.slots_ptr, ks.ranks_ptr)
-        if rc:
-            _raise_for(rc)
+        if self.step_fn is not None:  # _call inlined: this is the call every decode step makes 120 times
+            rc = self.step_fn(ks.address, self.step, ys[1], x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
+            if rc:
+                _raise_for(rc)
+        else:
+            self._call(ks, n, ys[1], x, y)
         return True
 
     def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -211,16 +238,13 @@ class StepCall:
                 or ys[0] != n or ys[1] < ks.min_out_width or ystride[1] != 1 or not x.is_contiguous()
                 or (ks.wtype == WEIGHT_TYPES[torch.float32] and self.max_run > MAX_RUN)):
             return False
-        rc = self.fn(ks.address, n, ystride[0], x.data_ptr(), y.data_ptr(), self.slots_ptr,
-                                           ks.ranks_ptr)
-        if rc:
-            _raise_for(rc)
+        self._call(ks, n, ystride[0], x, y)
         return True
 
 
 def _raise_for(rc: int) -> None:
     if rc == -2:
-        raise MemoryError("CPU LoRA kernel: no memory for its run list")
+        raise MemoryError("CPU LoRA kernel: no memory for its run list or scratch")
     if rc != 0:  # a rank outside [0, R] here means a bug, not bad input
         raise RuntimeError("CPU LoRA kernel refused its arguments (rank outside the stack)")
 

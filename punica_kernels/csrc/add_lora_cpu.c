@@ -813,38 +813,78 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     }
 }
 
-/* Returns 0, -1 if a rank is outside [0, R] or wtype is unknown, or -2 without memory for the run
- * list (nothing is written then). */
-int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const float *x, float *y,
-                         const int32_t *slots, const int32_t *ranks) {
-    const int64_t K = st->K, R = st->R, nslices = st->nslices, wtype = st->wtype;
-    const int64_t *N = st->N;
-    if (R > 64 || wtype < W_F32 || wtype > W_I8) return -1;
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= 0 && (ranks[slots[t]] < 0 || ranks[slots[t]] > R)) return -1;
-    /* One allocation for the call: at most ceil(T / CHUNK) + (slot changes) <= 2T runs, their items'
-     * cumulative costs, and (int8 with AVX2) the int16 x rows and their scales. */
-    const int64_t max_runs = 2 * T + 1, tq = wtype == W_I8 ? T : 0;
-    const size_t n_runs = sizeof(int64_t) * 3 * (size_t)max_runs;
-    const size_t n_cum = sizeof(int64_t) * (size_t)(max_runs * nslices + 1);
-    const size_t n_xq = (sizeof(int16_t) * (size_t)(tq * K) + 63) / 64 * 64;
-    char *mem = malloc(n_runs + n_cum + n_xq + sizeof(float) * (size_t)(tq + 1));
-    if (mem == NULL) return -2;
-    int64_t *runs = (int64_t *)mem, *cum = (int64_t *)(mem + n_runs);
-    int64_t nruns = 0;
+/* One step's tokens as all its calls share them (cpu_native.StepCall binds one a step): the token
+ * slots, their runs (consecutive tokens of one slot, at most CHUNK each) and the scratch a call
+ * needs (its items' costs; int8: the x rows as int16), kept for the step's later calls. A call in
+ * a decode step comes right after a base matmul has streamed megabytes through L2, so what it
+ * touches is mostly misses: built once, the run list and the scratch cost a call no allocation
+ * and no pass over the slots but the rank check. */
+typedef struct {
+    int64_t T, nruns;
+    const int32_t *slots;
+    int64_t *runs; /* (start, end, slot) per run */
+    char *scratch;
+    size_t cap;
+} lora_step_t;
+
+/* The step of T tokens on `slots` (read by every call: it must outlive the step), or NULL without
+ * memory. */
+lora_step_t *tessera_lora_step_new(int64_t T, const int32_t *slots) {
+    lora_step_t *sp = calloc(1, sizeof(lora_step_t));
+    if (sp == NULL) return NULL;
+    sp->runs = malloc(sizeof(int64_t) * 3 * (size_t)(2 * T + 1)); /* <= ceil(T / CHUNK) + slot changes */
+    if (sp->runs == NULL) {
+        free(sp);
+        return NULL;
+    }
+    sp->T = T, sp->slots = slots;
     for (int64_t t = 0; t < T;) {
         const int32_t s = slots[t];
         int64_t e = t + 1;
         while (e < T && slots[e] == s) e++;
         if (s >= 0)
             for (int64_t c = t; c < e; c += CHUNK) {
-                runs[3 * nruns] = c;
-                runs[3 * nruns + 1] = c + CHUNK < e ? c + CHUNK : e;
-                runs[3 * nruns + 2] = s;
-                nruns++;
+                sp->runs[3 * sp->nruns] = c;
+                sp->runs[3 * sp->nruns + 1] = c + CHUNK < e ? c + CHUNK : e;
+                sp->runs[3 * sp->nruns + 2] = s;
+                sp->nruns++;
             }
         t = e;
     }
+    return sp;
+}
+
+void tessera_lora_step_free(lora_step_t *sp) {
+    if (sp == NULL) return;
+    free(sp->scratch);
+    free(sp->runs);
+    free(sp);
+}
+
+/* y += the LoRA term of x on stack st for the step's tokens (x [T, K], y rows ldy apart). Returns
+ * 0, -1 if a rank is outside [0, R] or wtype is unknown, or -2 without memory for the scratch
+ * (nothing is written then). */
+int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, const float *x, float *y,
+                           const int32_t *ranks) {
+    const int64_t K = st->K, R = st->R, nslices = st->nslices, wtype = st->wtype, T = sp->T, nruns = sp->nruns;
+    const int64_t *N = st->N, *runs = sp->runs;
+    const int32_t *slots = sp->slots;
+    if (R > 64 || wtype < W_F32 || wtype > W_I8) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= 0 && (ranks[slots[t]] < 0 || ranks[slots[t]] > R)) return -1;
+    /* The scratch: the items' cumulative costs and (int8 with AVX2) the int16 x rows and their
+     * scales, grown to the step's largest call. */
+    const int64_t tq = wtype == W_I8 ? T : 0;
+    const size_t n_cum = (sizeof(int64_t) * (size_t)(nruns * nslices + 1) + 63) / 64 * 64;
+    const size_t n_xq = (sizeof(int16_t) * (size_t)(tq * K) + 63) / 64 * 64;
+    const size_t need = n_cum + n_xq + sizeof(float) * (size_t)(tq + 1);
+    if (need > sp->cap) {
+        char *mem = malloc(need);
+        if (mem == NULL) return -2;
+        free(sp->scratch);
+        sp->scratch = mem, sp->cap = need;
+    }
+    int64_t *cum = (int64_t *)sp->scratch;
     /* Items slice-major (p = l * nruns + run); an item's cost: the bytes it reads per token, times
      * its tokens plus one (its weights' first read). */
     const int64_t work = nruns * nslices;
@@ -854,7 +894,7 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
         cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p / nruns]) * (run[1] - run[0] + 1) + 1;
     }
     const lora_call_t call = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
-                              (int16_t *)(mem + n_runs + n_cum), (float *)(mem + n_runs + n_cum + n_xq)};
+                              (int16_t *)(sp->scratch + n_cum), (float *)(sp->scratch + n_cum + n_xq)};
     /* Under 16 tokens the items are a few microseconds of work each, less than waking the other
      * threads costs: the engine's decode steps of a few streams (measured at 1 and 8) run these
      * calls faster on the calling thread, without entering a parallel region at all. */
@@ -864,6 +904,17 @@ int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const f
     } else if (work > 0) {
         lora_call_part(&call, 0, 1);
     }
-    free(mem);
     return 0;
+}
+
+/* One call on its own (a step of one call): as tessera_lora_step_call; -2 also without memory for
+ * the run list. */
+int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const float *x, float *y,
+                         const int32_t *slots, const int32_t *ranks) {
+    if (st->R > 64 || st->wtype < W_F32 || st->wtype > W_I8) return -1;
+    lora_step_t *sp = tessera_lora_step_new(T, slots);
+    if (sp == NULL) return -2;
+    const int rc = tessera_lora_step_call(st, sp, ldy, x, y, ranks);
+    tessera_lora_step_free(sp);
+    return rc;
 }

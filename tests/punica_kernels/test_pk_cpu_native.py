@@ -302,7 +302,7 @@ def test_a_call_on_a_resolved_stack_matches_the_checked_call_and_passes_what_it_
     bits of StepCall.__call__ on contiguous activations, and answers False, writing nothing, for
     what it cannot take: a y whose rows are strided, x of another width or dtype, y narrower than
     the stack, another token count, a stack the kernel does not take; __call__ still serves the
-    strided y."""
+    strided y. Both go through the step's entry (its run list and scratch built once)."""
     token_slots = [-1, 2, 2, 0, 1, 1, 1, 3]
     bt = make_batch(T=len(token_slots), K=64, S=4, R=8, widths=(64, 16), seed=11)
     bt.token_slots = torch.tensor(token_slots, dtype=torch.int32)
@@ -325,6 +325,12 @@ def test_a_call_on_a_resolved_stack_matches_the_checked_call_and_passes_what_it_
         assert torch.equal(y, before)
     assert call(stack, bt.x, strided)
     assert torch.equal(strided, want)
+    # A build without the step entry (an earlier source, bench/lora_kernel_ab.py's peer) takes the
+    # one-call entry: the same bits.
+    one_call = cpu_native.StepCall.for_slots(token_slots, 4)
+    one_call.step_fn = None
+    again = bt.y.clone()
+    assert one_call.run(ks, bt.x, again) and torch.equal(again, want)
 
 
 def test_int8_stacks_stay_close_to_the_float_weights():
