@@ -895,10 +895,10 @@ int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy,
     }
     const lora_call_t call = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
                               (int16_t *)(sp->scratch + n_cum), (float *)(sp->scratch + n_cum + n_xq)};
-    /* Under 16 tokens the items are a few microseconds of work each, less than waking the other
-     * threads costs: the engine's decode steps of a few streams (measured at 1 and 8) run these
-     * calls faster on the calling thread, without entering a parallel region at all. */
-    if (work > 1 && T >= 16) {
+    /* One token's items stay on the calling thread (a few microseconds each, about what waking
+     * the other threads costs); from two tokens up the threads share them (bench/RESULTS.md,
+     * session 28: in the engine, steps of 2, 4 and 8 streams spent less in these calls). */
+    if (work > 1 && T >= 2) {
 #pragma omp parallel
         lora_call_part(&call, omp_get_thread_num(), omp_get_num_threads());
     } else if (work > 0) {
