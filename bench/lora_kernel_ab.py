@@ -11,7 +11,7 @@ whether both gave the same bits. Cases:
 - distinct: 32 tokens on 32 slots (weights from memory: 157 MB a step, the many-adapter step);
 - two slots: 32 one-token runs alternating between 2 slots (5 MB a layer, from L3);
 - one layer: the same, with one layer's stacks for all 30 (in L2: the kernel's compute);
-- 8 tokens: 2 tokens on each of 4 slots (a few streams; the calling thread alone).
+- 8 tokens: 2 tokens on each of 4 slots (a few streams).
 `--stack-rank` sets the stacks' padded rank R (the engine's max_lora_rank; the adapters stay
 rank 16).
 """
