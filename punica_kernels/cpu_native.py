@@ -68,9 +68,8 @@ class StackArgs(ctypes.Structure):
                 ("off", ctypes.c_void_p), ("A_rs", ctypes.c_void_p), ("B_rs", ctypes.c_void_p)]
 
 
-#: Per LoRAStack: the kernel's view of it (`_stack_args`), dropped with the stack.
+#: Per LoRAStack: the kernel's view of it (`kernel_stack`), dropped with the stack.
 _STACK_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_UNSEEN = object()
 #: Per LoRAMetadata: its longest run of one adapter slot (`max_adapter_run`), dropped with it.
 _MAX_RUN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -86,7 +85,7 @@ def max_adapter_run(meta) -> int:
 
 
 class KernelStack(NamedTuple):
-    """A stack as the kernel takes it (`_stack_args`): its argument struct's address, its weight
+    """A stack as the kernel takes it (`kernel_stack`): its argument struct's address, its weight
     type, and what a call checks its activations against; `keep` holds the struct and its arrays."""
 
     wtype: int
@@ -98,7 +97,7 @@ class KernelStack(NamedTuple):
     keep: tuple
 
 
-def _stack_args(stack) -> KernelStack | None:
+def kernel_stack(stack) -> KernelStack | None:
     """The kernel's view of a `LoRAStack`, built once and kept beside it here (the stacks are
     never reallocated, only written into); None when the stack is not one the kernel takes (mixed
     or other dtypes, rank > MAX_RANK)."""
@@ -131,13 +130,6 @@ def _stack_args(stack) -> KernelStack | None:
     return _STACK_ARGS[stack]
 
 
-def kernel_stack(stack) -> KernelStack | None:
-    """The kernel's view of `stack` (None where the kernel does not take it), for a caller that
-    resolves its stacks once and passes the views to `StepCall.run`."""
-    ks = _STACK_ARGS.get(stack, _UNSEEN)
-    return _stack_args(stack) if ks is _UNSEEN else ks
-
-
 _F32 = torch.float32
 _W_F32 = WEIGHT_TYPES[torch.float32]
 
@@ -161,24 +153,20 @@ class StepCall:
         self.slots = slots  # the step reads it: held as long as the step
         self.slots_ptr = slots.data_ptr()
         self.max_run = max_run
-        # The step's run list and scratch, built once for its calls (csrc: lora_step_t); a build
-        # of an earlier source (bench/lora_kernel_ab.py) has only the one-call entry.
-        self.step_fn = getattr(lib, "tessera_lora_step_call", None)
+        # The step's run list and scratch, built once for its calls (csrc: lora_step_t), and the
+        # entry every call goes through: (stack, step, ldy, x, y, ranks) -> rc. A build of an
+        # earlier source (bench/lora_kernel_ab.py's peer) has only the one-call entry, bound to
+        # the same arguments.
         self.step = None
-        if self.step_fn is not None:
+        self.entry = getattr(lib, "tessera_lora_step_call", None)
+        if self.entry is not None:
             self.step = lib.tessera_lora_step_new(self.num_tokens, self.slots_ptr)
             if not self.step:
                 raise MemoryError("CPU LoRA kernel: no memory for a step's run list")
             weakref.finalize(self, lib.tessera_lora_step_free, self.step)
-
-    def _call(self, ks: KernelStack, n: int, ldy: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.step_fn is not None:
-            rc = self.step_fn(ks.address, self.step, ldy, x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
         else:
-            rc = self.lib.tessera_add_lora_f32(ks.address, n, ldy, x.data_ptr(), y.data_ptr(), self.slots_ptr,
-                                               ks.ranks_ptr)
-        if rc:
-            _raise_for(rc)
+            one_call, n, slots_ptr = lib.tessera_add_lora_f32, self.num_tokens, self.slots_ptr
+            self.entry = lambda st, _step, ldy, x, y, ranks: one_call(st, n, ldy, x, y, slots_ptr, ranks)
 
     @classmethod
     def for_meta(cls, meta) -> StepCall | None:
@@ -216,29 +204,29 @@ class StepCall:
         if (xs[0] != n or xs[1] != ks.in_features or ys[0] != n or ys[1] < ks.min_out_width
                 or not x.is_contiguous() or not y.is_contiguous()):
             return False
-        if self.step_fn is not None:  # _call inlined: this is the call every decode step makes 120 times
-            rc = self.step_fn(ks.address, self.step, ys[1], x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
-            if rc:
-                _raise_for(rc)
-        else:
-            self._call(ks, n, ys[1], x, y)
+        rc = self.entry(ks.address, self.step, ys[1], x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
+        if rc:
+            _raise_for(rc)
         return True
 
     def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
         """y += the adapter term of x on `stack` (punica_kernels.add_lora's contract) through the
-        kernel; False (nothing done) where add_lora must serve the call instead."""
-        ks = _STACK_ARGS.get(stack, _UNSEEN)
-        if ks is _UNSEEN:
-            ks = _stack_args(stack)
+        kernel; False (nothing done) where add_lora must serve the call instead. y's rows may lie
+        apart (a view of wider rows)."""
+        ks = kernel_stack(stack)
+        if y.is_contiguous():
+            return self.run(ks, x, y)
         n = self.num_tokens
         if ks is None or ks.ranks_ptr is None or ks.num_slots != self.num_slots or n == 0:
             return False
         ys, ystride = y.shape, y.stride()
-        if (x.dtype is not torch.float32 or y.dtype is not torch.float32 or x.shape != (n, ks.in_features)
+        if (x.dtype is not _F32 or y.dtype is not _F32 or x.shape != (n, ks.in_features)
                 or ys[0] != n or ys[1] < ks.min_out_width or ystride[1] != 1 or not x.is_contiguous()
-                or (ks.wtype == WEIGHT_TYPES[torch.float32] and self.max_run > MAX_RUN)):
+                or (ks.wtype == _W_F32 and self.max_run > MAX_RUN)):
             return False
-        self._call(ks, n, ystride[0], x, y)
+        rc = self.entry(ks.address, self.step, ystride[0], x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
+        if rc:
+            _raise_for(rc)
         return True
 
 
@@ -259,7 +247,7 @@ def add_lora_f32(args, meta) -> bool:
     x, y = args.x, args.y
     if x.shape[0] == 0 or x.dtype != torch.float32 or y.dtype != torch.float32:
         return False
-    ks = _stack_args(args.stack)
+    ks = kernel_stack(args.stack)
     if ks is None:
         return False
     if ks.wtype == WEIGHT_TYPES[torch.float32] and max_adapter_run(meta) > MAX_RUN:

@@ -911,7 +911,6 @@ int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy,
  * the run list. */
 int tessera_add_lora_f32(const lora_stack_t *st, int64_t T, int64_t ldy, const float *x, float *y,
                          const int32_t *slots, const int32_t *ranks) {
-    if (st->R > 64 || st->wtype < W_F32 || st->wtype > W_I8) return -1;
     lora_step_t *sp = tessera_lora_step_new(T, slots);
     if (sp == NULL) return -2;
     const int rc = tessera_lora_step_call(st, sp, ldy, x, y, ranks);

@@ -4,6 +4,8 @@ reference's result for every shape the engine's decode steps produce, never read
 rank (padding is NaN), and leave everything else to the torch path."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -327,8 +329,9 @@ def test_a_call_on_a_resolved_stack_matches_the_checked_call_and_passes_what_it_
     assert torch.equal(strided, want)
     # A build without the step entry (an earlier source, bench/lora_kernel_ab.py's peer) takes the
     # one-call entry: the same bits.
-    one_call = cpu_native.StepCall.for_slots(token_slots, 4)
-    one_call.step_fn = None
+    lib = cpu_native.library()
+    one_call = cpu_native.StepCall.for_slots(token_slots, 4,
+                                             lib=SimpleNamespace(tessera_add_lora_f32=lib.tessera_add_lora_f32))
     again = bt.y.clone()
     assert one_call.run(ks, bt.x, again) and torch.equal(again, want)
 

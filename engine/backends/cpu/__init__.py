@@ -47,6 +47,14 @@ def switches_from_env(environ=os.environ) -> dict[str, bool]:
     return {field: False for field, var in SWITCHES.items() if environ.get(var) == "0"}
 
 
+def kernel_stacks_of(slots) -> list[dict[str, tuple]]:
+    """Per layer, group -> (its LoRAStack, cpu_native.kernel_stack of it)."""
+    per_layer: list[dict[str, tuple]] = [{} for _ in range(1 + max(layer for layer, _ in slots.stacks))]
+    for (layer, group), stack in slots.stacks.items():
+        per_layer[layer][group] = (stack, cpu_native.kernel_stack(stack))
+    return per_layer
+
+
 class CpuLoRABatch(LoRABatch):
     """One fused shrink + expand (`punica_kernels.add_lora`) per (layer, group) for the whole
     mixed batch; tokens without an adapter (slot -1) cost nothing. Calls the C kernel takes go to
@@ -63,9 +71,9 @@ class CpuLoRABatch(LoRABatch):
         self._token_slots = token_slots
         self._meta = None
         self.native = cpu_native.StepCall.for_slots(token_slots, slots.num_slots)
-        #: Per layer, group -> (its LoRAStack, the kernel's view of it): resolved once per slots
-        #: object (CpuBackend.lora_batch), so a call looks up nothing else.
-        self._kernel_stacks = kernel_stacks
+        #: kernel_stacks_of(slots), which CpuBackend.lora_batch passes (built once per slots
+        #: object), so a call looks up nothing else.
+        self._kernel_stacks = kernel_stacks if kernel_stacks is not None else kernel_stacks_of(slots)
 
     @property
     def meta(self):
@@ -80,12 +88,9 @@ class CpuLoRABatch(LoRABatch):
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         native = self.native
-        if native is not None and self._kernel_stacks is not None:
-            stack, ks = self._kernel_stacks[layer][group]
-            if native.run(ks, x, y):
-                return
-        else:
-            stack = self.slots.stacks[(layer, group)]
+        stack, ks = self._kernel_stacks[layer][group]
+        if native is not None and native.run(ks, x, y):
+            return
         x = x if x.is_contiguous() else x.contiguous()
         if native is None or not native(stack, x, y):
             punica_kernels.add_lora(y, x, stack, meta=self.meta)
@@ -102,7 +107,7 @@ class CpuBackend(Backend):
         #: What prepare_model chose for the int8 format (formats.FormatChoice); None before, or
         #: for the fp32/bf16 formats.
         self.formats: formats.FormatChoice | None = None
-        #: (the LoRA slots, per layer group -> (stack, cpu_native.kernel_stack)), for lora_batch
+        #: (the LoRA slots, kernel_stacks_of them), for lora_batch
         self._kernel_stacks: tuple | None = None
 
     @property
@@ -249,9 +254,6 @@ class CpuBackend(Backend):
         for s in sched.prefills:
             token_slots.extend([slot(s.seq)] * s.num_tokens)
         layout = SchedulerOutput(decodes=decodes, prefills=list(sched.prefills), preempted=list(sched.preempted))
-        if self._kernel_stacks is None or self._kernel_stacks[0] is not slots:
-            per_layer: list[dict[str, tuple]] = [{} for _ in range(1 + max(layer for layer, _ in slots.stacks))]
-            for (layer, group), stack in slots.stacks.items():
-                per_layer[layer][group] = (stack, cpu_native.kernel_stack(stack))
-            self._kernel_stacks = (slots, per_layer)
+        if self._kernel_stacks is None or self._kernel_stacks[0] is not slots:  # its stacks are never reallocated
+            self._kernel_stacks = (slots, kernel_stacks_of(slots))
         return CpuLoRABatch(slots, token_slots, layout, self._kernel_stacks[1])
