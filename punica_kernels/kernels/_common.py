@@ -33,6 +33,11 @@ def _probe():
 #: built the same way.
 INTERPRETED: bool = not isinstance(_probe, JITFunction)
 
+if INTERPRETED:
+    from punica_kernels.kernels import _interpreter
+
+    _interpreter.install()  # triton.language patched once per launch (see its docstring)
+
 
 def check_runnable(device: torch.device, what: str = "punica_kernels", cpu_hint: str = ", or use impl='cpu'") -> None:
     """Raise RuntimeError unless this process's Triton kernels can run on tensors of `device`

@@ -58,13 +58,13 @@ def _engine(tiny, backend: str, **overrides) -> LLMEngine:
                      adapter_source=LocalDirectoryAdapterSource(adapters))
 
 
-def _requests(tokenizer) -> list[GenerationRequest]:
+def _requests(tokenizer, max_tokens: int = 14) -> list[GenerationRequest]:
     """Six requests: two on the base, one per adapter, one more on r8; prompts of 5 to ~70
-    tokens, so the longest prefill in chunks; 14 greedy tokens each, EOS ignored."""
+    tokens, so the longest prefill in chunks; `max_tokens` greedy tokens each, EOS ignored."""
     texts = ["hello", "the quick brown fox jumps over the lazy dog " * 2, "tell me a story about a robot",
              "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2, "pirates and parrots", "12 + 30 = 42"]
     adapters = [None, "r4-attn", "r8-all", None, "r16-mlp", "r8-all"]
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [GenerationRequest(request_id=f"r{i}", prompt_token_ids=tokenizer.encode(t), params=params, adapter=a)
             for i, (t, a) in enumerate(zip(texts, adapters))]
 

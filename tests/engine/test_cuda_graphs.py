@@ -11,6 +11,11 @@ from engine.backends.triton.cuda_graphs import DecodeGraphs, buckets_for
 from .test_backend_parity import _engine, _requests, _run, tiny  # noqa: F401 - the module fixture
 
 
+#: Greedy tokens a request: enough decode steps that buckets are replayed for batches whose
+#: adapters differ (requests join and finish at different steps).
+GRAPH_TOKENS = 8
+
+
 class RecordingCapture:
     """Stands in for CudaGraphCapture: capture keeps the closure; a replay calls it again. Logs
     the static LoRA token slots each replay of each bucket read."""
@@ -50,11 +55,11 @@ def test_buckets_pad_a_batch_to_the_next_captured_size():
 
 def test_decode_graphs_give_the_cpu_backends_tokens_and_replays_read_fresh_lora_metadata(tiny):  # noqa: F811
     tokenizer = tiny[2]
-    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer))
+    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer, GRAPH_TOKENS))
     engine = _engine(tiny, "triton")
     capture = RecordingCapture()
     graphs = _with_graphs(engine, capture)
-    got, _ = _run(engine, _requests(tokenizer))
+    got, _ = _run(engine, _requests(tokenizer, GRAPH_TOKENS))
     assert got == want
     # Each bucket was captured once and replayed for every decode step of its size.
     assert len(capture.captured) == len(set(capture.captured)) == graphs.stats["captures"] >= 2
@@ -72,7 +77,7 @@ def test_a_replay_that_skipped_rewriting_the_lora_slots_would_be_caught(tiny, mo
     metadata bug), the tokens would differ from the CPU backend's; this is what the test above
     would then see."""
     tokenizer = tiny[2]
-    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer))
+    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer, GRAPH_TOKENS))
     engine = _engine(tiny, "triton")
     graphs = _with_graphs(engine, RecordingCapture())
     write = DecodeGraphs._write
@@ -84,7 +89,7 @@ def test_a_replay_that_skipped_rewriting_the_lora_slots_would_be_caught(tiny, mo
         write(self, host, b)
 
     monkeypatch.setattr(DecodeGraphs, "_write", stale_write)
-    got, _ = _run(engine, _requests(tokenizer))
+    got, _ = _run(engine, _requests(tokenizer, GRAPH_TOKENS))
     assert graphs.stats["replays"] > 1
     assert got != want
 
@@ -115,12 +120,12 @@ def test_overlapped_decode_graphs_read_the_last_steps_tokens_on_the_device(tiny)
     from engine.backends.step_sampling import DeviceSampling
 
     tokenizer = tiny[2]
-    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer))
+    want, _ = _run(_engine(tiny, "cpu"), _requests(tokenizer, GRAPH_TOKENS))
     engine = _engine(tiny, "triton", overlap_steps=True)
     graphs = _with_graphs(engine, RecordingCapture())
     engine.executor.sampler = DeviceSampling(engine.backend.upload, engine.backend.to_host)
     got: dict[str, list[int]] = {}
-    for r in _requests(tokenizer):
+    for r in _requests(tokenizer, GRAPH_TOKENS):
         engine.add_request(r)
         got[r.request_id] = []
     while engine.has_unfinished():

@@ -1,0 +1,85 @@
+"""Triton's interpreter, patched triton.language once per launch instead of once per call.
+
+The interpreter (TRITON_INTERPRET=1, how this project runs its GPU kernels on a CPU) replaces
+triton.language's builtins with interpreted ones for the time of a launch (`_patch_lang`,
+restored when the launch ends), and again at every call of one @triton.jit function from
+another: a walk with `inspect.getmembers` over triton.language, its tensor and math modules
+each time. Inside a launch those modules are already patched, so each repeat changes nothing
+but costs about as much as the kernel's own arithmetic where kernels call small helpers in
+their loops (a quarter to a third of a whole-engine step under the interpreter).
+
+`install()` makes each launch patch both triton.language and triton.language.core (the two
+modules the interpreter patches; a kernel's helpers, and triton.language's own jit functions
+such as `tl.sum`, may reach either) and skips the device-function calls' repeats while that
+launch runs; the launch's end restores both, as before. Outside a launch a call patches as the
+interpreter does. Nothing changes for compiled kernels, and nothing is installed where this
+Triton's interpreter does not have the functions named here (another version: it then runs as
+it is).
+"""
+from __future__ import annotations
+
+import threading
+import types
+
+_state = threading.local()
+
+
+class _AlreadyPatched:
+    """The scope of a device-function call inside a launch: nothing to restore."""
+
+    def restore(self) -> None:
+        return None
+
+
+class _LaunchScope:
+    """The launch's own scope; restoring it ends the launch."""
+
+    def __init__(self, scope):
+        self.scope = scope
+
+    def restore(self) -> None:
+        try:
+            self.scope.restore()
+        finally:
+            _state.in_launch = False
+
+
+def install() -> bool:
+    """Install the once-per-launch patching; False (nothing installed) where this Triton's
+    interpreter lacks `_patch_lang` or `GridExecutor`. Idempotent."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None or not callable(getattr(executor, "__call__", None)):
+        return False
+    if getattr(patch_lang, "_tessera_once_per_launch", False):
+        return True
+    # _patch_lang patches the triton.language modules it finds in a function's globals.
+    both = types.FunctionType((lambda: None).__code__, {"tl": tl, "core": tl.core})
+    launch = executor.__call__
+
+    def launch_patching_once(self, *args, **kwargs):
+        _state.launch_starting = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _state.launch_starting = False
+
+    def patch_once_per_launch(fn):
+        if getattr(_state, "in_launch", False):
+            return _AlreadyPatched()
+        if getattr(_state, "launch_starting", False):
+            _state.launch_starting = False
+            scope = patch_lang(both)
+            _state.in_launch = True
+            return _LaunchScope(scope)
+        return patch_lang(fn)
+
+    patch_once_per_launch._tessera_once_per_launch = True
+    interpreter._patch_lang = patch_once_per_launch
+    executor.__call__ = launch_patching_once
+    return True
