@@ -4,9 +4,9 @@ The interpreter (TRITON_INTERPRET=1, how this project runs its GPU kernels on a 
 triton.language's builtins with interpreted ones for the time of a launch (`_patch_lang`,
 restored when the launch ends), and again at every call of one @triton.jit function from
 another: a walk with `inspect.getmembers` over triton.language, its tensor and math modules
-each time. Inside a launch those modules are already patched, so each repeat changes nothing
-but costs about as much as the kernel's own arithmetic where kernels call small helpers in
-their loops (a quarter to a third of a whole-engine step under the interpreter).
+each time. Inside a launch those modules are already patched, so each repeat changes nothing,
+and kernels that call small helpers in their loops pay it per call (bench/RESULTS.md, session
+29).
 
 `install()` makes each launch patch both triton.language and triton.language.core (the two
 modules the interpreter patches; a kernel's helpers, and triton.language's own jit functions
