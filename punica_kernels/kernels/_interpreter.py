@@ -25,23 +25,14 @@ _state = threading.local()
 
 
 class _AlreadyPatched:
-    """The scope of a device-function call inside a launch: nothing to restore."""
+    """The scope of a `_patch_lang` inside a launch (the launch's own and its device-function
+    calls'): the launch restores the modules when it ends."""
 
     def restore(self) -> None:
         return None
 
 
-class _LaunchScope:
-    """The launch's own scope; restoring it ends the launch."""
-
-    def __init__(self, scope):
-        self.scope = scope
-
-    def restore(self) -> None:
-        try:
-            self.scope.restore()
-        finally:
-            _state.in_launch = False
+_ALREADY_PATCHED = _AlreadyPatched()
 
 
 def install() -> bool:
@@ -54,7 +45,7 @@ def install() -> bool:
         return False
     patch_lang = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
-    if patch_lang is None or executor is None or not callable(getattr(executor, "__call__", None)):
+    if patch_lang is None or executor is None:
         return False
     if getattr(patch_lang, "_tessera_once_per_launch", False):
         return True
@@ -63,21 +54,17 @@ def install() -> bool:
     launch = executor.__call__
 
     def launch_patching_once(self, *args, **kwargs):
-        _state.launch_starting = True
+        outer = getattr(_state, "in_launch", False)
+        scope = patch_lang(both)
+        _state.in_launch = True
         try:
             return launch(self, *args, **kwargs)
         finally:
-            _state.launch_starting = False
+            _state.in_launch = outer
+            scope.restore()
 
     def patch_once_per_launch(fn):
-        if getattr(_state, "in_launch", False):
-            return _AlreadyPatched()
-        if getattr(_state, "launch_starting", False):
-            _state.launch_starting = False
-            scope = patch_lang(both)
-            _state.in_launch = True
-            return _LaunchScope(scope)
-        return patch_lang(fn)
+        return _ALREADY_PATCHED if getattr(_state, "in_launch", False) else patch_lang(fn)
 
     patch_once_per_launch._tessera_once_per_launch = True
     interpreter._patch_lang = patch_once_per_launch
