@@ -2,18 +2,35 @@
 starts it) streaming chat completions through the official openai client, the demo's three
 adapters mixed with the base model against the base model alone.
 
-    .venv/bin/python bench/demo_mix.py [--streams 1,8,32] [--requests 48] [--max-tokens 64] [--ignore-eos]
+    .venv/bin/python bench/demo_mix.py [--streams 1,8,32] [--requests 48] [--max-tokens 64]
+                                       [--lengths matched|natural|fixed]
 
 For each stream count, after a warm-up (every model once, then `--warmup` requests of the mix),
 two workloads run in turn, `--rounds` times each: "base" (every request on the base model) and
 "mix" (requests cycle base, json-answer, pirate, upper), `--requests` requests per workload and
-round, `streams` of them in flight at a time. Per request: time to first token (first content
-delta) and time per output token after it ((last - first) / (tokens - 1)). Prints one JSON object
-per stream count: per-token p50 of base and of the mix and their ratio, the mean reply length
-(content chunks) of each workload, first-token p50/p99/max
-of base requests in the base workload and of adapter requests in the mix, and the adapter
-requests whose first token took longer than 3x the base's p99 (their offset in seconds from the
-run's start, model, first-token seconds).
+round, `streams` of them in flight at a time (a closed loop: a stream sends its next request when
+its reply ends). Per request: time to first token (first content delta) and time per output
+token after it ((last - first) / (tokens - 1)).
+
+How long the replies are (`--lengths`) decides when new requests arrive, and so how many other
+requests' prefills land inside a request's decoding, which its time per token includes:
+- "matched" (the default): request i of a workload asks for exactly lengths[i] tokens (the API's
+  ignore_eos), the same spread of lengths between max-tokens/2 and max-tokens in both workloads,
+  so both start requests at the same points and differ only in the model that serves them; the
+  lengths differ between neighbouring requests, so prefills interleave with decodes as under
+  real traffic;
+- "natural": every request asks for max-tokens and its reply ends at EOS: the adapters' replies
+  are shorter (json-answer answers in a few tokens), so the mix starts more requests per token
+  decoded, and, the base's replies all running to max-tokens, the base workload's streams start
+  and end together, its prefills never inside another request's decoding;
+- "fixed": every reply exactly max-tokens long: both workloads in lockstep, no prefill inside a
+  request's decoding (decode steps only).
+
+Prints one JSON object per stream count: per-token p50 of base and of the mix and their ratio, the
+mean reply length (content chunks) of each workload, first-token p50/p99/max of base requests in
+the base workload and of adapter requests in the mix, and the adapter requests whose first token
+took longer than 3x the base's p99 (their offset in seconds from the run's start, model,
+first-token seconds).
 """
 from __future__ import annotations
 
@@ -40,7 +57,8 @@ PROMPTS = ["Tell me about the history of the printing press.", "Explain how a ra
 
 async def one(client, model: str, prompt: str, max_tokens: int, t_start: float, ignore_eos: bool = False) -> dict:
     """Stream one chat completion; its first-token and per-token seconds and its content chunks
-    (one a token). `ignore_eos`: the API's vLLM-style extension, every reply max_tokens long."""
+    (one a token, or fewer where a token completes no character). `ignore_eos`: the API's
+    vLLM-style extension, every reply max_tokens long."""
     t0 = time.perf_counter()
     first = last = None
     n = 0
@@ -57,17 +75,31 @@ async def one(client, model: str, prompt: str, max_tokens: int, t_start: float, 
             "tpot_s": (last - first) / (n - 1) if n > 1 else None, "tokens": n}
 
 
-async def workload(client, models: list[str], streams: int, n: int, max_tokens: int, t_start: float,
+def reply_lengths(mode: str, max_tokens: int) -> tuple[list[int], bool]:
+    """(max_tokens of request i, cycled; ignore_eos) for a `--lengths` mode. "matched": 8 lengths
+    evenly from max_tokens/2 to max_tokens in an order where neighbours differ (stride 3 of 8), the
+    same in every workload."""
+    if mode == "natural":
+        return [max_tokens], False
+    if mode == "fixed":
+        return [max_tokens], True
+    lo = max(2, max_tokens // 2)
+    spread = [lo + round(k * (max_tokens - lo) / 7) for k in range(8)]
+    return [spread[(3 * i) % 8] for i in range(8)], True
+
+
+async def workload(client, models: list[str], streams: int, n: int, lengths: list[int], t_start: float,
                    ignore_eos: bool = False) -> list[dict]:
-    """`n` requests cycling through `models`, `streams` in flight at a time."""
+    """`n` requests cycling through `models`, PROMPTS and `lengths` (max_tokens), `streams` in
+    flight at a time."""
     queue = list(range(n))
     results: list[dict] = []
 
     async def worker():
         while queue:
             i = queue.pop(0)
-            results.append(await one(client, models[i % len(models)], PROMPTS[i % len(PROMPTS)], max_tokens,
-                                     t_start, ignore_eos))
+            results.append(await one(client, models[i % len(models)], PROMPTS[i % len(PROMPTS)],
+                                     lengths[i % len(lengths)], t_start, ignore_eos))
 
     await asyncio.gather(*(worker() for _ in range(streams)))
     return results
@@ -83,22 +115,22 @@ async def run(args, demo: DemoProcess, base: str) -> list[dict]:
 
     client = AsyncOpenAI(base_url=demo.url + "/v1", api_key=demo.key, max_retries=0, timeout=600)
     mix = [base, *ADAPTERS]
+    lengths, ignore_eos = reply_lengths(args.lengths, args.max_tokens)
     t_start = time.perf_counter()
-    await workload(client, mix, 1, len(mix), 8, t_start)  # every model once: loads, first builds
+    await workload(client, mix, 1, len(mix), [8], t_start)  # every model once: loads, first builds
     out = []
     for streams in args.streams:
-        await workload(client, mix, streams, max(args.warmup, streams), args.max_tokens, t_start, args.ignore_eos)
+        await workload(client, mix, streams, max(args.warmup, streams), lengths, t_start, ignore_eos)
         runs: dict[str, list[dict]] = {"base": [], "mix": []}
         for _ in range(args.rounds):
             for key, models in (("base", [base]), ("mix", mix)):
-                runs[key] += await workload(client, models, streams, args.requests, args.max_tokens, t_start,
-                                            args.ignore_eos)
+                runs[key] += await workload(client, models, streams, args.requests, lengths, t_start, ignore_eos)
         tpot = {k: [r["tpot_s"] for r in v if r["tpot_s"] is not None] for k, v in runs.items()}
         base_ttft = [r["ttft_s"] for r in runs["base"]]
         adapter_ttft = [r for r in runs["mix"] if r["model"] != base]
         p99 = pct(base_ttft, 0.99)
         res = {
-            "streams": streams, "requests_per_workload": len(runs["base"]),
+            "streams": streams, "lengths": args.lengths, "requests_per_workload": len(runs["base"]),
             "tpot_ms_p50_base": round(statistics.median(tpot["base"]) * 1000, 2),
             "tpot_ms_p50_mix": round(statistics.median(tpot["mix"]) * 1000, 2),
             "tokens_mean_base": round(statistics.mean(r["tokens"] for r in runs["base"]), 1),
@@ -122,9 +154,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="base, mix alternations per stream count")
     ap.add_argument("--warmup", type=int, default=16, help="mixed requests before each stream count's runs")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--ignore-eos", action="store_true",
-                    help="every reply max-tokens long (the API's ignore_eos), so both workloads start requests "
-                         "at the same rate: the adapters' cost without their shorter replies' extra prefills")
+    ap.add_argument("--lengths", choices=("matched", "natural", "fixed"), default="matched",
+                    help="reply lengths: the same spread in both workloads (matched), to EOS (natural), or "
+                         "all max-tokens long (fixed); see the module docstring")
     args = ap.parse_args()
     demo = DemoProcess(Path(tempfile.mkdtemp(prefix="tessera-demo-mix-")))
     try:
@@ -138,7 +170,8 @@ def main() -> None:
             raise SystemExit(f"the demo serves no {missing} (models: {sorted(names)})")
         base = models[0]["id"]  # the base model's card comes first (api/openai.py, list_models)
         results = asyncio.run(run(args, demo, base))
-        print(json.dumps({"base_model": base, "max_tokens": args.max_tokens, "runs": results, "machine": machine()}))
+        print(json.dumps({"base_model": base, "max_tokens": args.max_tokens, "lengths": args.lengths,
+                          "runs": results, "machine": machine()}))
     finally:
         demo.stop()
 

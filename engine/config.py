@@ -228,6 +228,10 @@ class EngineConfig:
     #: CPU backend: the AMX int8 kernel for wide decode batches where the CPU has AMX (needs
     #: cpu_int8_kernel); off: the dense copies. TESSERA_CPU_AMX_KERNEL=0 at the CLI.
     cpu_amx_kernel: bool = True
+    #: CPU backend: the LoRA term added inside the C int8 and Q4_1 kernels' calls (one call and
+    #: one parallel region for both); off: a LoRA kernel call after each (same results).
+    #: TESSERA_CPU_FUSED_LORA=0 at the CLI.
+    cpu_fused_lora: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -47,7 +47,18 @@ def load_library(march: str = "native", source: Path = SOURCE) -> ctypes.CDLL | 
         lib.tessera_lora_step_free.argtypes, lib.tessera_lora_step_free.restype = [ctypes.c_void_p], None
         lib.tessera_lora_step_call.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
         lib.tessera_lora_step_call.restype = ctypes.c_int
+    if lib is not None:
+        lib.tessera_hooks = _hooks_address(lib)
     return lib
+
+
+def _hooks_address(lib: ctypes.CDLL) -> int | None:
+    """The address of the build's `tessera_lora_hooks` (csrc/tessera_lora_hooks.h: what a base
+    kernel's fused entry calls), or None (an earlier source has none)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.in_dll(lib, "tessera_lora_hooks"))
+    except ValueError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,8 +169,10 @@ class StepCall:
         # earlier source (bench/lora_kernel_ab.py's peer) has only the one-call entry, bound to
         # the same arguments.
         self.step = None
+        self.hooks = None
         self.entry = getattr(lib, "tessera_lora_step_call", None)
         if self.entry is not None:
+            self.hooks = getattr(lib, "tessera_hooks", None)
             self.step = lib.tessera_lora_step_new(self.num_tokens, self.slots_ptr)
             if not self.step:
                 raise MemoryError("CPU LoRA kernel: no memory for a step's run list")
@@ -206,8 +219,22 @@ class StepCall:
             return False
         rc = self.entry(ks.address, self.step, ys[1], x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
         if rc:
-            _raise_for(rc)
+            raise_for(rc)
         return True
+
+    def fused(self, ks: KernelStack | None, x: torch.Tensor, width: int) -> tuple[int, int, int, int] | None:
+        """The LoRA arguments of a base kernel's fused entry (csrc/tessera_lora_hooks.h) that adds
+        the term of x on `ks` into the base product's own output [T, width], contiguous:
+        (hooks, stack, step, ranks); None where `run` would refuse the call, or this build has no
+        hooks (the caller then makes the two calls)."""
+        n = self.num_tokens
+        if (self.hooks is None or ks is None or ks.ranks_ptr is None or ks.num_slots != self.num_slots or n == 0
+                or x.dtype is not _F32 or width < ks.min_out_width or (ks.wtype == _W_F32 and self.max_run > MAX_RUN)):
+            return None
+        xs = x.shape
+        if xs[0] != n or xs[1] != ks.in_features or not x.is_contiguous():
+            return None
+        return self.hooks, ks.address, self.step, ks.ranks_ptr
 
     def __call__(self, stack, x: torch.Tensor, y: torch.Tensor) -> bool:
         """y += the adapter term of x on `stack` (punica_kernels.add_lora's contract) through the
@@ -226,11 +253,12 @@ class StepCall:
             return False
         rc = self.entry(ks.address, self.step, ystride[0], x.data_ptr(), y.data_ptr(), ks.ranks_ptr)
         if rc:
-            _raise_for(rc)
+            raise_for(rc)
         return True
 
 
-def _raise_for(rc: int) -> None:
+def raise_for(rc: int) -> None:
+    """The exception for a kernel's nonzero return code (its own or a fused entry's)."""
     if rc == -2:
         raise MemoryError("CPU LoRA kernel: no memory for its run list or scratch")
     if rc != 0:  # a rank outside [0, R] here means a bug, not bad input
@@ -260,5 +288,5 @@ def add_lora_f32(args, meta) -> bool:
     ranks32 = ranks if ranks.dtype == torch.int32 else ranks.to(torch.int32)
     rc = lib.tessera_add_lora_f32(ks.address, x.shape[0], y.stride(0), x.data_ptr(), y.data_ptr(),
                                   slots.data_ptr(), ranks32.data_ptr())
-    _raise_for(rc)
+    raise_for(rc)
     return True

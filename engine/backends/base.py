@@ -43,6 +43,13 @@ class LoRABatch(ABC):
     @abstractmethod
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
+    def linear(self, layer: int, group: str, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """lin(x) with the group's adapter term added: `apply` on lin's output. A backend whose
+        base kernels can add the term in the same call overrides it."""
+        y = lin(x)
+        self.apply(layer, group, x, y)
+        return y
+
     def host_tensors(self) -> list[torch.Tensor]:
         """The batch's host-built index tensors, uploaded with the step's inputs (ModelRunner)."""
         return []

@@ -18,8 +18,9 @@ Weights come in the loaders' layout (engine.loader: tensors, and QuantizedWeight
 matrices a checkpoint quantizes); q/k/v and gate/up are fused into one linear each, whose parts
 the backend joins as their forms allow. Every op runs on the engine's backend (engine.backends: norms, linears, attention, the
 gated activation), which also placed the weights on its device. LoRA is added by an optional
-`lora` object passed to forward (the backend's LoRABatch), whose `apply(layer, group, x, y)` adds
-each token's adapter term into y in place for the fused groups "qkv", "o", "gate_up" and "down".
+`lora` object passed to forward (the backend's LoRABatch), whose `linear(layer, group, lin, x)`
+gives lin(x) plus each token's adapter term for the fused groups "qkv", "o", "gate_up" and "down"
+(its `apply(layer, group, x, y)` adding the term into lin's output, or one kernel doing both).
 """
 from __future__ import annotations
 
@@ -88,30 +89,23 @@ class DecoderLayer(nn.Module):
             h = be.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         else:
             x, h = be.add_rms_norm(x, pending, self.input_norm.weight, self.input_norm.eps)
-        qkv = self.qkv_proj(h)
-        if lora is not None:
-            lora.apply(self.idx, "qkv", h, qkv)
+        qkv = self.qkv_proj(h) if lora is None else lora.linear(self.idx, "qkv", self.qkv_proj, h)
         if self.qkv_bias is not None:
             qkv.add_(self.qkv_bias)
         if self.q_norm is not None:
             self._norm_qk(qkv)
         rope, cos_sin = ropes[1] if self.local else ropes[0]
         o = be.attention(qkv, rope, cos_sin, kv.k[self.idx], kv.v[self.idx], attn, self.attn)
-        out = self.o_proj(o)
-        if lora is not None:
-            lora.apply(self.idx, "o", o, out)
+        out = self.o_proj(o) if lora is None else lora.linear(self.idx, "o", self.o_proj, o)
         if self.attn_out_norm is not None:
             out = be.rms_norm(out, self.attn_out_norm.weight, self.attn_out_norm.eps)
         x, h = be.add_rms_norm(x, out, self.mlp_in_norm.weight, self.mlp_in_norm.eps)
-        gu = self.gate_up_proj(h)
-        if lora is not None:
-            lora.apply(self.idx, "gate_up", h, gu)
+        gu = self.gate_up_proj(h) if lora is None else lora.linear(self.idx, "gate_up", self.gate_up_proj, h)
         if lora is None:
             d = be.gated_linear(self.down_proj, gu, cfg.hidden_act)
         else:  # the down group's shrink reads the activation: materialize it
             m = be.act_mul(gu, cfg.hidden_act)
-            d = self.down_proj(m)
-            lora.apply(self.idx, "down", m, d)
+            d = lora.linear(self.idx, "down", self.down_proj, m)
         if self.mlp_out_norm is not None:
             d = be.rms_norm(d, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
         return x, d

@@ -24,7 +24,8 @@
 
 #define CHUNK 8 /* tokens of one run handled per pass over its weights (a run may take several) */
 
-#include "tessera_simd.h" /* tessera_sum16 / tessera_sum8, immintrin.h */
+#include "tessera_lora_hooks.h" /* tessera_lora_hooks_t: the fused entries of the base kernels */
+#include "tessera_simd.h"       /* tessera_sum16 / tessera_sum8, immintrin.h */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -761,10 +762,28 @@ typedef struct {
  * the (slice, run) items: those whose cost midpoint falls in its part of the total. It reads its
  * stacks forward, slot after slot (the items are slice-major), and knows its coming items, so it
  * prefetches them (pf_cursor_t; int8 items, the engine's storage). */
+/* Thread tid of nth's share of a call's items: [*lo, *hi), those whose cost midpoint falls in its
+ * part of the total. */
+static void share_of(const lora_call_t *c, int64_t tid, int64_t nth, int64_t *lo, int64_t *hi) {
+    const int64_t work = c->work, *cum = c->cum;
+    int64_t l = 0;
+    while (l < work && (cum[l] + cum[l + 1]) * nth < 2 * cum[work] * tid) l++;
+    int64_t h = l;
+    while (h < work && (cum[h] + cum[h + 1]) * nth < 2 * cum[work] * (tid + 1)) h++;
+    *lo = l, *hi = h;
+}
+
+/* A prefetch cursor at the start of the items [lo, hi) (pf_advance walks their blocks). */
+static pf_cursor_t pf_cursor_at(const lora_call_t *c, int64_t lo, int64_t hi) {
+    const lora_stack_t *st = c->st;
+    const pf_cursor_t pfc = {c->runs, c->nruns, hi, lo - 1, st->K, st->R, c->ranks, st->A, st->B, st->N, NULL, 0, 0, 1};
+    return pfc;
+}
+
 static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     const lora_stack_t *st = c->st;
-    const int64_t K = st->K, R = st->R, wtype = st->wtype, nruns = c->nruns, work = c->work;
-    const int64_t *N = st->N, *off = st->off, *runs = c->runs, *cum = c->cum;
+    const int64_t K = st->K, R = st->R, wtype = st->wtype, nruns = c->nruns;
+    const int64_t *N = st->N, *off = st->off, *runs = c->runs;
     const int32_t *ranks = c->ranks;
     const void *const *A = st->A, *const *B = st->B;
     const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
@@ -778,11 +797,9 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
         }
     }
 #endif
-    int64_t lo = 0;
-    while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
-    int64_t hi = lo;
-    while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
-    pf_cursor_t pfc = {runs, nruns, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
+    int64_t lo, hi;
+    share_of(c, tid, nth, &lo, &hi);
+    pf_cursor_t pfc = pf_cursor_at(c, lo, hi);
     pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
     pf_advance(pf, PF_AHEAD);
     for (int64_t p = lo; p < hi; p++) {
@@ -825,6 +842,7 @@ typedef struct {
     int64_t *runs; /* (start, end, slot) per run */
     char *scratch;
     size_t cap;
+    lora_call_t call; /* the call a base kernel's fused entry prepared (tessera_lora_hooks) */
 } lora_step_t;
 
 /* The step of T tokens on `slots` (read by every call: it must outlive the step), or NULL without
@@ -861,11 +879,12 @@ void tessera_lora_step_free(lora_step_t *sp) {
     free(sp);
 }
 
-/* y += the LoRA term of x on stack st for the step's tokens (x [T, K], y rows ldy apart). Returns
- * 0, -1 if a rank is outside [0, R] or wtype is unknown, or -2 without memory for the scratch
- * (nothing is written then). */
-int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, const float *x, float *y,
-                           const int32_t *ranks) {
+/* Lays out the call y += the LoRA term of x on stack st for the step's tokens (x [T, K], y rows ldy
+ * apart) in *call, its items' costs and its int16 rows in the step's scratch. Returns 0, -1 if a
+ * rank is outside [0, R] or wtype is unknown, or -2 without memory for the scratch (nothing is
+ * written then). */
+static int lora_prepare(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, const float *x, float *y,
+                        const int32_t *ranks, lora_call_t *call) {
     const int64_t K = st->K, R = st->R, nslices = st->nslices, wtype = st->wtype, T = sp->T, nruns = sp->nruns;
     const int64_t *N = st->N, *runs = sp->runs;
     const int32_t *slots = sp->slots;
@@ -893,19 +912,71 @@ int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy,
         const int64_t *run = runs + 3 * (p % nruns);
         cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p / nruns]) * (run[1] - run[0] + 1) + 1;
     }
-    const lora_call_t call = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
-                              (int16_t *)(sp->scratch + n_cum), (float *)(sp->scratch + n_cum + n_xq)};
-    /* One token's items stay on the calling thread (a few microseconds each, about what waking
-     * the other threads costs); from two tokens up the threads share them (bench/RESULTS.md,
-     * session 28: in the engine, steps of 2, 4 and 8 streams spent less in these calls). */
-    if (work > 1 && T >= 2) {
+    const lora_call_t c = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
+                           (int16_t *)(sp->scratch + n_cum), (float *)(sp->scratch + n_cum + n_xq)};
+    *call = c;
+    return 0;
+}
+
+/* One token's items stay on the calling thread (a few microseconds each, about what waking the
+ * other threads costs); from two tokens up the threads share them (bench/RESULTS.md, session 28:
+ * in the engine, steps of 2, 4 and 8 streams spent less in these calls). */
+static int lora_one_thread(const lora_call_t *c) { return c->work <= 1 || c->T < 2; }
+
+/* y += the LoRA term of x on stack st for the step's tokens (x [T, K], y rows ldy apart). Returns
+ * as lora_prepare (nothing is written on an error). */
+int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, const float *x, float *y,
+                           const int32_t *ranks) {
+    lora_call_t call;
+    const int rc = lora_prepare(st, sp, ldy, x, y, ranks, &call);
+    if (rc != 0) return rc;
+    if (!lora_one_thread(&call)) {
 #pragma omp parallel
         lora_call_part(&call, omp_get_thread_num(), omp_get_num_threads());
-    } else if (work > 0) {
+    } else if (call.work > 0) {
         lora_call_part(&call, 0, 1);
     }
     return 0;
 }
+
+/* -- the hooks of the base kernels' fused entries (tessera_lora_hooks.h) ------------------------ */
+
+/* The most a thread prefetches of its share during the base product: its first items' blocks
+ * (past L2's size, lines prefetched at the start would be evicted before their use). */
+#define PF_FUSED_CAP (256 * 1024)
+
+_Static_assert(sizeof(pf_cursor_t) <= TESSERA_LORA_PF_STATE_BYTES, "prefetch state too large");
+
+/* Inside a base kernel's region the threads are already awake, so a call's items are shared from
+ * two items up whatever its token count (a one-token call's q, k and v slices, its gate and up),
+ * where a call on its own keeps one token's items on the calling thread (lora_one_thread). */
+static int hook_prepare(const void *stack, void *step, int64_t ldy, const float *x, float *y, const int32_t *ranks,
+                        void **call, int *one) {
+    lora_step_t *sp = step;
+    const int rc = lora_prepare(stack, sp, ldy, x, y, ranks, &sp->call);
+    *call = rc == 0 && sp->call.work > 0 ? &sp->call : NULL;
+    *one = sp->call.work <= 1;
+    return rc;
+}
+
+static int64_t hook_prefetch_start(void *call, int64_t share, int64_t shares, void *state) {
+    const lora_call_t *c = call;
+    int64_t lo, hi, bytes = 0;
+    share_of(c, share, shares, &lo, &hi);
+    *(pf_cursor_t *)state = pf_cursor_at(c, lo, hi);
+    if (c->st->wtype != W_I8) return 0; /* the cursor walks int8 blocks */
+    for (int64_t p = lo; p < hi && bytes < PF_FUSED_CAP; p++) {
+        const int64_t run = p % c->nruns, s = c->runs[3 * run + 2];
+        if (run == 0 || c->runs[3 * run - 1] != s) bytes += c->ranks[s] * (c->st->K + c->st->N[p / c->nruns]);
+    }
+    return bytes < PF_FUSED_CAP ? bytes : PF_FUSED_CAP;
+}
+
+static void hook_prefetch(void *state, int64_t bytes) { pf_advance(state, bytes); }
+
+static void hook_part(void *call, int64_t share, int64_t shares) { lora_call_part(call, share, shares); }
+
+const tessera_lora_hooks_t tessera_lora_hooks = {hook_prepare, hook_prefetch_start, hook_prefetch, hook_part};
 
 /* One call on its own (a step of one call): as tessera_lora_step_call; -2 also without memory for
  * the run list. */

@@ -11,7 +11,10 @@ punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_
 - Norms, the SwiGLU gate and decode attention: one C call each (`decode_ops`), fp32 only.
 - LoRA: punica_kernels' CPU path (its own C kernel, or torch) over slot-major runs, so the
   step's decode tokens are laid out by slot (`lora_batch`: the batch's `layout` is a reordered
-  copy of the SchedulerOutput; the scheduler's lists are left as they are).
+  copy of the SchedulerOutput; the scheduler's lists are left as they are). Where a linear's
+  batch takes the C int8 or Q4_1 kernel, the LoRA kernel's term is added inside that kernel's
+  call (`CpuLoRABatch.linear`: one call, one parallel region, the adapter blocks prefetched
+  while the base weights stream; the same bits as the two calls).
 - A step's inputs: slot lists and masks (engine.backends.inputs.slot_inputs), used where they
   are built (no upload), and host sampling (engine.backends.step_sampling.HostSampling).
 Which kernels are used is EngineConfig's `cpu_*` fields; the outputs are the torch paths'
@@ -39,7 +42,8 @@ from punica_kernels import cpu_native
 
 #: EngineConfig field -> the environment variable that may switch it off at the CLI edge.
 SWITCHES = {"cpu_decode_ops": "TESSERA_CPU_DECODE_OPS", "cpu_int8_kernel": "TESSERA_CPU_INT8_KERNEL",
-            "cpu_q4_kernel": "TESSERA_CPU_Q4_KERNEL", "cpu_amx_kernel": "TESSERA_CPU_AMX_KERNEL"}
+            "cpu_q4_kernel": "TESSERA_CPU_Q4_KERNEL", "cpu_amx_kernel": "TESSERA_CPU_AMX_KERNEL",
+            "cpu_fused_lora": "TESSERA_CPU_FUSED_LORA"}
 
 
 def switches_from_env(environ=os.environ) -> dict[str, bool]:
@@ -65,12 +69,14 @@ class CpuLoRABatch(LoRABatch):
     time one needs it and shared by every layer."""
 
     def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput,
-                 kernel_stacks: list[dict[str, tuple]] | None = None):
+                 kernel_stacks: list[dict[str, tuple]] | None = None, *, fused: bool = True):
         self.slots = slots
         self._layout = layout
         self._token_slots = token_slots
         self._meta = None
         self.native = cpu_native.StepCall.for_slots(token_slots, slots.num_slots)
+        #: Whether `linear` may hand the term to a base kernel's fused entry (EngineConfig.cpu_fused_lora).
+        self.fused = fused and self.native is not None
         #: kernel_stacks_of(slots), which CpuBackend.lora_batch passes (built once per slots
         #: object), so a call looks up nothing else.
         self._kernel_stacks = kernel_stacks if kernel_stacks is not None else kernel_stacks_of(slots)
@@ -85,6 +91,22 @@ class CpuLoRABatch(LoRABatch):
     def layout(self, sched: SchedulerOutput) -> SchedulerOutput:
         """The step with its decodes ordered by slot (built by CpuBackend.lora_batch)."""
         return self._layout
+
+    def linear(self, layer: int, group: str, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """lin(x) + the group's term in one call of lin's kernel where the batch takes the C int8 or
+        Q4_1 kernel (WidthDispatch.lora_forward) and the LoRA kernel takes the call; else lin(x),
+        then `apply`."""
+        if self.fused:
+            fused = getattr(lin, "lora_forward", None)
+            if fused is not None:
+                args = self.native.fused(self._kernel_stacks[layer][group][1], x, lin.out_features)
+                if args is not None:
+                    y = fused(x, args)
+                    if y is not None:
+                        return y
+        y = lin(x)
+        self.apply(layer, group, x, y)
+        return y
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         native = self.native
@@ -256,4 +278,4 @@ class CpuBackend(Backend):
         layout = SchedulerOutput(decodes=decodes, prefills=list(sched.prefills), preempted=list(sched.preempted))
         if self._kernel_stacks is None or self._kernel_stacks[0] is not slots:  # its stacks are never reallocated
             self._kernel_stacks = (slots, kernel_stacks_of(slots))
-        return CpuLoRABatch(slots, token_slots, layout, self._kernel_stacks[1])
+        return CpuLoRABatch(slots, token_slots, layout, self._kernel_stacks[1], fused=self.config.cpu_fused_lora)

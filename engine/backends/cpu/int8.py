@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from punica_kernels import cbuild
+from punica_kernels import cbuild, cpu_native
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.c"
 AMX_SOURCE = Path(__file__).parent / "csrc" / "int8_amx.c"
@@ -26,7 +26,9 @@ AMX_SOURCE = Path(__file__).parent / "csrc" / "int8_amx.c"
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (it could not be built)."""
     return cbuild.load(SOURCE, None,
-                       {"tessera_int8_linear_f32": ("i64",) * 3 + ("ptr",) * 4})
+                       {"tessera_int8_linear_f32": ("i64",) * 3 + ("ptr",) * 4,
+                        "tessera_int8_linear_lora_f32": ("i64",) * 3 + ("ptr",) * 8},
+                       returns={"tessera_int8_linear_lora_f32": "int"})
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -49,6 +51,19 @@ def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) ->
     n = scales.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     library().tessera_int8_linear_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(), y.data_ptr())
+    return y
+
+
+def int8_linear_lora(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, lora) -> torch.Tensor:
+    """int8_linear(x, blocked, scales) + the LoRA term of x that `lora` (a
+    punica_kernels.cpu_native.FusedLoRA, checked against x) describes, in one kernel call."""
+    m, k = x.shape
+    n = scales.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = library().tessera_int8_linear_lora_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(),
+                                                y.data_ptr(), *lora)
+    if rc:
+        cpu_native.raise_for(rc)
     return y
 
 

@@ -103,6 +103,11 @@ class Int8KernelLinear(nn.Module):
             return cpu_int8.int8_linear(x, self.blocked, self.scales)
         return cpu_int8.int8_linear(x.float(), self.blocked, self.scales).to(x.dtype)
 
+    def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        """forward(x) + the LoRA term `lora` describes (cpu_native.StepCall.fused, checked against
+        x: fp32, contiguous), in one kernel call."""
+        return cpu_int8.int8_linear_lora(x, self.blocked, self.scales, lora)
+
     def dequantized(self) -> torch.Tensor:
         q = self.blocked.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
         return q.float() * self.scales[:, None]
@@ -145,6 +150,10 @@ class Q4Linear(nn.Module):
             return cpu_q4.q4_linear(x, self.blocked)
         return cpu_q4.q4_linear(x.float(), self.blocked).to(x.dtype)
 
+    def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        """forward(x) + the LoRA term `lora` describes (as Int8KernelLinear.lora_forward)."""
+        return cpu_q4.q4_linear_lora(x, self.blocked, lora)
+
 
 class StepKind:
     """Whether the step being run prefills: set by CpuBackend.begin_step, read by every
@@ -172,6 +181,7 @@ class WidthDispatch(nn.Module):
         # The parts' forwards, called directly: a module call's hooks machinery costs microseconds,
         # a share of a one-token step's ~120 linears.
         self._bands = tuple((rows, m.forward) for rows, m in bands)
+        self._lora_bands = tuple((rows, getattr(m, "lora_forward", None)) for rows, m in bands)
         self._wide = wide.forward
         self._prefill = None if prefill is None else prefill.forward
 
@@ -187,6 +197,16 @@ class WidthDispatch(nn.Module):
         if self._prefill is not None and self.step.prefills:
             return self._prefill(x)
         return self._wide(x)
+
+    def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor | None:
+        """forward(x) + the LoRA term `lora` describes (cpu_native.StepCall.fused) in one kernel
+        call, where the band x takes has a fused entry (the C int8 and Q4_1 kernels); None where
+        not (nothing computed: the caller makes the two calls)."""
+        t = x.shape[0]
+        for rows, fn in self._lora_bands:
+            if t <= rows:
+                return None if fn is None else fn(x, lora)
+        return None
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weights as fp32 [out, in] (what the int8 band multiplies by)."""

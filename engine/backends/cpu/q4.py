@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from punica_kernels import cbuild
+from punica_kernels import cbuild, cpu_native
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_1_linear.c"
 BLOCK_BYTES = 20  # ggml's Q4_1 block: fp16 d, fp16 min, 16 bytes of nibbles (32 weights)
@@ -22,8 +22,9 @@ BLOCK_BYTES = 20  # ggml's Q4_1 block: fp16 d, fp16 min, 16 bytes of nibbles (32
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (not built, or built without AVX-512 or AVX2)."""
     lib = cbuild.load(SOURCE, None,
-                      {"tessera_q4_1_available": (), "tessera_q4_1_linear_f32": ("i64",) * 3 + ("ptr",) * 4},
-                      returns={"tessera_q4_1_available": "int"})
+                      {"tessera_q4_1_available": (), "tessera_q4_1_linear_f32": ("i64",) * 3 + ("ptr",) * 4,
+                       "tessera_q4_1_linear_lora_f32": ("i64",) * 3 + ("ptr",) * 8},
+                      returns={"tessera_q4_1_available": "int", "tessera_q4_1_linear_lora_f32": "int"})
     return lib if lib is not None and lib.tessera_q4_1_available() else None
 
 
@@ -63,4 +64,18 @@ def q4_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32)
     xsum = torch.empty(m, k // 32, dtype=torch.float32)
     library().tessera_q4_1_linear_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), y.data_ptr(), xsum.data_ptr())
+    return y
+
+
+def q4_linear_lora(x: torch.Tensor, blocked: torch.Tensor, lora) -> torch.Tensor:
+    """q4_linear(x, blocked) + the LoRA term of x that `lora` (a punica_kernels.cpu_native.FusedLoRA,
+    checked against x) describes, in one kernel call."""
+    m, k = x.shape
+    n = blocked.shape[0] * 16
+    y = torch.empty(m, n, dtype=torch.float32)
+    xsum = torch.empty(m, k // 32, dtype=torch.float32)
+    rc = library().tessera_q4_1_linear_lora_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), y.data_ptr(),
+                                                xsum.data_ptr(), *lora)
+    if rc:
+        cpu_native.raise_for(rc)
     return y

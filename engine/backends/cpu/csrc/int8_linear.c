@@ -15,9 +15,12 @@
  * share each widened weight; there this kernel is also the wide batches' fastest path (faster at
  * 32 rows than the dense fp32 copy's GEMM, bench/RESULTS.md).
  */
+#include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 
-#include "tessera_simd.h" /* tessera_sum16 / tessera_sum8, immintrin.h */
+#include "tessera_lora_hooks.h" /* the fused entry's LoRA term (punica_kernels/csrc/add_lora_cpu.c) */
+#include "tessera_simd.h"       /* tessera_sum16 / tessera_sum8, immintrin.h */
 
 /* Software prefetch distance in the weight stream (into L2). Each call streams one layer's weights
  * (0.3-1.7 MB) once; the hardware prefetcher ramps up too slowly on streams that short. 16 KB
@@ -77,58 +80,94 @@ static void row_group_one(const int8_t *blk, int64_t KB, const float *x, const f
     }
 }
 
-static void int8_linear_avx2(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w, const float *scales,
-                             float *y) {
-    const int64_t NB = N / 16, KB = K / 16;
-#pragma omp parallel for schedule(static) if (NB > 1)
-    for (int64_t nb = 0; nb < NB; nb++)
-        for (int64_t m = 0; m < M; m += 2) {
-            const int8_t *blk = w + nb * KB * 256;
-            if (m + 1 < M)
-                row_group_pair(blk, KB, x + m * K, x + (m + 1) * K, scales + nb * 16, y + m * N + nb * 16,
-                               y + (m + 1) * N + nb * 16, m == 0);
-            else
-                row_group_one(blk, KB, x + m * K, scales + nb * 16, y + m * N + nb * 16, m == 0);
+/* Output rows nb * 16 .. nb * 16 + 15 for every batch row. */
+static inline void int8_block(int64_t nb, int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
+                              const float *scales, float *y) {
+    const int64_t KB = K / 16;
+    for (int64_t m = 0; m < M; m += 2) {
+        const int8_t *blk = w + nb * KB * 256;
+        if (m + 1 < M)
+            row_group_pair(blk, KB, x + m * K, x + (m + 1) * K, scales + nb * 16, y + m * N + nb * 16,
+                           y + (m + 1) * N + nb * 16, m == 0);
+        else
+            row_group_one(blk, KB, x + m * K, scales + nb * 16, y + m * N + nb * 16, m == 0);
+    }
+}
+#else
+/* Output rows nb * 16 .. nb * 16 + 15 for every batch row. */
+static inline void int8_block(int64_t nb, int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
+                              const float *scales, float *y) {
+    const int64_t KB = K / 16;
+    const int8_t *blk = w + nb * KB * 256;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+#ifdef __AVX512F__
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const __m512 xv = _mm512_loadu_ps(xm + kb * 16);
+            const int8_t *p = blk + kb * 256;
+            if (m == 0) /* the first row streams the weights in; later rows find them in L1/L2 */
+                for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T1);
+            for (int r = 0; r < 16; r++)
+                acc[r] = _mm512_fmadd_ps(
+                    xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + r * 16)))),
+                    acc[r]);
         }
+        _mm512_storeu_ps(y + m * N + nb * 16, _mm512_mul_ps(tessera_sum16(acc), _mm512_loadu_ps(scales + nb * 16)));
+#else
+        float acc[16] = {0};
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const int8_t *p = blk + kb * 256;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++) acc[r] += xm[kb * 16 + c] * (float)p[r * 16 + c];
+        }
+        for (int r = 0; r < 16; r++) y[m * N + nb * 16 + r] = acc[r] * scales[nb * 16 + r];
+#endif
+    }
 }
 #endif
 
 void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
                              const float *scales, float *y) {
-#ifdef TESSERA_AVX2
-    int8_linear_avx2(M, K, N, x, w, scales, y);
-#else
-    const int64_t NB = N / 16, KB = K / 16;
+    const int64_t NB = N / 16;
 #pragma omp parallel for schedule(static) if (NB > 1)
-    for (int64_t nb = 0; nb < NB; nb++) {
-        const int8_t *blk = w + nb * KB * 256;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * K;
-#ifdef __AVX512F__
-            __m512 acc[16];
-            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t kb = 0; kb < KB; kb++) {
-                const __m512 xv = _mm512_loadu_ps(xm + kb * 16);
-                const int8_t *p = blk + kb * 256;
-                if (m == 0) /* the first row streams the weights in; later rows find them in L1/L2 */
-                    for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T1);
-                for (int r = 0; r < 16; r++)
-                    acc[r] = _mm512_fmadd_ps(
-                        xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + r * 16)))),
-                        acc[r]);
-            }
-            _mm512_storeu_ps(y + m * N + nb * 16, _mm512_mul_ps(tessera_sum16(acc), _mm512_loadu_ps(scales + nb * 16)));
-#else
-            float acc[16] = {0};
-            for (int64_t kb = 0; kb < KB; kb++) {
-                const int8_t *p = blk + kb * 256;
-                for (int r = 0; r < 16; r++)
-                    for (int c = 0; c < 16; c++) acc[r] += xm[kb * 16 + c] * (float)p[r * 16 + c];
-            }
-            for (int r = 0; r < 16; r++) y[m * N + nb * 16 + r] = acc[r] * scales[nb * 16 + r];
-#endif
-        }
+    for (int64_t nb = 0; nb < NB; nb++) int8_block(nb, M, K, N, x, w, scales, y);
+}
+
+/* The same product, then y += the LoRA term of x on `stack` for the step's tokens, in one
+ * parallel region (tessera_lora_hooks.h: the adapter blocks prefetched as the base rows go, a
+ * barrier, the LoRA term's shares). Returns 0 or the LoRA call's error code (nothing written). */
+int tessera_int8_linear_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
+                                 const float *scales, float *y, const tessera_lora_hooks_t *h, const void *stack,
+                                 void *step, const int32_t *ranks) {
+    void *call;
+    int one;
+    const int rc = h->prepare(stack, step, N, x, y, ranks, &call, &one);
+    if (rc != 0) return rc;
+    if (call == NULL) {
+        tessera_int8_linear_f32(M, K, N, x, w, scales, y);
+        return 0;
     }
-#endif
+    const int64_t NB = N / 16;
+#pragma omp parallel
+    {
+        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int64_t share = one ? 0 : tid, shares = one ? 1 : nth;
+        const int takes = !one || tid == 0;
+        char pf[TESSERA_LORA_PF_STATE_BYTES] __attribute__((aligned(64)));
+        int64_t per = 0; /* prefetch bytes per block of base rows: the share's first bytes over the thread's blocks */
+        if (takes) {
+            const int64_t blocks = (NB + nth - 1) / nth; /* the static schedule's chunk */
+            per = (h->prefetch_start(call, share, shares, pf) + blocks - 1) / blocks;
+        }
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < NB; nb++) {
+            int8_block(nb, M, K, N, x, w, scales, y);
+            if (per > 0) h->prefetch(pf, per);
+        }
+        if (takes) h->part(call, share, shares);
+    }
+    return 0;
 }
 
