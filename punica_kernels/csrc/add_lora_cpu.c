@@ -762,28 +762,10 @@ typedef struct {
  * the (slice, run) items: those whose cost midpoint falls in its part of the total. It reads its
  * stacks forward, slot after slot (the items are slice-major), and knows its coming items, so it
  * prefetches them (pf_cursor_t; int8 items, the engine's storage). */
-/* Thread tid of nth's share of a call's items: [*lo, *hi), those whose cost midpoint falls in its
- * part of the total. */
-static void share_of(const lora_call_t *c, int64_t tid, int64_t nth, int64_t *lo, int64_t *hi) {
-    const int64_t work = c->work, *cum = c->cum;
-    int64_t l = 0;
-    while (l < work && (cum[l] + cum[l + 1]) * nth < 2 * cum[work] * tid) l++;
-    int64_t h = l;
-    while (h < work && (cum[h] + cum[h + 1]) * nth < 2 * cum[work] * (tid + 1)) h++;
-    *lo = l, *hi = h;
-}
-
-/* A prefetch cursor at the start of the items [lo, hi) (pf_advance walks their blocks). */
-static pf_cursor_t pf_cursor_at(const lora_call_t *c, int64_t lo, int64_t hi) {
-    const lora_stack_t *st = c->st;
-    const pf_cursor_t pfc = {c->runs, c->nruns, hi, lo - 1, st->K, st->R, c->ranks, st->A, st->B, st->N, NULL, 0, 0, 1};
-    return pfc;
-}
-
 static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     const lora_stack_t *st = c->st;
-    const int64_t K = st->K, R = st->R, wtype = st->wtype, nruns = c->nruns;
-    const int64_t *N = st->N, *off = st->off, *runs = c->runs;
+    const int64_t K = st->K, R = st->R, wtype = st->wtype, nruns = c->nruns, work = c->work;
+    const int64_t *N = st->N, *off = st->off, *runs = c->runs, *cum = c->cum;
     const int32_t *ranks = c->ranks;
     const void *const *A = st->A, *const *B = st->B;
     const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
@@ -797,9 +779,11 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
         }
     }
 #endif
-    int64_t lo, hi;
-    share_of(c, tid, nth, &lo, &hi);
-    pf_cursor_t pfc = pf_cursor_at(c, lo, hi);
+    int64_t lo = 0;
+    while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
+    int64_t hi = lo;
+    while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
+    pf_cursor_t pfc = {runs, nruns, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
     pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
     pf_advance(pf, PF_AHEAD);
     for (int64_t p = lo; p < hi; p++) {
@@ -941,12 +925,6 @@ int tessera_lora_step_call(const lora_stack_t *st, lora_step_t *sp, int64_t ldy,
 
 /* -- the hooks of the base kernels' fused entries (tessera_lora_hooks.h) ------------------------ */
 
-/* The most a thread prefetches of its share during the base product: its first items' blocks
- * (past L2's size, lines prefetched at the start would be evicted before their use). */
-#define PF_FUSED_CAP (256 * 1024)
-
-_Static_assert(sizeof(pf_cursor_t) <= TESSERA_LORA_PF_STATE_BYTES, "prefetch state too large");
-
 /* Inside a base kernel's region the threads are already awake, so a call's items are shared from
  * two items up whatever its token count (a one-token call's q, k and v slices, its gate and up),
  * where a call on its own keeps one token's items on the calling thread (lora_one_thread). */
@@ -959,24 +937,9 @@ static int hook_prepare(const void *stack, void *step, int64_t ldy, const float 
     return rc;
 }
 
-static int64_t hook_prefetch_start(void *call, int64_t share, int64_t shares, void *state) {
-    const lora_call_t *c = call;
-    int64_t lo, hi, bytes = 0;
-    share_of(c, share, shares, &lo, &hi);
-    *(pf_cursor_t *)state = pf_cursor_at(c, lo, hi);
-    if (c->st->wtype != W_I8) return 0; /* the cursor walks int8 blocks */
-    for (int64_t p = lo; p < hi && bytes < PF_FUSED_CAP; p++) {
-        const int64_t run = p % c->nruns, s = c->runs[3 * run + 2];
-        if (run == 0 || c->runs[3 * run - 1] != s) bytes += c->ranks[s] * (c->st->K + c->st->N[p / c->nruns]);
-    }
-    return bytes < PF_FUSED_CAP ? bytes : PF_FUSED_CAP;
-}
-
-static void hook_prefetch(void *state, int64_t bytes) { pf_advance(state, bytes); }
-
 static void hook_part(void *call, int64_t share, int64_t shares) { lora_call_part(call, share, shares); }
 
-const tessera_lora_hooks_t tessera_lora_hooks = {hook_prepare, hook_prefetch_start, hook_prefetch, hook_part};
+const tessera_lora_hooks_t tessera_lora_hooks = {hook_prepare, hook_part};
 
 /* One call on its own (a step of one call): as tessera_lora_step_call; -2 also without memory for
  * the run list. */

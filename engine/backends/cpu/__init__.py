@@ -13,8 +13,8 @@ punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_
   step's decode tokens are laid out by slot (`lora_batch`: the batch's `layout` is a reordered
   copy of the SchedulerOutput; the scheduler's lists are left as they are). Where a linear's
   batch takes the C int8 or Q4_1 kernel, the LoRA kernel's term is added inside that kernel's
-  call (`CpuLoRABatch.linear`: one call, one parallel region, the adapter blocks prefetched
-  while the base weights stream; the same bits as the two calls).
+  call (`CpuLoRABatch.linear`: one call and one parallel region instead of two each; the same
+  bits as the two calls).
 - A step's inputs: slot lists and masks (engine.backends.inputs.slot_inputs), used where they
   are built (no upload), and host sampling (engine.backends.step_sampling.HostSampling).
 Which kernels are used is EngineConfig's `cpu_*` fields; the outputs are the torch paths'

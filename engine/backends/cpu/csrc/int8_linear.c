@@ -136,8 +136,8 @@ void tessera_int8_linear_f32(int64_t M, int64_t K, int64_t N, const float *x, co
 }
 
 /* The same product, then y += the LoRA term of x on `stack` for the step's tokens, in one
- * parallel region (tessera_lora_hooks.h: the adapter blocks prefetched as the base rows go, a
- * barrier, the LoRA term's shares). Returns 0 or the LoRA call's error code (nothing written). */
+ * parallel region (tessera_lora_hooks.h: the base rows, a barrier, the LoRA term's shares).
+ * Returns 0 or the LoRA call's error code (nothing written). */
 int tessera_int8_linear_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
                                  const float *scales, float *y, const tessera_lora_hooks_t *h, const void *stack,
                                  void *step, const int32_t *ranks) {
@@ -153,20 +153,12 @@ int tessera_int8_linear_lora_f32(int64_t M, int64_t K, int64_t N, const float *x
 #pragma omp parallel
     {
         const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        const int64_t share = one ? 0 : tid, shares = one ? 1 : nth;
-        const int takes = !one || tid == 0;
-        char pf[TESSERA_LORA_PF_STATE_BYTES] __attribute__((aligned(64)));
-        int64_t per = 0; /* prefetch bytes per block of base rows: the share's first bytes over the thread's blocks */
-        if (takes) {
-            const int64_t blocks = (NB + nth - 1) / nth; /* the static schedule's chunk */
-            per = (h->prefetch_start(call, share, shares, pf) + blocks - 1) / blocks;
-        }
 #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < NB; nb++) {
-            int8_block(nb, M, K, N, x, w, scales, y);
-            if (per > 0) h->prefetch(pf, per);
-        }
-        if (takes) h->part(call, share, shares);
+        for (int64_t nb = 0; nb < NB; nb++) int8_block(nb, M, K, N, x, w, scales, y);
+        if (!one)
+            h->part(call, tid, nth);
+        else if (tid == 0)
+            h->part(call, 0, 1);
     }
     return 0;
 }

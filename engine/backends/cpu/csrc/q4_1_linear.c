@@ -151,20 +151,12 @@ int tessera_q4_1_linear_lora_f32(int64_t M, int64_t K, int64_t N, const float *x
 #pragma omp parallel
     {
         const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        const int64_t share = one ? 0 : tid, shares = one ? 1 : nth;
-        const int takes = !one || tid == 0;
-        char pf[TESSERA_LORA_PF_STATE_BYTES] __attribute__((aligned(64)));
-        int64_t per = 0; /* prefetch bytes per block of base rows (as int8_linear.c) */
-        if (takes) {
-            const int64_t blocks = (NB + nth - 1) / nth;
-            per = (h->prefetch_start(call, share, shares, pf) + blocks - 1) / blocks;
-        }
 #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < NB; nb++) {
-            q4_block(nb, M, K, N, x, w, y, xsum);
-            if (per > 0) h->prefetch(pf, per);
-        }
-        if (takes) h->part(call, share, shares);
+        for (int64_t nb = 0; nb < NB; nb++) q4_block(nb, M, K, N, x, w, y, xsum);
+        if (!one)
+            h->part(call, tid, nth);
+        else if (tid == 0)
+            h->part(call, 0, 1);
     }
     return 0;
 }
