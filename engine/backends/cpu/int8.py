@@ -55,8 +55,8 @@ def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) ->
 
 
 def int8_linear_lora(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, lora) -> torch.Tensor:
-    """int8_linear(x, blocked, scales) + the LoRA term of x that `lora` (a
-    punica_kernels.cpu_native.FusedLoRA, checked against x) describes, in one kernel call."""
+    """int8_linear(x, blocked, scales) + the LoRA term of x that `lora` describes (the arguments
+    punica_kernels.cpu_native.StepCall.fused gave for x), in one kernel call."""
     m, k = x.shape
     n = scales.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)

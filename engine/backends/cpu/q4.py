@@ -68,8 +68,8 @@ def q4_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
 
 
 def q4_linear_lora(x: torch.Tensor, blocked: torch.Tensor, lora) -> torch.Tensor:
-    """q4_linear(x, blocked) + the LoRA term of x that `lora` (a punica_kernels.cpu_native.FusedLoRA,
-    checked against x) describes, in one kernel call."""
+    """q4_linear(x, blocked) + the LoRA term of x that `lora` describes (the arguments
+    punica_kernels.cpu_native.StepCall.fused gave for x), in one kernel call."""
     m, k = x.shape
     n = blocked.shape[0] * 16
     y = torch.empty(m, n, dtype=torch.float32)
