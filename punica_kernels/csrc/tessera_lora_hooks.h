@@ -27,4 +27,15 @@ typedef struct {
     void (*part)(void *call, int64_t share, int64_t shares);
 } tessera_lora_hooks_t;
 
+#ifdef _OPENMP
+#include <omp.h>
+/* In a fused entry's region, after the base product's barrier: this thread's share of the term. */
+static inline void tessera_lora_fused_part(const tessera_lora_hooks_t *h, void *call, int one) {
+    if (!one)
+        h->part(call, omp_get_thread_num(), omp_get_num_threads());
+    else if (omp_get_thread_num() == 0)
+        h->part(call, 0, 1);
+}
+#endif
+
 #endif

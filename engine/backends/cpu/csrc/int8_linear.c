@@ -15,7 +15,6 @@
  * share each widened weight; there this kernel is also the wide batches' fastest path (faster at
  * 32 rows than the dense fp32 copy's GEMM, bench/RESULTS.md).
  */
-#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -152,13 +151,9 @@ int tessera_int8_linear_lora_f32(int64_t M, int64_t K, int64_t N, const float *x
     const int64_t NB = N / 16;
 #pragma omp parallel
     {
-        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < NB; nb++) int8_block(nb, M, K, N, x, w, scales, y);
-        if (!one)
-            h->part(call, tid, nth);
-        else if (tid == 0)
-            h->part(call, 0, 1);
+        tessera_lora_fused_part(h, call, one);
     }
     return 0;
 }

@@ -13,7 +13,6 @@
  * offset by their min times the block's sum of x. The weight stream is prefetched ahead as in
  * int8_linear.c; row groups are shared between torch's OpenMP threads.
  */
-#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -150,13 +149,9 @@ int tessera_q4_1_linear_lora_f32(int64_t M, int64_t K, int64_t N, const float *x
     q4_xsum(M, K, x, xsum);
 #pragma omp parallel
     {
-        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < NB; nb++) q4_block(nb, M, K, N, x, w, y, xsum);
-        if (!one)
-            h->part(call, tid, nth);
-        else if (tid == 0)
-            h->part(call, 0, 1);
+        tessera_lora_fused_part(h, call, one);
     }
     return 0;
 }
