@@ -66,7 +66,8 @@ class CpuLoRABatch(LoRABatch):
     (the per-call checks of add_lora, ~3 us each, and building a LoRAMetadata, ~100 us a step,
     are a share of a single-stream step); the rest through add_lora, on the step's metadata (and
     the CPU path's slot-major token plan, cached for it by punica_kernels.cpu), built the first
-    time one needs it and shared by every layer."""
+    time one needs it and shared by every layer. Through `linear`, a call the C int8 or Q4_1
+    kernel's batch would precede is made inside that kernel's call instead."""
 
     def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput,
                  kernel_stacks: list[dict[str, tuple]] | None = None, *, fused: bool = True):
