@@ -933,7 +933,7 @@ static int hook_prepare(const void *stack, void *step, int64_t ldy, const float 
     lora_step_t *sp = step;
     const int rc = lora_prepare(stack, sp, ldy, x, y, ranks, &sp->call);
     *call = rc == 0 && sp->call.work > 0 ? &sp->call : NULL;
-    *one = sp->call.work <= 1;
+    *one = *call == NULL || sp->call.work <= 1;
     return rc;
 }
 
