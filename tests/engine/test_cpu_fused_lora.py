@@ -172,16 +172,15 @@ def test_an_engine_with_fused_linears_answers_exactly_as_one_without(make_engine
     if cpu_q4.library() is None or cpu_int8.library() is None:
         pytest.skip("no C int8 or Q4_1 kernel on this CPU")
     taken = {"int8": 0, "q4": 0}
-    int8_fused, q4_fused = cpu_int8.int8_linear_lora, cpu_q4.q4_linear_lora
 
     def count(key, fn):
-        def wrapped(*a):
-            taken[key] += 1
-            return fn(*a)
+        def wrapped(*a, lora=None):
+            taken[key] += lora is not None
+            return fn(*a, lora=lora)
         return wrapped
 
-    monkeypatch.setattr(cpu_int8, "int8_linear_lora", count("int8", int8_fused))
-    monkeypatch.setattr(cpu_q4, "q4_linear_lora", count("q4", q4_fused))
+    monkeypatch.setattr(cpu_int8, "int8_linear", count("int8", cpu_int8.int8_linear))
+    monkeypatch.setattr(cpu_q4, "q4_linear", count("q4", cpu_q4.q4_linear))
 
     def start(fused: bool):
         return make_engine(LocalDirectoryAdapterSource(DEMO), weight_format="auto", max_loras=len(ADAPTERS),

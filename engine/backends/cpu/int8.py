@@ -44,25 +44,18 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3).contiguous()
 
 
-def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 @ (blocked int8 weight * scales).T -> [M, N] fp32 (scales [N] fp32)."""
+def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, lora=None) -> torch.Tensor:
+    """x [M, K] fp32 @ (blocked int8 weight * scales).T -> [M, N] fp32 (scales [N] fp32); with
+    `lora` (the arguments punica_kernels.cpu_native.StepCall.fused gave for x), plus that LoRA
+    term, in the same kernel call."""
     x = x.contiguous()
     m, k = x.shape
     n = scales.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    library().tessera_int8_linear_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(), y.data_ptr())
-    return y
-
-
-def int8_linear_lora(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, lora) -> torch.Tensor:
-    """int8_linear(x, blocked, scales) + the LoRA term of x that `lora` describes (the arguments
-    punica_kernels.cpu_native.StepCall.fused gave for x), in one kernel call."""
-    m, k = x.shape
-    n = scales.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    rc = library().tessera_int8_linear_lora_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(),
-                                                y.data_ptr(), *lora)
-    if rc:
+    args = (m, k, n, x.data_ptr(), blocked.data_ptr(), scales.data_ptr(), y.data_ptr())
+    if lora is None:
+        library().tessera_int8_linear_f32(*args)
+    elif rc := library().tessera_int8_linear_lora_f32(*args, *lora):
         cpu_native.raise_for(rc)
     return y
 

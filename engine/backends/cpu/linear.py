@@ -106,7 +106,7 @@ class Int8KernelLinear(nn.Module):
     def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor:
         """forward(x) + the LoRA term `lora` describes (cpu_native.StepCall.fused, checked against
         x: fp32, contiguous), in one kernel call."""
-        return cpu_int8.int8_linear_lora(x, self.blocked, self.scales, lora)
+        return cpu_int8.int8_linear(x, self.blocked, self.scales, lora=lora)
 
     def dequantized(self) -> torch.Tensor:
         q = self.blocked.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
@@ -152,7 +152,7 @@ class Q4Linear(nn.Module):
 
     def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor:
         """forward(x) + the LoRA term `lora` describes (as Int8KernelLinear.lora_forward)."""
-        return cpu_q4.q4_linear_lora(x, self.blocked, lora)
+        return cpu_q4.q4_linear(x, self.blocked, lora=lora)
 
 
 class StepKind:

@@ -56,26 +56,18 @@ def block_weight(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs, d, mn], dim=-1).contiguous()
 
 
-def q4_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 @ W.T for the Q4_1 weights W [N, K] in `blocked` -> [M, N] fp32."""
+def q4_linear(x: torch.Tensor, blocked: torch.Tensor, lora=None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T for the Q4_1 weights W [N, K] in `blocked` -> [M, N] fp32; with `lora`
+    (the arguments punica_kernels.cpu_native.StepCall.fused gave for x), plus that LoRA term, in
+    the same kernel call."""
     x = x.contiguous()
     m, k = x.shape
     n = blocked.shape[0] * 16
     y = torch.empty(m, n, dtype=torch.float32)
     xsum = torch.empty(m, k // 32, dtype=torch.float32)
-    library().tessera_q4_1_linear_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), y.data_ptr(), xsum.data_ptr())
-    return y
-
-
-def q4_linear_lora(x: torch.Tensor, blocked: torch.Tensor, lora) -> torch.Tensor:
-    """q4_linear(x, blocked) + the LoRA term of x that `lora` describes (the arguments
-    punica_kernels.cpu_native.StepCall.fused gave for x), in one kernel call."""
-    m, k = x.shape
-    n = blocked.shape[0] * 16
-    y = torch.empty(m, n, dtype=torch.float32)
-    xsum = torch.empty(m, k // 32, dtype=torch.float32)
-    rc = library().tessera_q4_1_linear_lora_f32(m, k, n, x.data_ptr(), blocked.data_ptr(), y.data_ptr(),
-                                                xsum.data_ptr(), *lora)
-    if rc:
+    args = (m, k, n, x.data_ptr(), blocked.data_ptr(), y.data_ptr(), xsum.data_ptr())
+    if lora is None:
+        library().tessera_q4_1_linear_f32(*args)
+    elif rc := library().tessera_q4_1_linear_lora_f32(*args, *lora):
         cpu_native.raise_for(rc)
     return y
