@@ -1,5 +1,5 @@
-"""The CPU backend's fused LoRA linears (CpuLoRABatch.linear): where a batch takes the C int8 or
-Q4_1 kernel, the LoRA kernel's term is added inside that kernel's call. It must give exactly the
+"""The CPU backend's fused LoRA linears (CpuLoRABatch.linear): where a batch takes the C int8,
+Q4_1 or AMX kernel, the LoRA kernel's term is added inside that kernel's call. It must give exactly the
 bits of the base product followed by the LoRA kernel's own call, for every group of a layer,
 every token count the two kernels serve and every mix of adapters and base tokens, whatever the
 thread count; refuse a bad call as the LoRA call does; and an engine with it must answer exactly
@@ -16,7 +16,7 @@ from engine import omp_threads
 from engine.backends.cpu import CpuBackend, CpuLoRABatch, kernel_stacks_of
 from engine.backends.cpu import int8 as cpu_int8
 from engine.backends.cpu import q4 as cpu_q4
-from engine.backends.cpu.linear import Int8KernelLinear, Q4Linear, StepKind, compose_int8
+from engine.backends.cpu.linear import AmxInt8Linear, Int8KernelLinear, Q4Linear, StepKind, compose_int8
 from engine.config import EngineConfig
 from engine.lora.layers import LoRASlots
 from engine.lora.source import LocalDirectoryAdapterSource
@@ -32,42 +32,60 @@ DEMO = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adap
 ADAPTERS = ("json-answer", "pirate", "upper")
 
 
-@pytest.fixture(scope="module")
-def layer_linears(smollm_checkpoint):
-    """Layer 4's four linears, each as a WidthDispatch of the checkpoint's Q4_1 blocks up to 1 row
-    and the C int8 kernel up to 8 rows, and LoRA slots holding the three demo adapters (int8 stacks,
-    the stacks' rank 64: their ranks 16, 8 and 4 mixed)."""
+def _layer_linears(smollm_checkpoint, wide: str):
+    """Layer 4's four linears, each as a WidthDispatch of the checkpoint's Q4_1 blocks up to 1 row,
+    then (`wide` "int8") the C int8 kernel up to 8 rows or ("amx") the int8 kernel up to 1 row and
+    the AMX kernel beyond, and LoRA slots holding the three demo adapters (int8 stacks, the
+    stacks' rank 64: their ranks 16, 8 and 4 mixed)."""
     require_c_compiler()
     if cpu_q4.library() is None or cpu_int8.library() is None:
         pytest.skip("no C int8 or Q4_1 kernel on this CPU")
+    if wide == "amx" and cpu_int8.amx_library() is None:
+        pytest.skip("no AMX on this CPU")
     cfg, weights, _ = smollm_checkpoint
     backend = CpuBackend(EngineConfig(weight_format="int8"))
     model = DecoderModel(cfg, weights, backend=backend)  # layers left pending: composed below
-    parts = dataclasses.replace(backend.int8_parts(), amx_kernel=False)
+    parts = dataclasses.replace(backend.int8_parts(), amx_kernel=wide == "amx")
     layer = model.layers[4]
     linears = {}
     for group, pending in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", layer.gate_up_proj),
                            ("down", layer.down_proj)):
         assert parts.q4(pending) and parts.int8(pending)
-        linears[group] = compose_int8(pending, parts, int8_max_rows=8, q4_max_rows=1, dense=torch.float32,
-                                      exact_prefill=True, step=StepKind())
+        linears[group] = compose_int8(pending, parts, int8_max_rows=8 if wide == "int8" else 1, q4_max_rows=1,
+                                      dense=torch.float32, exact_prefill=True, step=StepKind())
         assert [type(m) for _, m in linears[group].bands] == [Q4Linear, Int8KernelLinear]
+        assert isinstance(linears[group].wide, AmxInt8Linear) == (wide == "amx")
     slots = LoRASlots(cfg, 3, 64, torch.int8)
     for i, name in enumerate(ADAPTERS):
         slots.write(i, load_lora_weights(DEMO / name, name, cfg, max_rank=64, dtype=torch.int8))
     return linears, slots
 
 
-TOKEN_SLOTS = [[0], [2], [-1], [1, 1], [-1, 0], [0, 0, 1, 2, 2], [-1, -1, 0, 1, 1, 2, 2, 2], [-1] * 8, [2] * 8]
+@pytest.fixture(scope="module")
+def layer_linears(smollm_checkpoint):
+    """_layer_linears with the C int8 kernel up to 8 rows."""
+    return _layer_linears(smollm_checkpoint, "int8")
+
+
+@pytest.fixture(scope="module", params=["int8", "amx"])
+def any_layer_linears(request, smollm_checkpoint):
+    """_layer_linears with each kernel that has a fused entry past one row (AMX where the CPU has it)."""
+    return _layer_linears(smollm_checkpoint, request.param)
+
+
+TOKEN_SLOTS = [[0], [2], [-1], [1, 1], [-1, 0], [0, 0, 1, 2, 2], [-1, -1, 0, 1, 1, 2, 2, 2], [-1] * 8, [2] * 8,
+               [-1] * 3 + [0] * 9 + [1] * 6 + [2] * 14]
 
 
 @pytest.mark.parametrize("token_slots", TOKEN_SLOTS, ids=str)
-def test_a_fused_linear_gives_the_bits_of_the_two_calls(layer_linears, token_slots):
-    """1 token (the Q4_1 kernel) and 2-8 tokens (the int8 kernel), adapters mixed with base tokens
-    and alone, pirate's attention-only groups included: lin(x) then the LoRA call, and the fused
-    call, give the same bits; the term is really there (the output moves off the base product
-    where a token has an adapter with that group)."""
-    linears, slots = layer_linears
+def test_a_fused_linear_gives_the_bits_of_the_two_calls(any_layer_linears, token_slots):
+    """1 token (the Q4_1 kernel) and 2-8 tokens (the int8 kernel; with AMX, the AMX kernel, also at
+    32 tokens), adapters mixed with base tokens and alone, pirate's attention-only groups included:
+    lin(x) then the LoRA call, and the fused call, give the same bits; the term is really there
+    (the output moves off the base product where a token has an adapter with that group)."""
+    linears, slots = any_layer_linears
+    # past the int8 band without AMX: the dense copy, which has no fused entry (the two calls)
+    fusable = len(token_slots) <= 8 or isinstance(linears["o"].wide, AmxInt8Linear)
     stacks = kernel_stacks_of(slots)
     g = torch.Generator().manual_seed(len(token_slots))
     calls = {"fused": 0}
@@ -85,13 +103,13 @@ def test_a_fused_linear_gives_the_bits_of_the_two_calls(layer_linears, token_slo
         with_term = [t for t, s in enumerate(token_slots) if s >= 0 and slots.rank_in(s, 4, group) > 0]
         assert all(not torch.equal(got[t], base[t]) for t in with_term), group
         assert all(torch.equal(got[t], base[t]) for t in range(len(token_slots)) if t not in with_term), group
-    assert calls["fused"] == len(GROUPS)  # every call took a fused entry
+    assert calls["fused"] == (len(GROUPS) if fusable else 0)  # every call took a fused entry
 
 
-def test_fused_results_do_not_depend_on_the_thread_count(layer_linears):
+def test_fused_results_do_not_depend_on_the_thread_count(any_layer_linears):
     """The base rows and the LoRA items are shared between the region's threads: one, two and
     three threads give the same bits (one token: its slices shared too; eight tokens)."""
-    linears, slots = layer_linears
+    linears, slots = any_layer_linears
     stacks = kernel_stacks_of(slots)
     gomp = omp_threads._libgomp()
     if gomp is None:
@@ -171,7 +189,7 @@ def test_an_engine_with_fused_linears_answers_exactly_as_one_without(make_engine
     require_c_compiler()
     if cpu_q4.library() is None or cpu_int8.library() is None:
         pytest.skip("no C int8 or Q4_1 kernel on this CPU")
-    taken = {"int8": 0, "q4": 0}
+    taken = {"int8": 0, "amx": 0, "q4": 0}
 
     def count(key, fn):
         def wrapped(*a, lora=None):
@@ -180,15 +198,19 @@ def test_an_engine_with_fused_linears_answers_exactly_as_one_without(make_engine
         return wrapped
 
     monkeypatch.setattr(cpu_int8, "int8_linear", count("int8", cpu_int8.int8_linear))
+    monkeypatch.setattr(cpu_int8, "int8_linear_amx", count("amx", cpu_int8.int8_linear_amx))
     monkeypatch.setattr(cpu_q4, "q4_linear", count("q4", cpu_q4.q4_linear))
 
     def start(fused: bool):
         return make_engine(LocalDirectoryAdapterSource(DEMO), weight_format="auto", max_loras=len(ADAPTERS),
                            max_lora_rank=64, kv_cache_bytes=32 << 20, cpu_fused_lora=fused)
 
-    plain = _answers(start(False), tokenizer)
-    assert taken == {"int8": 0, "q4": 0}
+    plain_engine = start(False)
+    plain = _answers(plain_engine, tokenizer)
+    assert taken == {"int8": 0, "amx": 0, "q4": 0}
     fused = _answers(start(True), tokenizer)
-    assert taken["int8"] > 0 and taken["q4"] > 0
+    # the mixed batch's 8 rows: the AMX kernel where the format choice packed it, else the int8 kernel
+    wide = "amx" if any(isinstance(m, AmxInt8Linear) for m in plain_engine.model.modules()) else "int8"
+    assert taken[wide] > 0 and taken["q4"] > 0
     assert fused == plain
     assert any(plain[("alone", a)][0] != plain[("alone", None)][0] for a in ADAPTERS)  # the adapters took part

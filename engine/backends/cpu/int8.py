@@ -65,8 +65,9 @@ def amx_library() -> ctypes.CDLL | None:
     """The AMX kernel, or None: not built, built for a CPU without AMX, or the OS refused the tile
     state."""
     lib = cbuild.load(AMX_SOURCE, None,
-                      {"tessera_amx_init": (), "tessera_int8_linear_amx": ("i64",) * 3 + ("ptr",) * 5},
-                      returns={"tessera_amx_init": "int"})
+                      {"tessera_amx_init": (), "tessera_int8_linear_amx": ("i64",) * 3 + ("ptr",) * 5,
+                       "tessera_int8_linear_amx_lora": ("i64",) * 3 + ("ptr",) * 9},
+                      returns={"tessera_amx_init": "int", "tessera_int8_linear_amx_lora": "int"})
     return lib if lib is not None and lib.tessera_amx_init() == 0 else None
 
 
@@ -83,13 +84,17 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def int8_linear_amx(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """bf16(x [M, K] fp32) @ (tiled int8 weight * scales).T, accumulated in fp32 -> [M, N] fp32."""
+def int8_linear_amx(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, lora=None) -> torch.Tensor:
+    """bf16(x [M, K] fp32) @ (tiled int8 weight * scales).T, accumulated in fp32 -> [M, N] fp32;
+    with `lora` (as int8_linear's), plus that LoRA term, in the same kernel call."""
     x = x.contiguous()
     m, k = x.shape
     n = scales.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(-(-m // 16) * 16, k, dtype=torch.int16)  # x as bf16, rows padded to 16
-    amx_library().tessera_int8_linear_amx(m, k, n, x.data_ptr(), tiled.data_ptr(), scales.data_ptr(),
-                                          y.data_ptr(), scratch.data_ptr())
+    args = (m, k, n, x.data_ptr(), tiled.data_ptr(), scales.data_ptr(), y.data_ptr(), scratch.data_ptr())
+    if lora is None:
+        amx_library().tessera_int8_linear_amx(*args)
+    elif rc := amx_library().tessera_int8_linear_amx_lora(*args, *lora):
+        cpu_native.raise_for(rc)
     return y

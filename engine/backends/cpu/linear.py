@@ -129,6 +129,10 @@ class AmxInt8Linear(nn.Module):
             return cpu_int8.int8_linear_amx(x, self.tiled, self.scales)
         return cpu_int8.int8_linear_amx(x.float(), self.tiled, self.scales).to(x.dtype)
 
+    def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        """forward(x) + the LoRA term `lora` describes (as Int8KernelLinear.lora_forward)."""
+        return cpu_int8.int8_linear_amx(x, self.tiled, self.scales, lora=lora)
+
     def dequantized(self) -> torch.Tensor:
         q = self.tiled.permute(0, 3, 1, 2, 4).reshape(self.out_features, self.in_features)
         return q.float() * self.scales[:, None]
@@ -183,6 +187,7 @@ class WidthDispatch(nn.Module):
         self._bands = tuple((rows, m.forward) for rows, m in bands)
         self._lora_bands = tuple((rows, getattr(m, "lora_forward", None)) for rows, m in bands)
         self._wide = wide.forward
+        self._lora_wide = getattr(wide, "lora_forward", None)
         self._prefill = None if prefill is None else prefill.forward
 
     @property
@@ -206,7 +211,9 @@ class WidthDispatch(nn.Module):
         for rows, fn in self._lora_bands:
             if t <= rows:
                 return None if fn is None else fn(x, lora)
-        return None
+        if self._prefill is not None and self.step.prefills:
+            return None
+        return None if self._lora_wide is None else self._lora_wide(x, lora)
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weights as fp32 [out, in] (what the int8 band multiplies by)."""
