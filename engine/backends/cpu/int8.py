@@ -1,5 +1,5 @@
 """The hand-written CPU kernels for the int8 format's decode batches: csrc/int8_linear.c (AVX-512
-or AVX2 FMAs; the engine measures up to how many rows it wins: 1 with AMX, ~32 on AVX2 alone),
+or AVX2 FMAs; the format rules (formats.py) give it up to 1 row with AMX, 32 on AVX2 alone),
 csrc/int8_amx.c for wider ones on CPUs with AMX (int8 tiles widened to bf16 on the tile unit).
 
 Built and loaded like the CPU LoRA kernel (punica_kernels.cbuild: the machine's compiler,

@@ -12,6 +12,9 @@
  * prefetched ahead as in int8_linear.c. Output column blocks are shared between torch's OpenMP
  * threads; each configures its own tiles.
  *
+ * tessera_int8_linear_amx_lora adds a LoRA term to the product in the same call and parallel region
+ * (punica_kernels/csrc/tessera_lora_hooks.h).
+ *
  * tessera_amx_init() asks Linux for the AMX tile state (once per process) and answers 0 when
  * the kernel may run; without AMX (compiled for another CPU, or refused) it answers -1 and
  * tessera_int8_linear_amx is never called.
