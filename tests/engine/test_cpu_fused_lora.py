@@ -164,6 +164,29 @@ def test_what_a_fused_entry_cannot_take_goes_the_two_calls_way(layer_linears):
         ranks.copy_(saved)
 
 
+def test_a_step_that_prefills_on_the_exact_copy_makes_the_two_calls(smollm_checkpoint):
+    """With AMX and the exact fp32 copy for steps that prefill (EngineConfig.exact_prefill),
+    a prefill step's rows past the int8 band take that copy, which has no fused entry: the two
+    calls, lin(x) plus the term; the same rows in a decode step take the AMX kernel's fused entry."""
+    linears, slots = _layer_linears(smollm_checkpoint, "amx")
+    stacks = kernel_stacks_of(slots)
+    lin, ks = linears["qkv"], stacks[4]["qkv"][1]
+    token_slots = [-1, 0, 0, 1, 2, 2]
+    batch = CpuLoRABatch(slots, token_slots, SchedulerOutput(), stacks)
+    x = torch.randn(len(token_slots), lin.in_features)
+    args = batch.native.fused(ks, x, lin.out_features)
+    try:
+        lin.step.prefills = True
+        assert lin.lora_forward(x, args) is None
+        want = lin(x)  # the fp32 copy
+        batch.apply(4, "qkv", x, want)
+        assert torch.equal(batch.linear(4, "qkv", lin, x), want)
+    finally:
+        lin.step.prefills = False
+    assert lin.lora_forward(x, args) is not None
+    assert not torch.equal(batch.linear(4, "qkv", lin, x), want)  # the AMX kernel's bf16 product
+
+
 def _answers(engine, tokenizer) -> dict:
     """Greedy tokens and their logprobs: each adapter and the base alone (one row a step: the
     Q4_1 kernel), then all of them in one batch (the int8 kernel)."""
