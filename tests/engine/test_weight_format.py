@@ -271,8 +271,9 @@ def test_engine_picks_the_prefill_copy_by_the_cpus_kind_or_by_config(smollm_chec
     by_rule = make()
     cpu = formats.detect_cpu()
     assert by_rule.backend.exact_prefill == (not cpu.amx)
+    wide = "int8 on AMX" if by_rule.backend.formats.amx_kernel else "bf16"
     assert by_rule.format_timings["summary"].endswith(
-        "fp32 in steps that prefill" if by_rule.backend.exact_prefill else "bf16 in steps that prefill")
+        "fp32 in steps that prefill" if by_rule.backend.exact_prefill else f"{wide} in steps that prefill")
     layers = [m for m in by_rule.model.modules() if isinstance(m, WidthDispatch)]
     assert len(layers) == 4 * by_rule.model_config.num_layers + 1
     dense = formats.dense_dtype(cpu)

@@ -13,8 +13,9 @@ far (bench/RESULTS.md); `python -m engine.backends.cpu.calibration` measures the
 this machine beside what the rules choose, for checking a rule on a new CPU kind.
 
 Rules (rows = a step's tokens through one linear):
-- dense copy for decode-only batches past the int8 crossover: bf16 where the CPU has avx512_bf16
-  or AMX (oneDNN's bf16 GEMM ~3x fp32 there), else fp32 (bf16 ~5x slower with AVX2 alone);
+- decode-only batches past the int8 crossover: the AMX int8 kernel where it is packed, else a
+  dense copy: bf16 where the CPU has avx512_bf16 or AMX (oneDNN's bf16 GEMM ~3x fp32 there), else
+  fp32 (bf16 ~5x slower with AVX2 alone);
 - int8 crossover, layers / lm_head: 1 / 1 where the AMX int8 kernel is packed (it wins from 2
   rows); 8 / 4 with avx512_bf16 (the C int8 kernel against the packed bf16 copy); 16 / 16 with
   AVX-512 but no bf16 (not measured: between its neighbours); 32 / 32 with AVX2 alone (the
@@ -23,7 +24,8 @@ Rules (rows = a step's tokens through one linear):
 - Q4_1 blocks for 1-row batches wherever packed (faster with AMX and AVX-512, a tie on AVX2; the
   int8 kernel wins from 2 rows on all three);
 - steps that prefill stay on the exact fp32 copy unless the CPU has AMX (bf16 GEMMs 6x fp32 there,
-  worth the rounding; 2-3x with avx512_bf16 alone, where a test prompt's near-tie flipped).
+  worth the rounding; 2-3x with avx512_bf16 alone, where a test prompt's near-tie flipped); with
+  AMX they take what wide decode batches take.
 """
 from __future__ import annotations
 
@@ -100,19 +102,20 @@ class FormatChoice:
     head_int8_max_rows: int    # the same for the lm_head
     q4_max_rows: int           # batches up to this many rows read the checkpoint's Q4_1 blocks
     exact_prefill: bool        # steps that prefill take the exact fp32 copy
+    amx_kernel: bool = False   # the AMX int8 kernel takes what the dense copy would (linear.compose_int8)
 
     def summary(self) -> str:
         """The one log line: the rule's CPU kind and what each batch width takes."""
-        dense = _SHORT[self.dense]
+        wide = "int8 on AMX" if self.amx_kernel else f"dense {_SHORT[self.dense]}"
         return (f"CPU weight formats ({self.cpu.describe()}): Q4_1 blocks up to {self.q4_max_rows} row(s), "
-                f"int8 up to {self.int8_max_rows} rows (lm_head {self.head_int8_max_rows}), dense {dense} "
-                f"beyond in decode steps, {'fp32' if self.exact_prefill else dense} in steps that prefill")
+                f"int8 up to {self.int8_max_rows} rows (lm_head {self.head_int8_max_rows}), {wide} "
+                f"beyond in decode steps, {'fp32' if self.exact_prefill else wide} in steps that prefill")
 
     def as_dict(self) -> dict:
         """The choice as plain values (benchmarks print it)."""
         return {"cpu": self.cpu.describe(), "dense": str(self.dense).removeprefix("torch."),
                 "int8_max_rows": self.int8_max_rows, "lm_head_int8_max_rows": self.head_int8_max_rows,
-                "q4_1_max_rows": self.q4_max_rows, "exact_prefill": self.exact_prefill}
+                "q4_1_max_rows": self.q4_max_rows, "exact_prefill": self.exact_prefill, "amx_kernel": self.amx_kernel}
 
 
 def dense_dtype(cpu: CpuKind) -> torch.dtype:
@@ -138,7 +141,7 @@ def choose_formats(cpu: CpuKind, *, int8_kernel: bool, amx_kernel: bool, q4_kern
         rows = (8, 8)
     return FormatChoice(cpu=cpu, dense=dense, int8_max_rows=rows[0], head_int8_max_rows=rows[1],
                         q4_max_rows=1 if q4_kernel else 0,
-                        exact_prefill=(not cpu.amx) if exact_prefill is None else exact_prefill)
+                        exact_prefill=(not cpu.amx) if exact_prefill is None else exact_prefill, amx_kernel=amx_kernel)
 
 
 def show_on_stderr() -> None:
