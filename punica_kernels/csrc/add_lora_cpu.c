@@ -889,13 +889,17 @@ static int lora_prepare(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, co
     }
     int64_t *cum = (int64_t *)sp->scratch;
     /* Items slice-major (p = l * nruns + run); an item's cost: the bytes it reads per token, times
-     * its tokens plus one (its weights' first read). */
-    const int64_t work = nruns * nslices;
+     * its tokens plus one (its weights' first read). A call none of whose runs' slots has a rank
+     * here (an adapter without this layer's modules, e.g. attention-only) has no work: nothing to
+     * round or share. */
+    int64_t work = nruns * nslices, ranked = 0;
     cum[0] = 0;
     for (int64_t p = 0; p < work; p++) {
         const int64_t *run = runs + 3 * (p % nruns);
+        ranked |= ranks[run[2]];
         cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p / nruns]) * (run[1] - run[0] + 1) + 1;
     }
+    if (ranked == 0) work = 0;
     const lora_call_t c = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
                            (int16_t *)(sp->scratch + n_cum), (float *)(sp->scratch + n_cum + n_xq)};
     *call = c;
