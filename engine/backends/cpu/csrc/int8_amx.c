@@ -111,8 +111,10 @@ static inline void amx_block(int64_t nb, int64_t M, int64_t MP, int64_t K, int64
     }
 }
 
-void tessera_int8_linear_amx(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
-                             const float *scales, float *y, uint16_t *xb /* [ceil(M/16)*16, K] scratch */) {
+/* The product, then (call not NULL) the LoRA term's shares of `call` in the same region, after the
+ * base tiles' barrier (tessera_lora_hooks.h). */
+static void amx_product(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w, const float *scales,
+                        float *y, uint16_t *xb, const tessera_lora_hooks_t *h, void *call, int one) {
     const int64_t NB = N / 16, MP = (M + 15) / 16 * 16;
     x_to_bf16(M, MP, K, x, xb);
 #pragma omp parallel
@@ -123,36 +125,25 @@ void tessera_int8_linear_amx(int64_t M, int64_t K, int64_t N, const float *x, co
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < NB; nb++) amx_block(nb, M, MP, K, N, w, scales, y, xb, wt, c);
         _tile_release();
+        if (call != NULL) tessera_lora_fused_part(h, call, one);
     }
 }
 
+void tessera_int8_linear_amx(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
+                             const float *scales, float *y, uint16_t *xb /* [ceil(M/16)*16, K] scratch */) {
+    amx_product(M, K, N, x, w, scales, y, xb, NULL, NULL, 0);
+}
+
 /* The same product, then y += the LoRA term of x on `stack` for the step's tokens, in one parallel
- * region (tessera_lora_hooks.h: the base tiles, a barrier, the LoRA term's shares). Returns 0 or
- * the LoRA call's error code (nothing written). */
+ * region. Returns 0 or the LoRA call's error code (nothing written). */
 int tessera_int8_linear_amx_lora(int64_t M, int64_t K, int64_t N, const float *x, const int8_t *w,
                                  const float *scales, float *y, uint16_t *xb, const tessera_lora_hooks_t *h,
                                  const void *stack, void *step, const int32_t *ranks) {
     void *call;
     int one;
     const int rc = h->prepare(stack, step, N, x, y, ranks, &call, &one);
-    if (rc != 0) return rc;
-    if (call == NULL) {
-        tessera_int8_linear_amx(M, K, N, x, w, scales, y, xb);
-        return 0;
-    }
-    const int64_t NB = N / 16, MP = (M + 15) / 16 * 16;
-    x_to_bf16(M, MP, K, x, xb);
-#pragma omp parallel
-    {
-        configure_tiles();
-        uint16_t wt[512] __attribute__((aligned(64)));
-        float c[16 * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < NB; nb++) amx_block(nb, M, MP, K, N, w, scales, y, xb, wt, c);
-        _tile_release();
-        tessera_lora_fused_part(h, call, one);
-    }
-    return 0;
+    if (rc == 0) amx_product(M, K, N, x, w, scales, y, xb, h, call, one);
+    return rc;
 }
 
 #else /* no AMX in this build: never used */
