@@ -12,7 +12,7 @@ punica_kernels.cbuild) where they can take a call, torch (engine.backends.torch_
 - LoRA: punica_kernels' CPU path (its own C kernel, or torch) over slot-major runs, so the
   step's decode tokens are laid out by slot (`lora_batch`: the batch's `layout` is a reordered
   copy of the SchedulerOutput; the scheduler's lists are left as they are). Where a linear's
-  batch takes the C int8 or Q4_1 kernel, the LoRA kernel's term is added inside that kernel's
+  batch takes the C int8, Q4_1 or AMX kernel, the LoRA kernel's term is added inside that kernel's
   call (`CpuLoRABatch.linear`: one call and one parallel region instead of two each; the same
   bits as the two calls).
 - A step's inputs: slot lists and masks (engine.backends.inputs.slot_inputs), used where they
@@ -66,7 +66,7 @@ class CpuLoRABatch(LoRABatch):
     (the per-call checks of add_lora, ~3 us each, and building a LoRAMetadata, ~100 us a step,
     are a share of a single-stream step); the rest through add_lora, on the step's metadata (and
     the CPU path's slot-major token plan, cached for it by punica_kernels.cpu), built the first
-    time one needs it and shared by every layer. Through `linear`, a call the C int8 or Q4_1
+    time one needs it and shared by every layer. Through `linear`, a call the C int8, Q4_1 or AMX
     kernel's batch would precede is made inside that kernel's call instead."""
 
     def __init__(self, slots, token_slots: list[int], layout: SchedulerOutput,
@@ -94,8 +94,8 @@ class CpuLoRABatch(LoRABatch):
         return self._layout
 
     def linear(self, layer: int, group: str, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """lin(x) + the group's term in one call of lin's kernel where the batch takes the C int8 or
-        Q4_1 kernel (WidthDispatch.lora_forward) and the LoRA kernel takes the call; else lin(x),
+        """lin(x) + the group's term in one call of lin's kernel where the batch takes the C int8,
+        Q4_1 or AMX kernel (WidthDispatch.lora_forward) and the LoRA kernel takes the call; else lin(x),
         then `apply`."""
         if self.fused:
             fused = getattr(lin, "lora_forward", None)

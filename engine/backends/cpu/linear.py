@@ -205,8 +205,8 @@ class WidthDispatch(nn.Module):
 
     def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor | None:
         """forward(x) + the LoRA term `lora` describes (cpu_native.StepCall.fused) in one kernel
-        call, where the band x takes has a fused entry (the C int8 and Q4_1 kernels); None where
-        not (nothing computed: the caller makes the two calls)."""
+        call, where the part x takes has a fused entry (the C int8, Q4_1 and AMX kernels; not the
+        dense copies); None where not (nothing computed: the caller makes the two calls)."""
         t = x.shape[0]
         for rows, fn in self._lora_bands:
             if t <= rows:
