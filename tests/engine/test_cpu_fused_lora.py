@@ -67,10 +67,16 @@ def layer_linears(smollm_checkpoint):
     return _layer_linears(smollm_checkpoint, "int8")
 
 
-@pytest.fixture(scope="module", params=["int8", "amx"])
-def any_layer_linears(request, smollm_checkpoint):
-    """_layer_linears with each kernel that has a fused entry past one row (AMX where the CPU has it)."""
-    return _layer_linears(smollm_checkpoint, request.param)
+@pytest.fixture(scope="module")
+def amx_layer_linears(smollm_checkpoint):
+    """_layer_linears with the AMX kernel past one row (skipped without AMX)."""
+    return _layer_linears(smollm_checkpoint, "amx")
+
+
+@pytest.fixture(params=["layer_linears", "amx_layer_linears"])
+def any_layer_linears(request):
+    """Each composition whose kernels have a fused entry past one row (AMX where the CPU has it)."""
+    return request.getfixturevalue(request.param)
 
 
 TOKEN_SLOTS = [[0], [2], [-1], [1, 1], [-1, 0], [0, 0, 1, 2, 2], [-1, -1, 0, 1, 1, 2, 2, 2], [-1] * 8, [2] * 8,
@@ -164,11 +170,11 @@ def test_what_a_fused_entry_cannot_take_goes_the_two_calls_way(layer_linears):
         ranks.copy_(saved)
 
 
-def test_a_step_that_prefills_on_the_exact_copy_makes_the_two_calls(smollm_checkpoint):
+def test_a_step_that_prefills_on_the_exact_copy_makes_the_two_calls(amx_layer_linears):
     """With AMX and the exact fp32 copy for steps that prefill (EngineConfig.exact_prefill),
     a prefill step's rows past the int8 band take that copy, which has no fused entry: the two
     calls, lin(x) plus the term; the same rows in a decode step take the AMX kernel's fused entry."""
-    linears, slots = _layer_linears(smollm_checkpoint, "amx")
+    linears, slots = amx_layer_linears
     stacks = kernel_stacks_of(slots)
     lin, ks = linears["qkv"], stacks[4]["qkv"][1]
     token_slots = [-1, 0, 0, 1, 2, 2]
