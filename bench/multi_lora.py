@@ -12,7 +12,10 @@ median of `--rounds` interleaved passes), `lora32_over_base` (and per round),
 `--requests N` runs N requests and N distinct adapters instead of 32 (keys `loraN_*`, `peftN_*`).
 `cold_load_ms` (one rank-16 adapter from local disk to a filled device slot: read, checks,
 conversion to the slots' dtype (int8: quantization), slot copy; median of 5). `lora_dtype` is
-the adapters' storage: the engine's default for the format, or `--lora-dtype`.
+the adapters' storage: the engine's default for the format, or `--lora-dtype`. On the CPU also
+`lora<N>_bytes_a_step`, `plain_read_ms` and `lora<N>_over_base_reads_only` (read_bound: the
+ratio the all-distinct workload would reach if its adapters cost each decode step only a plain
+read of their bytes).
 
 `--model`, `--backend`, `--device` go to the checkpoint loader and EngineConfig (random adapters
 are written at the model's shape); a run other than the default (embedded model, CPU backend and
@@ -122,6 +125,8 @@ def main() -> None:
         sync(args.device)
         loads.append((time.perf_counter() - t0) * 1000)
     res["cold_load_ms"] = round(median(loads), 1)
+    if args.device == "cpu":
+        res.update(read_bound(eng, root, names, runs, n_req, new_tokens))
 
     if not args.skip_peft:
         try:
@@ -139,6 +144,42 @@ def main() -> None:
         res["run"] = run_info(args, load_s)
     res["machine"] = machine()
     print(json.dumps(res))
+
+
+def adapter_bytes(w) -> int:
+    """Bytes of one adapter's weights as the engine stores and reads them (values and, int8,
+    row scales)."""
+    parts = [*w.a.values(), *w.b.values(), *(w.a_scale or {}).values(), *(w.b_scale or {}).values()]
+    # Slices of one fused module share their A: count each tensor once.
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in parts}.values())
+
+
+def plain_read_ms(nbytes: int, passes: int = 9) -> float:
+    """Median ms to read `nbytes` once, on torch's threads (a sum over a buffer that size, which
+    the caches cannot hold between passes where it is larger than the last level)."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    times = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return median(times)
+
+
+def read_bound(eng, root: Path, names: list[str], runs: dict[str, list[float]], n_req: int, new_tokens: int) -> dict:
+    """What the all-distinct workload's adapters cost if each decode step paid only a plain read
+    of their weights: `lora<N>_bytes_a_step` (every distinct adapter's weights, read once a step),
+    `plain_read_ms` (that many bytes read once on this machine) and `lora<N>_over_base_reads_only`,
+    the ratio to base a run would reach if its `new_tokens` decode steps each added that read to
+    the base workload's time and nothing else (no products, no calls, no prefill term): where the
+    measured ratio sits against what the bytes alone leave on this machine."""
+    dtype = eng.lora_manager.dtype
+    total = sum(adapter_bytes(load_lora_weights(root / n, n, eng.model_config, max_rank=RANK, dtype=dtype))
+                for n in names)
+    read_ms = plain_read_ms(total)
+    base_s = n_req * new_tokens / median(runs["base"])
+    return {f"lora{n_req}_bytes_a_step": total, "plain_read_ms": round(read_ms, 2),
+            f"lora{n_req}_over_base_reads_only": round(base_s / (base_s + new_tokens * read_ms / 1e3), 3)}
 
 
 def run_peft(root: Path, names: list[str], args) -> float:
