@@ -265,10 +265,11 @@ ALWAYS_INLINE int64_t b_at(int64_t N, int64_t r, int64_t n, int64_t j) {
 
 /* A thread's prefetch cursor over its share of the work items, in order: each item's A
  * block, then its B block (the first r * K and r * N bytes of the slot's, all an int8 item reads).
- * An item whose run continues the previous run's slot is skipped (the same weights, just read). */
+ * An item whose run continues the previous run's slot is skipped (the same weights, read one run
+ * before). */
 typedef struct {
     const int64_t *runs;
-    int64_t nruns, end, q, K, R;
+    int64_t nslices, end, q, K, R;
     const int32_t *ranks;
     const void *const *A, *const *B;
     const int64_t *N;
@@ -287,7 +288,7 @@ static int pf_next_block(pf_cursor_t *c) {
             c->q++;
         }
         if (c->q >= c->end) return 0;
-        const int64_t run = c->q % c->nruns, l = c->q / c->nruns, s = c->runs[3 * run + 2], r = c->ranks[s];
+        const int64_t run = c->q / c->nslices, l = c->q % c->nslices, s = c->runs[3 * run + 2], r = c->ranks[s];
         if (r == 0 || (run > 0 && c->runs[3 * run - 1] == s)) {
             c->seg = 1; /* the item's B next time round: on to the next item */
             continue;
@@ -759,12 +760,13 @@ typedef struct {
 
 /* Thread tid of nth's part of a call: with int8 weights it rounds its share of the x rows to int16
  * (then waits for the others at the barrier, where nth > 1), then it takes one contiguous share of
- * the (slice, run) items: those whose cost midpoint falls in its part of the total. It reads its
- * stacks forward, slot after slot (the items are slice-major), and knows its coming items, so it
- * prefetches them (pf_cursor_t; int8 items, the engine's storage). */
+ * the (run, slice) items: those whose cost midpoint falls in its part of the total. The items are
+ * run-major (a run's slices one after the other: its x rows stay in L1 across them, and a slot's
+ * weights are read in slot order), and a thread knows its coming items, so it prefetches them
+ * (pf_cursor_t; int8 items, the engine's storage). */
 static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     const lora_stack_t *st = c->st;
-    const int64_t K = st->K, R = st->R, wtype = st->wtype, nruns = c->nruns, work = c->work;
+    const int64_t K = st->K, R = st->R, wtype = st->wtype, nslices = st->nslices, work = c->work;
     const int64_t *N = st->N, *off = st->off, *runs = c->runs, *cum = c->cum;
     const int32_t *ranks = c->ranks;
     const void *const *A = st->A, *const *B = st->B;
@@ -783,12 +785,12 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
     int64_t hi = lo;
     while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
-    pf_cursor_t pfc = {runs, nruns, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
+    pf_cursor_t pfc = {runs, st->nslices, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
     pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
     pf_advance(pf, PF_AHEAD);
     for (int64_t p = lo; p < hi; p++) {
-        const int64_t *run = runs + 3 * (p % nruns);
-        const int64_t l = p / nruns, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
+        const int64_t *run = runs + 3 * (p / nslices);
+        const int64_t l = p % nslices, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
         const int64_t r = ranks[s], n_out = N[l];
         const float sc = st->scales[s];
         if (r == 0) continue;
@@ -888,16 +890,16 @@ static int lora_prepare(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, co
         sp->scratch = mem, sp->cap = need;
     }
     int64_t *cum = (int64_t *)sp->scratch;
-    /* Items slice-major (p = l * nruns + run); an item's cost: the bytes it reads per token, times
+    /* Items run-major (p = run * nslices + l); an item's cost: the bytes it reads per token, times
      * its tokens plus one (its weights' first read). A call none of whose runs' slots has a rank
      * here (an adapter without this layer's modules, e.g. attention-only) has no work: nothing to
      * round or share. */
     int64_t work = nruns * nslices, ranked = 0;
     cum[0] = 0;
     for (int64_t p = 0; p < work; p++) {
-        const int64_t *run = runs + 3 * (p % nruns);
+        const int64_t *run = runs + 3 * (p / nslices);
         ranked |= ranks[run[2]];
-        cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p / nruns]) * (run[1] - run[0] + 1) + 1;
+        cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p % nslices]) * (run[1] - run[0] + 1) + 1;
     }
     if (ranked == 0) work = 0;
     const lora_call_t c = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
