@@ -11,7 +11,9 @@ whether both gave the same bits. Cases:
 - distinct: 32 tokens on 32 slots (weights from memory: 157 MB a step, the many-adapter step);
 - two slots: 32 one-token runs alternating between 2 slots (5 MB a layer, from L3);
 - one layer: the same, with one layer's stacks for all 30 (in L2: the kernel's compute);
-- 8 tokens: 2 tokens on each of 4 slots (a few streams).
+- 8 tokens: 2 tokens on each of 4 slots (a few streams);
+- prompt: a 187-token prompt on one slot (the demo's chat prompt prefilled: runs of 8 tokens on
+  the same weights, the step's compute).
 `--stack-rank` sets the stacks' padded rank R (the engine's max_lora_rank; the adapters stay
 rank 16).
 """
@@ -87,7 +89,8 @@ def main() -> None:
         libs = {args.against: build_at(args.against, Path(tmp)), "tree": load(cpu_native.SOURCE)}
     many, two = stacks(32, args.stack_rank, gen), stacks(2, args.stack_rank, gen)
     cases = {"distinct": (list(range(32)), many), "two_slots": ([0, 1] * 16, two),
-             "one_layer": ([0, 1] * 16, two[:4] * LAYERS), "8_tokens": ([s for s in range(4) for _ in range(2)], many)}
+             "one_layer": ([0, 1] * 16, two[:4] * LAYERS), "8_tokens": ([s for s in range(4) for _ in range(2)], many),
+             "prompt": ([3] * 187, many)}
     res = {"against": args.against, "stack_rank": args.stack_rank, "rounds": args.rounds, "cases": {}}
     for name, (slots, step_stacks) in cases.items():
         t = len(slots)

@@ -668,15 +668,9 @@ ALWAYS_INLINE void expand_i8(int nt, const int16_t (*vq)[64], const float *vs, c
         }
 }
 
-/* x rows of the tokens that have an adapter, as int16 (xq [T, K]) with one scale each (xs [T]) */
-static void quantize_rows_i16(int64_t t0, int64_t t1, int64_t K, const float *x, const int32_t *slots, int16_t *xq,
-                              float *xs) {
-    for (int64_t t = t0; t < t1; t++)
-        if (slots[t] >= 0) xs[t] = quantize_i16(x + t * K, K, K, xq + t * K);
-}
-
-/* One block of nt <= TOK_BLOCK tokens of a run (nt a constant where inlined: the loops over the
- * tokens unroll and their accumulators stay in registers). */
+/* One block of nt <= TOK_BLOCK tokens of a run, tokens i0.. (nt a constant where inlined: the loops
+ * over the tokens unroll and their accumulators stay in registers); xq, xs: the block's int16 x
+ * rows and their scales. */
 ALWAYS_INLINE void lora_block_i8(int nt, int64_t i0, const int16_t *xq, const float *xs, int64_t K, const int8_t *a,
                                  const float *a_rs, const int8_t *b, const float *b_rs, int64_t r, float sc,
                                  int64_t n_out, float *y, int64_t ldy, pf_cursor_t *pf) {
@@ -685,8 +679,8 @@ ALWAYS_INLINE void lora_block_i8(int nt, int64_t i0, const int16_t *xq, const fl
     int16_t vq[TOK_BLOCK][64];
     float *yrow[TOK_BLOCK];
     int any = 0;
-    for (int t = 0; t < nt; t++) xrow[t] = xq + (i0 + t) * K, yrow[t] = y + (i0 + t) * ldy;
-    shrink_i8(nt, xrow, xs + i0, a, a_rs, K, r, sc, v, pf);
+    for (int t = 0; t < nt; t++) xrow[t] = xq + t * K, yrow[t] = y + (i0 + t) * ldy;
+    shrink_i8(nt, xrow, xs, a, a_rs, K, r, sc, v, pf);
     for (int t = 0; t < nt; t++) any |= (vs[t] = quantize_i16(v[t], r, r, vq[t])) > 0.0f;
     if (any)
         expand_i8(nt, (const int16_t(*)[64])vq, vs, b, b_rs, r, n_out, yrow, pf);
@@ -694,8 +688,9 @@ ALWAYS_INLINE void lora_block_i8(int nt, int64_t i0, const int16_t *xq, const fl
         pf_advance(pf, r * n_out);
 }
 
-/* The tokens [t0, t0 + n_tok) of one run, TOK_BLOCK at a time; the prefetch cursor advances
- * over the first block only (the later ones read the same weights, now in cache). */
+/* The tokens [t0, t0 + n_tok) of one run, TOK_BLOCK at a time (xq, xs: the run's int16 x rows and
+ * their scales); the prefetch cursor advances over the first block only (the later ones read the
+ * same weights, now in cache). */
 ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
                                int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
                                int64_t r, float sc, int64_t n_out, float *y, int64_t ldy, pf_cursor_t *pf) {
@@ -704,13 +699,13 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
         const int64_t nt = t0 + n_tok - i < TOK_BLOCK ? t0 + n_tok - i : TOK_BLOCK;
         pf_cursor_t *c = i == t0 ? pf : NULL;
         if (nt == 1)
-            lora_block_i8(1, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+            lora_block_i8(1, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
         else if (nt == 2)
-            lora_block_i8(2, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+            lora_block_i8(2, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
         else if (nt == 3)
-            lora_block_i8(3, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+            lora_block_i8(3, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
         else
-            lora_block_i8(TOK_BLOCK, i, xq, xs, K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
+            lora_block_i8(TOK_BLOCK, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
     }
 }
 #else
@@ -756,14 +751,19 @@ typedef struct {
     const int64_t *runs, *cum; /* (start, end, slot) per run; cum[p]: the cost of the items before p */
     int16_t *xq;               /* int8 weights with AVX2: the x rows as int16 and their scales */
     float *xs;
+    int16_t *pq;               /* and per thread (npriv of them) room for one run's rows and scales */
+    float *ps;
+    int64_t npriv;
 } lora_call_t;
 
-/* Thread tid of nth's part of a call: with int8 weights it rounds its share of the x rows to int16
- * (then waits for the others at the barrier, where nth > 1), then it takes one contiguous share of
- * the (run, slice) items: those whose cost midpoint falls in its part of the total. The items are
- * run-major (a run's slices one after the other: its x rows stay in L1 across them, and a slot's
- * weights are read in slot order), and a thread knows its coming items, so it prefetches them
- * (pf_cursor_t; int8 items, the engine's storage). */
+/* Thread tid of nth's part of a call (nth <= c->npriv): one contiguous share of the (run, slice)
+ * items, those whose cost midpoint falls in its part of the total. The items are run-major (a
+ * run's slices one after the other: its x rows stay in L1 across them, and a slot's weights are
+ * read in slot order). With int8 weights a thread rounds the x rows of each run it meets to
+ * int16 itself, into the call's rows where it holds the run's first item, else (a run begun in
+ * the share before) into its own room: no thread waits for another's rows, and none reads rows
+ * another core wrote. A thread knows its coming items, so it prefetches them (pf_cursor_t; int8
+ * items, the engine's storage). */
 static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     const lora_stack_t *st = c->st;
     const int64_t K = st->K, R = st->R, wtype = st->wtype, nslices = st->nslices, work = c->work;
@@ -771,16 +771,7 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     const int32_t *ranks = c->ranks;
     const void *const *A = st->A, *const *B = st->B;
     const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
-#ifdef TESSERA_HAS_AVX2
-    if (wtype == W_I8) {
-        const int64_t T = c->T, chunks = (T + CHUNK - 1) / CHUNK;
-        for (int64_t i = chunks * tid / nth; i < chunks * (tid + 1) / nth; i++)
-            quantize_rows_i16(i * CHUNK, (i + 1) * CHUNK < T ? (i + 1) * CHUNK : T, K, c->x, c->slots, c->xq, c->xs);
-        if (nth > 1) {
-#pragma omp barrier
-        }
-    }
-#endif
+    (void)nth;
     int64_t lo = 0;
     while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
     int64_t hi = lo;
@@ -788,6 +779,11 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     pf_cursor_t pfc = {runs, st->nslices, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
     pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
     pf_advance(pf, PF_AHEAD);
+    int16_t *xq_run = NULL; /* int8 with AVX2: the current run's int16 x rows and their scales */
+    float *xs_run = NULL;
+#ifdef TESSERA_HAS_AVX2
+    int64_t rounded = -1; /* the run they are of */
+#endif
     for (int64_t p = lo; p < hi; p++) {
         const int64_t *run = runs + 3 * (p / nslices);
         const int64_t l = p % nslices, t0 = run[0], n_tok = run[1] - run[0], s = run[2];
@@ -804,7 +800,16 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
          * a pass), hot in L1/L2 after the first. One call site per weight type so each is
          * compiled for it. */
         if (wtype == W_I8) {
-            lora_run_i8(t0, n_tok, x, c->xq, c->xs, K, a, st->A_rs[l] + s * R, b, st->B_rs[l] + s * n_out, r, sc,
+#ifdef TESSERA_HAS_AVX2
+            if (p / nslices != rounded) {
+                rounded = p / nslices;
+                const int own = p % nslices == 0; /* else the run's first item is in an earlier share */
+                xq_run = own ? c->xq + t0 * K : c->pq + tid * CHUNK * K;
+                xs_run = own ? c->xs + t0 : c->ps + tid * CHUNK;
+                for (int64_t i = 0; i < n_tok; i++) xs_run[i] = quantize_i16(x + (t0 + i) * K, K, K, xq_run + i * K);
+            }
+#endif
+            lora_run_i8(t0, n_tok, x, xq_run, xs_run, K, a, st->A_rs[l] + s * R, b, st->B_rs[l] + s * n_out, r, sc,
                         n_out, yl, ldy, pf);
         } else if (wtype == W_BF16) {
             for (int64_t i = 0; i < n_tok; i++) shrink_row(x + (t0 + i) * K, a, K, r, sc, v[i], 1);
@@ -878,11 +883,14 @@ static int lora_prepare(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, co
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= 0 && (ranks[slots[t]] < 0 || ranks[slots[t]] > R)) return -1;
     /* The scratch: the items' cumulative costs and (int8 with AVX2) the int16 x rows and their
-     * scales, grown to the step's largest call. */
-    const int64_t tq = wtype == W_I8 ? T : 0;
+     * scales, then a run's rows and scales for each thread a region may have (lora_call_part),
+     * grown to the step's largest call. */
+    const int64_t tq = wtype == W_I8 ? T : 0, npriv = wtype == W_I8 ? omp_get_max_threads() : 0;
     const size_t n_cum = (sizeof(int64_t) * (size_t)(nruns * nslices + 1) + 63) / 64 * 64;
     const size_t n_xq = (sizeof(int16_t) * (size_t)(tq * K) + 63) / 64 * 64;
-    const size_t need = n_cum + n_xq + sizeof(float) * (size_t)(tq + 1);
+    const size_t n_xs = (sizeof(float) * (size_t)tq + 63) / 64 * 64;
+    const size_t n_pq = (sizeof(int16_t) * (size_t)(npriv * CHUNK * K) + 63) / 64 * 64;
+    const size_t need = n_cum + n_xq + n_xs + n_pq + sizeof(float) * (size_t)(npriv * CHUNK + 1);
     if (need > sp->cap) {
         char *mem = malloc(need);
         if (mem == NULL) return -2;
@@ -902,8 +910,10 @@ static int lora_prepare(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, co
         cum[p + 1] = cum[p] + ranks[run[2]] * (K + N[p % nslices]) * (run[1] - run[0] + 1) + 1;
     }
     if (ranked == 0) work = 0;
-    const lora_call_t c = {st, T, ldy, nruns, work, x, y, slots, ranks, runs, cum,
-                           (int16_t *)(sp->scratch + n_cum), (float *)(sp->scratch + n_cum + n_xq)};
+    char *const q = sp->scratch + n_cum;
+    const lora_call_t c = {st,       T,        ldy,      nruns,          work, x, y, slots, ranks, runs, cum,
+                           (int16_t *)q, (float *)(q + n_xq), (int16_t *)(q + n_xq + n_xs),
+                           (float *)(q + n_xq + n_xs + n_pq), npriv};
     *call = c;
     return 0;
 }

@@ -22,8 +22,9 @@ typedef struct {
      * a share. */
     int (*prepare)(const void *stack, void *step, int64_t ldy, const float *x, float *y, const int32_t *ranks,
                    void **call, int *one);
-    /* Adds share `share` of `shares` of the term (with shares > 1 every thread of the region must
-     * call it: it holds a barrier). */
+    /* Adds share `share` of `shares` of the term: every share must be run, each on its own thread
+     * (they write disjoint outputs and wait for nothing), and `shares` may not exceed
+     * omp_get_max_threads() as it was at prepare (a region of the caller's default team). */
     void (*part)(void *call, int64_t share, int64_t shares);
 } tessera_lora_hooks_t;
 

@@ -70,7 +70,7 @@ def test_lora_kernel_ab_compares_a_revisions_kernel_with_the_trees():
     both on every case; against this tree's own revision the two give the same bits."""
     out = _run("lora_kernel_ab.py", "--against", "HEAD", "--rounds", "2", interpret=False)
     assert out["against"] == "HEAD" and out["stack_rank"] == 16
-    assert set(out["cases"]) == {"distinct", "two_slots", "one_layer", "8_tokens"}
+    assert set(out["cases"]) == {"distinct", "two_slots", "one_layer", "8_tokens", "prompt"}
     for case in out["cases"].values():
         assert case["same_bits"] is True
         for label in ("HEAD", "tree"):

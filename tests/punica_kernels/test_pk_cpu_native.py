@@ -244,10 +244,12 @@ def test_int8_stacks_with_row_scales(monkeypatch, torch_path, K, R):
 
 
 def test_int8_results_do_not_depend_on_threads_or_token_blocks():
-    """int8 stacks: the kernel splits a call's (slice, run) items into one contiguous share per
-    thread and multiplies up to four tokens of a run per pass over the weights; neither may change
-    a bit. One, two and three threads give the same result for a step of 24 distinct adapters
-    beside runs of every length up to two passes, and a token whose x is all zero (an all-zero
+    """int8 stacks: the kernel splits a call's (run, slice) items into one contiguous share per
+    thread (a share that begins inside a run rounds that run's x rows again, into its own room)
+    and multiplies up to four tokens of a run per pass over the weights; neither may change a bit.
+    One, two and three threads give the same result for a step of 24 distinct adapters beside
+    runs of every length up to two passes, and for one 40-token prompt (five runs of three slices:
+    two and three threads split it inside a run); a token whose x is all zero (an all-zero
     intermediate) inside a run adds nothing while its neighbours in the same pass are added."""
     runs = [(s, 1) for s in range(24)] + [(24, 2), (-1, 3), (25, 3), (26, 5), (27, 7), (28, 16), (29, 13)]
     slots = _runs(runs)
@@ -277,6 +279,21 @@ def test_int8_results_do_not_depend_on_threads_or_token_blocks():
     term = (want - bt.y).abs().max()
     assert (y - want).abs().max() < 1e-4 * term
     assert ((y - bt.y)[slots == 28].abs().amax(1) > 0).sum() == 15  # every other token of that run added
+
+    prompt = torch.full((40,), 3, dtype=torch.int32)
+    bp = make_batch(T=40, K=576, S=S, R=16, widths=(576, 192, 40), ranks=ranks, seed=6)
+    bp.token_slots = prompt
+    pstack, pmeta = _int8_stack(bp, ranks), pk.build_lora_metadata(prompt, num_slots=S)
+    got = []
+    try:
+        for n in (1, 2, 3):
+            gomp.omp_set_num_threads(n)
+            got.append(pk.add_lora(bp.y.clone(), bp.x, pstack, meta=pmeta))
+    finally:
+        gomp.omp_set_num_threads(threads)
+    assert all(torch.equal(g, got[0]) for g in got[1:])
+    want = _reference(bp)
+    assert (got[0] - want).abs().max() < 1e-4 * (want - bp.y).abs().max()
 
 
 def test_a_step_bound_from_its_slot_list_matches_one_bound_from_metadata():
