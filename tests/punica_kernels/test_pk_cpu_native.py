@@ -259,21 +259,24 @@ def test_int8_results_do_not_depend_on_threads_or_token_blocks():
     bt.token_slots = slots
     zero = int((slots == 28).nonzero()[2])  # the third token of the 16-token run
     bt.x[zero] = 0.0
-    stack = _int8_stack(bt, ranks)
-    meta = pk.build_lora_metadata(slots, num_slots=S)
     gomp = omp_threads._libgomp()  # this thread's OpenMP thread count alone (torch.set_num_threads is process-wide)
     if gomp is None:
         pytest.skip("torch's OpenMP runtime is not libgomp")
-    threads = gomp.omp_get_max_threads()
-    got = []
-    try:
-        for n in (1, 2, 3):
-            gomp.omp_set_num_threads(n)
-            got.append(pk.add_lora(bt.y.clone(), bt.x, stack, meta=meta))
-    finally:
-        gomp.omp_set_num_threads(threads)
-    assert all(torch.equal(g, got[0]) for g in got[1:])
-    y = got[0]
+
+    def on_1_2_3_threads(b) -> torch.Tensor:
+        """The call on b's tokens with 1, 2 and 3 threads; all three the same bits."""
+        stack, meta = _int8_stack(b, ranks), pk.build_lora_metadata(b.token_slots, num_slots=S)
+        threads, got = gomp.omp_get_max_threads(), []
+        try:
+            for n in (1, 2, 3):
+                gomp.omp_set_num_threads(n)
+                got.append(pk.add_lora(b.y.clone(), b.x, stack, meta=meta))
+        finally:
+            gomp.omp_set_num_threads(threads)
+        assert all(torch.equal(g, got[0]) for g in got[1:])
+        return got[0]
+
+    y = on_1_2_3_threads(bt)
     assert torch.equal(y[zero], bt.y[zero]) and torch.equal(y[slots == -1], bt.y[slots == -1])
     want = _reference(bt)
     term = (want - bt.y).abs().max()
@@ -283,17 +286,9 @@ def test_int8_results_do_not_depend_on_threads_or_token_blocks():
     prompt = torch.full((40,), 3, dtype=torch.int32)
     bp = make_batch(T=40, K=576, S=S, R=16, widths=(576, 192, 40), ranks=ranks, seed=6)
     bp.token_slots = prompt
-    pstack, pmeta = _int8_stack(bp, ranks), pk.build_lora_metadata(prompt, num_slots=S)
-    got = []
-    try:
-        for n in (1, 2, 3):
-            gomp.omp_set_num_threads(n)
-            got.append(pk.add_lora(bp.y.clone(), bp.x, pstack, meta=pmeta))
-    finally:
-        gomp.omp_set_num_threads(threads)
-    assert all(torch.equal(g, got[0]) for g in got[1:])
-    want = _reference(bp)
-    assert (got[0] - want).abs().max() < 1e-4 * (want - bp.y).abs().max()
+    y = on_1_2_3_threads(bp)
+    want = _reference(bp)  # after _int8_stack, which puts the int8 weights' values in bp
+    assert (y - want).abs().max() < 1e-4 * (want - bp.y).abs().max()
 
 
 def test_a_step_bound_from_its_slot_list_matches_one_bound_from_metadata():
