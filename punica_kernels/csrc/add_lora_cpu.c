@@ -11,7 +11,7 @@
  * KB each, so the work is a stream of short dot products that torch can only express as padded
  * batched GEMMs plus gathers (bench/RESULTS.md). Here consecutive tokens on the same slot (the
  * engine orders decodes by slot) form a run whose weights are read once while they are hot in
- * L1, and the (slice, run) items are split between threads in contiguous shares of equal cost.
+ * L1, and the (run, slice) items are split between threads in contiguous shares of equal cost.
  * With many adapters a step is bound by reading their weights (a few hundred short blocks), so
  * each thread prefetches its coming items into L2 (pf_cursor_t). OpenMP: the process's libgomp
  * is torch's (loaded first, same soname), so both share one thread pool.
