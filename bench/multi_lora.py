@@ -146,14 +146,6 @@ def main() -> None:
     print(json.dumps(res))
 
 
-def adapter_bytes(w) -> int:
-    """Bytes of one adapter's weights as the engine stores and reads them (values and, int8,
-    row scales)."""
-    parts = [*w.a.values(), *w.b.values(), *(w.a_scale or {}).values(), *(w.b_scale or {}).values()]
-    # Slices of one fused module share their A: count each tensor once.
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in parts}.values())
-
-
 def plain_read_ms(nbytes: int, passes: int = 9) -> float:
     """Median ms to read `nbytes` once, on torch's threads (a sum over a buffer that size, which
     the caches cannot hold between passes where it is larger than the last level)."""
@@ -174,8 +166,7 @@ def read_bound(eng, root: Path, names: list[str], runs: dict[str, list[float]], 
     the base workload's time and nothing else (no products, no calls, no prefill term): where the
     measured ratio sits against what the bytes alone leave on this machine."""
     dtype = eng.lora_manager.dtype
-    total = sum(adapter_bytes(load_lora_weights(root / n, n, eng.model_config, max_rank=RANK, dtype=dtype))
-                for n in names)
+    total = sum(load_lora_weights(root / n, n, eng.model_config, max_rank=RANK, dtype=dtype).nbytes for n in names)
     read_ms = plain_read_ms(total)
     base_s = n_req * new_tokens / median(runs["base"])
     return {f"lora{n_req}_bytes_a_step": total, "plain_read_ms": round(read_ms, 2),

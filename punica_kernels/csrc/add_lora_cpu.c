@@ -747,7 +747,7 @@ typedef struct {
     int64_t T, ldy, nruns, work;
     const float *x;
     float *y;
-    const int32_t *slots, *ranks;
+    const int32_t *ranks;
     const int64_t *runs, *cum; /* (start, end, slot) per run; cum[p]: the cost of the items before p */
     int16_t *xq;               /* int8 weights with AVX2: the x rows as int16 and their scales */
     float *xs;
@@ -771,12 +771,11 @@ static void lora_call_part(const lora_call_t *c, int64_t tid, int64_t nth) {
     const int32_t *ranks = c->ranks;
     const void *const *A = st->A, *const *B = st->B;
     const int64_t es = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; /* bytes per weight */
-    (void)nth;
     int64_t lo = 0;
     while (lo < work && (cum[lo] + cum[lo + 1]) * nth < 2 * cum[work] * tid) lo++;
     int64_t hi = lo;
     while (hi < work && (cum[hi] + cum[hi + 1]) * nth < 2 * cum[work] * (tid + 1)) hi++;
-    pf_cursor_t pfc = {runs, st->nslices, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
+    pf_cursor_t pfc = {runs, nslices, hi, lo - 1, K, R, ranks, A, B, N, NULL, 0, 0, 1};
     pf_cursor_t *pf = wtype == W_I8 ? &pfc : NULL;
     pf_advance(pf, PF_AHEAD);
     int16_t *xq_run = NULL; /* int8 with AVX2: the current run's int16 x rows and their scales */
@@ -911,9 +910,8 @@ static int lora_prepare(const lora_stack_t *st, lora_step_t *sp, int64_t ldy, co
     }
     if (ranked == 0) work = 0;
     char *const q = sp->scratch + n_cum;
-    const lora_call_t c = {st,       T,        ldy,      nruns,          work, x, y, slots, ranks, runs, cum,
-                           (int16_t *)q, (float *)(q + n_xq), (int16_t *)(q + n_xq + n_xs),
-                           (float *)(q + n_xq + n_xs + n_pq), npriv};
+    const lora_call_t c = {st, T, ldy, nruns, work, x, y, ranks, runs, cum, (int16_t *)q, (float *)(q + n_xq),
+                           (int16_t *)(q + n_xq + n_xs), (float *)(q + n_xq + n_xs + n_pq), npriv};
     *call = c;
     return 0;
 }
