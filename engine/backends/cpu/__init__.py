@@ -186,9 +186,8 @@ class CpuBackend(Backend):
         head = model.lm_head
         packed = {"onednn_packed": parts.onednn,
                   "int8_kernel": all(parts.int8(layer) for layer in layers + [head])}
-        packed["amx_kernel"] = packed["int8_kernel"] and all(parts.amx(layer) for layer in layers)
         choice = formats.choose_formats(formats.detect_cpu(), int8_kernel=packed["int8_kernel"],
-                                        amx_kernel=packed["amx_kernel"],
+                                        amx_kernel=packed["int8_kernel"] and all(parts.amx(layer) for layer in layers),
                                         q4_kernel=any(parts.q4(layer) for layer in layers),
                                         exact_prefill=self.config.exact_prefill)
         self.apply_formats(model, choice, parts)

@@ -159,6 +159,11 @@ class Q4Linear(nn.Module):
         return cpu_q4.q4_linear(x, self.blocked, lora=lora)
 
 
+def _entries(module: nn.Module) -> tuple:
+    """(forward, lora_forward or None) of a WidthDispatch part."""
+    return module.forward, getattr(module, "lora_forward", None)
+
+
 class StepKind:
     """Whether the step being run prefills: set by CpuBackend.begin_step, read by every
     WidthDispatch of that backend (the one piece of per-step state its linears share)."""
@@ -182,38 +187,35 @@ class WidthDispatch(nn.Module):
         self.prefill = prefill
         self.step = step
         self.out_features, self.in_features = wide.out_features, wide.in_features
-        # The parts' forwards, called directly: a module call's hooks machinery costs microseconds,
-        # a share of a one-token step's ~120 linears.
-        self._bands = tuple((rows, m.forward) for rows, m in bands)
-        self._lora_bands = tuple((rows, getattr(m, "lora_forward", None)) for rows, m in bands)
-        self._wide = wide.forward
-        self._lora_wide = getattr(wide, "lora_forward", None)
-        self._prefill = None if prefill is None else prefill.forward
+        # The parts' (forward, lora_forward or None), called directly: a module call's hooks
+        # machinery costs microseconds, a share of a one-token step's ~120 linears.
+        self._bands = tuple((rows, _entries(m)) for rows, m in bands)
+        self._wide = _entries(wide)
+        self._prefill = None if prefill is None else (prefill.forward, None)
 
     @property
     def bands(self) -> list[tuple[int, nn.Module]]:
         return [(rows, m) for (rows, _), m in zip(self._bands, self.band_modules)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        for rows, fn in self._bands:
+    def _part(self, t: int) -> tuple:
+        """The entries of the part a batch of `t` rows takes (the class docstring's rule)."""
+        for rows, entries in self._bands:
             if t <= rows:
-                return fn(x)
+                return entries
         if self._prefill is not None and self.step.prefills:
-            return self._prefill(x)
-        return self._wide(x)
+            return self._prefill
+        return self._wide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._part(x.shape[0])[0](x)
 
     def lora_forward(self, x: torch.Tensor, lora) -> torch.Tensor | None:
         """forward(x) + the LoRA term `lora` describes (cpu_native.StepCall.fused) in one kernel
         call, where the part x takes has a fused entry (the C int8, Q4_1 and AMX kernels; not the
-        dense copies); None where not (nothing computed: the caller makes the two calls)."""
-        t = x.shape[0]
-        for rows, fn in self._lora_bands:
-            if t <= rows:
-                return None if fn is None else fn(x, lora)
-        if self._prefill is not None and self.step.prefills:
-            return None
-        return None if self._lora_wide is None else self._lora_wide(x, lora)
+        dense copies, nor the prefill copy); None where not (nothing computed: the caller makes
+        the two calls)."""
+        fused = self._part(x.shape[0])[1]
+        return None if fused is None else fused(x, lora)
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weights as fp32 [out, in] (what the int8 band multiplies by)."""
