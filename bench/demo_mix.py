@@ -10,7 +10,9 @@ two workloads run in turn, `--rounds` times each: "base" (every request on the b
 "mix" (requests cycle base, json-answer, pirate, upper), `--requests` requests per workload and
 round, `streams` of them in flight at a time (a closed loop: a stream sends its next request when
 its reply ends). Per request: time to first token (first content delta) and time per output
-token after it ((last - first) / (tokens - 1)).
+token after it ((finish - first) / (tokens - 1), the tokens from the usage chunk the request asks
+for with `stream_options`, as serving benchmarks count them: not the content chunks, which skip
+tokens that show no text).
 
 How long the replies are (`--lengths`) decides when new requests arrive, and so how many other
 requests' prefills land inside a request's decoding, which its time per token includes:
@@ -27,7 +29,7 @@ requests' prefills land inside a request's decoding, which its time per token in
   request's decoding (decode steps only).
 
 Prints one JSON object per stream count: per-token p50 of base and of the mix and their ratio, the
-mean reply length (content chunks) of each workload, first-token p50/p99/max of base requests in
+mean reply length of each workload in tokens and in content chunks, first-token p50/p99/max of base requests in
 the base workload, of adapter requests in the mix and of base requests in the mix (beside the same
 adapter traffic), and the adapter requests whose first token took longer than 3x the base's p99
 (their offset in seconds from the run's start, model, first-token seconds).
@@ -56,23 +58,31 @@ PROMPTS = ["Tell me about the history of the printing press.", "Explain how a ra
 
 
 async def one(client, model: str, prompt: str, max_tokens: int, t_start: float, ignore_eos: bool = False) -> dict:
-    """Stream one chat completion; its first-token and per-token seconds and its content chunks
-    (one a token, or fewer where a token completes no character). `ignore_eos`: the API's
-    vLLM-style extension, every reply max_tokens long."""
+    """Stream one chat completion: its time to the first content delta, its time per output token
+    after it ((finish - first) / (tokens - 1), the tokens from the stream's usage chunk) and its
+    content chunks. Tokens and chunks differ where a token shows no text: with `ignore_eos` (the
+    API's vLLM-style extension, every reply max_tokens long) an adapter that ends its turn early
+    goes on through special tokens (its end of turn, the next turn's header), so dividing by the
+    chunks would charge those tokens' time to the visible ones."""
     t0 = time.perf_counter()
-    first = last = None
-    n = 0
+    first = finish = None
+    chunks, tokens = 0, None
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
-        stream=True, extra_body={"ignore_eos": True} if ignore_eos else None)
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ignore_eos else None)
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            n += 1
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices:
+            if chunk.choices[0].delta.content:
+                first = first or now
+                chunks += 1
+            if chunk.choices[0].finish_reason:
+                finish = now
+    timed = first is not None and finish is not None and tokens is not None and tokens > 1
     return {"model": model, "at_s": round(t0 - t_start, 2), "ttft_s": (first or time.perf_counter()) - t0,
-            "tpot_s": (last - first) / (n - 1) if n > 1 else None, "tokens": n}
+            "tpot_s": (finish - first) / (tokens - 1) if timed else None, "tokens": tokens or 0, "chunks": chunks}
 
 
 def reply_lengths(mode: str, max_tokens: int) -> tuple[list[int], bool]:
@@ -135,6 +145,8 @@ async def run(args, demo: DemoProcess, base: str) -> list[dict]:
             "tpot_ms_p50_mix": round(statistics.median(tpot["mix"]) * 1000, 2),
             "tokens_mean_base": round(statistics.mean(r["tokens"] for r in runs["base"]), 1),
             "tokens_mean_mix": round(statistics.mean(r["tokens"] for r in runs["mix"]), 1),
+            "chunks_mean_base": round(statistics.mean(r["chunks"] for r in runs["base"]), 1),
+            "chunks_mean_mix": round(statistics.mean(r["chunks"] for r in runs["mix"]), 1),
             "ttft_ms_base": [round(pct(base_ttft, q) * 1000, 1) for q in (0.5, 0.99, 1.0)],
             "ttft_ms_adapters": [round(pct([r["ttft_s"] for r in adapter_ttft], q) * 1000, 1)
                                  for q in (0.5, 0.99, 1.0)],
