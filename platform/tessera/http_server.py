@@ -5,8 +5,9 @@ is bounded whatever it sends or does not send.
 Rules (each per server process; the settings are PlatformSettings' `http_*` block):
 - header read timeout: a request's line and headers must have arrived `http_header_timeout_s`
   after the connection opened (first request) or after the request's first byte (later requests
-  on a kept-alive connection); else the client gets 408 and the connection is closed. uvicorn has
-  no such timeout: a client sending its headers a byte at a time would hold its connection forever.
+  on a kept-alive connection); else the client gets 408 and the connection is closed (after a
+  lingering half-close: see `_close_early`). uvicorn has no such timeout: a client sending its
+  headers a byte at a time would hold its connection forever.
 - header size: more than `http_max_header_bytes` of request line and headers is a 431, closed
   (uvicorn's httptools parser has no bound of its own; h11's is set to the same).
 - body read timeout: `http_body_timeout_s` after the headers, the body must have arrived at
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Reasons a connection is refused or closed early, the values of the counter's `reason` label.
 REASONS = ("header_timeout", "header_too_large", "body_timeout", "too_many_connections", "too_many_per_address")
+#: How long a connection answered 408 or 431 keeps reading (and dropping) what its client still
+#: sends before it is closed (unless the client closes first).
+LINGER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_due = 0.0  # loop time by which the body bytes seen so far had to arrive, at rate 0
+        self._linger_timer: asyncio.TimerHandle | None = None  # set once the connection is answered early
 
     # -- connections
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -137,10 +142,10 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)
-        for timer in (self._header_timer, self._body_timer):
+        for timer in (self._header_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        self._header_timer = self._body_timer = None
+        self._header_timer = self._body_timer = self._linger_timer = None
         if self._address is not None:
             left = self._per_address.get(self._address, 1) - 1
             if left > 0:
@@ -156,6 +161,8 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     # -- headers
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return  # answered and half-closed: what the client still sends is dropped unread
         if self._in_headers:
             # Up to the blank line that ends the headers (one read may carry the body's start too);
             # checked before parsing, so headers beyond the bound are never parsed.
@@ -219,11 +226,22 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def _close_early(self, reason: str, status: int, phrase: str, message: str) -> None:
         """Answer `status` and close; while a response of this connection is still being sent
-        (pipelining), only close: the two would interleave."""
+        (pipelining), only close: the two would interleave.
+
+        The answer goes out with a half-close: the server's side ends after it, and what the client
+        still sends (the rest of its headers) is read and dropped for up to LINGER_S, or until the
+        client closes. Closed at once, the socket would answer the client's next bytes with a reset,
+        which can reach the client before it has read the answer, and it would see only the reset."""
         _count(reason)
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.write(_plain(status, phrase, message))
-        self.transport.close()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()
+            return
+        self.transport.write(_plain(status, phrase, message))
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def server_options(settings, *, per_address: bool = True) -> dict[str, Any]:

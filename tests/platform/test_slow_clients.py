@@ -1,7 +1,7 @@
 """Slow clients against a real `tessera serve` process (tessera/http_server.py): 200 connections
 sending their headers a byte at a time, each from its own loopback address, do not delay another
 tenant's request nor change its greedy output, and the server closes every one of them once the
-header timeout has passed (408); one address cannot hold more than its share of connections
+header timeout has passed (408, read by the client even while it is still sending); one address cannot hold more than its share of connections
 while another address is still served."""
 from __future__ import annotations
 
@@ -120,6 +120,40 @@ def test_slow_headers_do_not_delay_another_tenant_and_are_closed(gateway):
     assert greedy(url, key)[0] == expected
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'tessera_http_connections_refused_total{reason="header_timeout"}' in metrics
+
+
+async def fast_dripping_client(port: int, source: str) -> bytes:
+    """Connect from `source` and send header lines a byte every 2 ms, never ending them, still
+    sending when the header timeout answers; what the client reads (or the error it gets)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+    async def drip():
+        for b in b"POST /v1/chat/completions HTTP/1.1\r\n" + b"x-slow: y\r\n" * 1000:
+            writer.write(bytes([b]))
+            await asyncio.sleep(0.002)
+
+    dripping = asyncio.ensure_future(drip())
+    try:
+        answer = await asyncio.wait_for(reader.read(), timeout=HEADER_TIMEOUT_S + 20)
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        answer = type(e).__name__.encode()
+    dripping.cancel()
+    writer.close()
+    return answer
+
+
+def test_a_client_still_sending_reads_its_408_not_a_reset(gateway):
+    """The 408 goes out with a half-close and the server drops what the client still sends until it
+    closes: closed at once, the server's socket would answer the client's next bytes with a reset,
+    which can reach the client before the 408 and leave it only a reset to read."""
+    _, port = gateway
+    sources = [f"127.0.3.{2 + i}" for i in range(50)]
+
+    async def scenario():
+        return await asyncio.gather(*(fast_dripping_client(port, s) for s in sources))
+
+    answers = asyncio.run(scenario())
+    assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), sorted({a[:24] for a in answers})
 
 
 def test_one_address_is_bounded_while_another_is_served(gateway):
