@@ -64,27 +64,34 @@ def greedy(url: str, key: str) -> tuple[str, float]:
     return r.choices[0].message.content, time.monotonic() - start
 
 
-async def slow_client(port: int, source: str, opened: list, closed: dict) -> None:
-    """Connect from `source`, then send a request's headers one byte every 0.1 s, never ending
-    them; record when and how the server closes the connection."""
+async def dripping_client(port: int, source: str, headers: bytes, interval_s: float,
+                          opened: list | None = None, closed: dict | None = None) -> bytes:
+    """Connect from `source`, then send `headers` a byte every `interval_s`, never ending them;
+    what the server answers (or the error the client gets), recorded with its seconds from the
+    connection in `closed` (and the source in `opened` once connected) where given."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
-    opened.append(source)
+    if opened is not None:
+        opened.append(source)
     start = time.monotonic()
-    headers = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" * 40
 
     async def drip():
         for b in headers:
             writer.write(bytes([b]))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(interval_s)
 
     dripping = asyncio.ensure_future(drip())
     try:
         answer = await asyncio.wait_for(reader.read(), timeout=HEADER_TIMEOUT_S + 20)
     except (ConnectionError, asyncio.TimeoutError) as e:
         answer = type(e).__name__.encode()
-    closed[source] = (time.monotonic() - start, answer)
+    if closed is not None:
+        closed[source] = (time.monotonic() - start, answer)
     dripping.cancel()
     writer.close()
+    return answer
+
+
+SLOW_HEADERS = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" * 40
 
 
 def test_slow_headers_do_not_delay_another_tenant_and_are_closed(gateway):
@@ -98,7 +105,7 @@ def test_slow_headers_do_not_delay_another_tenant_and_are_closed(gateway):
     async def scenario():
         opened, closed = [], {}
         sources = [f"127.0.{1 + i // 250}.{2 + i % 250}" for i in range(SLOW_CLIENTS)]
-        clients = [asyncio.ensure_future(slow_client(port, s, opened, closed)) for s in sources]
+        clients = [asyncio.ensure_future(dripping_client(port, s, SLOW_HEADERS, 0.1, opened, closed)) for s in sources]
         while len(opened) < SLOW_CLIENTS:
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # every slow client is mid-headers now
@@ -122,26 +129,6 @@ def test_slow_headers_do_not_delay_another_tenant_and_are_closed(gateway):
     assert 'tessera_http_connections_refused_total{reason="header_timeout"}' in metrics
 
 
-async def fast_dripping_client(port: int, source: str) -> bytes:
-    """Connect from `source` and send header lines a byte every 2 ms, never ending them, still
-    sending when the header timeout answers; what the client reads (or the error it gets)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
-
-    async def drip():
-        for b in b"POST /v1/chat/completions HTTP/1.1\r\n" + b"x-slow: y\r\n" * 1000:
-            writer.write(bytes([b]))
-            await asyncio.sleep(0.002)
-
-    dripping = asyncio.ensure_future(drip())
-    try:
-        answer = await asyncio.wait_for(reader.read(), timeout=HEADER_TIMEOUT_S + 20)
-    except (ConnectionError, asyncio.TimeoutError) as e:
-        answer = type(e).__name__.encode()
-    dripping.cancel()
-    writer.close()
-    return answer
-
-
 def test_a_client_still_sending_reads_its_408_not_a_reset(gateway):
     """The 408 goes out with a half-close and the server drops what the client still sends until it
     closes: closed at once, the server's socket would answer the client's next bytes with a reset,
@@ -150,7 +137,9 @@ def test_a_client_still_sending_reads_its_408_not_a_reset(gateway):
     sources = [f"127.0.3.{2 + i}" for i in range(50)]
 
     async def scenario():
-        return await asyncio.gather(*(fast_dripping_client(port, s) for s in sources))
+        # header lines a byte every 2 ms: still sending when the header timeout answers
+        headers = b"POST /v1/chat/completions HTTP/1.1\r\n" + b"x-slow: y\r\n" * 1000
+        return await asyncio.gather(*(dripping_client(port, s, headers, 0.002) for s in sources))
 
     answers = asyncio.run(scenario())
     assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), sorted({a[:24] for a in answers})
