@@ -1,8 +1,8 @@
 """Slow clients against a real `tessera serve` process (tessera/http_server.py): 200 connections
 sending their headers a byte at a time, each from its own loopback address, do not delay another
 tenant's request nor change its greedy output, and the server closes every one of them once the
-header timeout has passed (408, read by the client even while it is still sending); one address cannot hold more than its share of connections
-while another address is still served."""
+header timeout has passed (408, read by the client even while it is still sending); one address
+cannot hold more than its share of connections while another address is still served."""
 from __future__ import annotations
 
 import asyncio
