@@ -31,8 +31,8 @@ requests' prefills land inside a request's decoding, which its time per token in
 Prints one JSON object per stream count: per-token p50 of base and of the mix and their ratio, the
 mean reply length of each workload in tokens and in content chunks, first-token p50/p99/max of
 base requests in the base workload, of adapter requests in the mix and of base requests in the mix
-(beside the same adapter traffic), and the adapter requests whose first token took longer than 3x the base's p99
-(their offset in seconds from the run's start, model, first-token seconds).
+(beside the same adapter traffic), and the adapter requests whose first token took longer than
+3x the base's p99 (their offset in seconds from the run's start, model, first-token seconds).
 """
 from __future__ import annotations
 
