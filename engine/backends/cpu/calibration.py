@@ -41,7 +41,8 @@ def choose_dense_dtype(layers: list[PendingInt8Linear], rows: int = 64, reps: in
     in each candidate dtype (fp32 activations cast to it and back, as DenseLinear does) and return
     (the fastest, {dtype name: ms}): the dense copy decode-only wide batches would take.
 
-    bf16 is several times faster than fp32 where the CPU has avx512_bf16 and several times slower
+    bf16 is several times faster than fp32 where the CPU has AMX or is an AMD core with
+    avx512_bf16, slower on an Intel core with avx512_bf16 but no AMX, and several times slower
     where it has only AVX2. A wide batch is compute bound, so a sample of the layers is enough
     (the int8 crossover streams all of them)."""
     if not layers:

@@ -14,11 +14,15 @@ this machine beside what the rules choose, for checking a rule on a new CPU kind
 
 Rules (rows = a step's tokens through one linear):
 - decode-only batches past the int8 crossover: the AMX int8 kernel where it is packed, else a
-  dense copy: bf16 where the CPU has avx512_bf16 or AMX (oneDNN's bf16 GEMM ~3x fp32 there), else
-  fp32 (bf16 ~5x slower with AVX2 alone);
+  dense copy: bf16 where the CPU has AMX, or avx512_bf16 on an AMD core (oneDNN's bf16 GEMM ~3x
+  fp32 there: Zen 4 runs a 512-bit FMA in two halves, and a bf16 dot product does twice its
+  products); fp32 on an Intel core with avx512_bf16 but no AMX (two full-width FMA units: bf16
+  adds conversions, not products; its GEMMs measured 1.5x slower than fp32's on an Emerald
+  Rapids whose hypervisor hides AMX) and without avx512_bf16 (bf16 ~5x slower with AVX2 alone);
 - int8 crossover, layers / lm_head: 1 / 1 where the AMX int8 kernel is packed (it wins from 2
-  rows); 8 / 4 with avx512_bf16 (the C int8 kernel against the packed bf16 copy); 16 / 16 with
-  AVX-512 but no bf16 (not measured: between its neighbours); 32 / 32 with AVX2 alone (the
+  rows); 8 / 4 with a bf16 dense copy (the C int8 kernel against the packed bf16 copy); 12 / 8
+  on an Intel core with avx512_bf16 whose dense copy is fp32 (against the fp32 copy); 16 / 16
+  with AVX-512 but no bf16 (not measured: between its neighbours); 32 / 32 with AVX2 alone (the
   row-pair kernel against fp32 GEMMs); 8 / 8 where the C int8 kernel is not packed (torch's
   `_weight_int8pack_mm`: 8-16 rows measured against bf16 copies, not measured against fp32);
 - Q4_1 blocks for 1-row batches wherever packed (faster with AMX and AVX-512, a tie on AVX2; the
@@ -52,13 +56,22 @@ class CpuKind:
     avx512: bool
     avx512_bf16: bool
     amx: bool  # amx_tile + amx_bf16 + amx_int8
+    #: "intel", "amd" or "" (not known): where avx512_bf16 comes without AMX, whose bf16 GEMMs
+    #: beat fp32's depends on the cores' FMA width, which no flag tells (module docstring)
+    vendor: str = ""
+
+    @property
+    def fast_bf16_gemm(self) -> bool:
+        """Whether oneDNN's bf16 GEMMs beat fp32's on this kind (the dense copy's dtype)."""
+        return self.amx or (self.avx512_bf16 and self.vendor != "intel")
 
     def describe(self) -> str:
-        """E.g. "AVX-512 + avx512_bf16, no AMX"."""
+        """E.g. "AVX-512 + avx512_bf16, no AMX" ("..., no AMX, Intel" where the vendor decides)."""
         if self.amx:
             return "AMX"
         if self.avx512:
-            return "AVX-512" + (" + avx512_bf16" if self.avx512_bf16 else "") + ", no AMX"
+            return ("AVX-512" + (" + avx512_bf16" if self.avx512_bf16 else "") + ", no AMX"
+                    + (", Intel" if self.avx512_bf16 and self.vendor == "intel" else ""))
         return "AVX2, no AVX-512" if self.avx2 else "no AVX2"
 
 
@@ -69,7 +82,8 @@ def detect_cpu() -> CpuKind:
     flags = _torch_flags() or _proc_flags()
     return CpuKind(avx2=flags.get("avx2", False), avx512=flags.get("avx512_f", False),
                    avx512_bf16=flags.get("avx512_bf16", False),
-                   amx=all(flags.get(f, False) for f in ("amx_tile", "amx_bf16", "amx_int8")))
+                   amx=all(flags.get(f, False) for f in ("amx_tile", "amx_bf16", "amx_int8")),
+                   vendor=_vendor())
 
 
 def _torch_flags() -> dict[str, bool]:
@@ -80,14 +94,39 @@ def _torch_flags() -> dict[str, bool]:
     return {k: bool(v) for k, v in caps.items() if isinstance(v, bool)}
 
 
-def _proc_flags() -> dict[str, bool]:
+def _proc_cpuinfo() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return {}
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        return ""
+
+
+def _proc_flags() -> dict[str, bool]:
+    line = next((ln for ln in _proc_cpuinfo().splitlines() if ln.startswith("flags")), "")
     present = set(line.partition(":")[2].split())
     return {name: flag in present for flag, name in _PROC_FLAGS.items()}
+
+
+_VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+
+
+def vendor_of(cpuinfo: str, cpu_name: str = "") -> str:
+    """"intel", "amd" or "": from a /proc/cpuinfo text's vendor_id, else from a CPU name as
+    torch's cpuinfo gives it ("Intel Xeon", "AMD EPYC ...")."""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("vendor_id")), "")
+    vendor = _VENDORS.get(line.partition(":")[2].strip(), "")
+    if vendor or not cpu_name:
+        return vendor
+    first = cpu_name.split()[0].lower() if cpu_name.split() else ""
+    return first if first in ("intel", "amd") else ""
+
+
+def _vendor() -> str:
+    try:
+        name = str(torch._C._cpu._get_cpu_capability().get("cpu_name", ""))
+    except (AttributeError, RuntimeError):
+        name = ""
+    return vendor_of(_proc_cpuinfo(), name)
 
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -120,7 +159,7 @@ class FormatChoice:
 
 def dense_dtype(cpu: CpuKind) -> torch.dtype:
     """The dense copy's dtype for decode-only batches past the int8 crossover on this kind of CPU."""
-    return torch.bfloat16 if cpu.avx512_bf16 or cpu.amx else torch.float32
+    return torch.bfloat16 if cpu.fast_bf16_gemm else torch.float32
 
 
 def choose_formats(cpu: CpuKind, *, int8_kernel: bool, amx_kernel: bool, q4_kernel: bool,
@@ -134,7 +173,7 @@ def choose_formats(cpu: CpuKind, *, int8_kernel: bool, amx_kernel: bool, q4_kern
     elif not int8_kernel:
         rows = (8, 8)
     elif cpu.avx512:
-        rows = (8, 4) if dense == torch.bfloat16 else (16, 16)
+        rows = (8, 4) if dense == torch.bfloat16 else (12, 8) if cpu.avx512_bf16 else (16, 16)
     elif cpu.avx2:
         rows = (32, 32)
     else:
