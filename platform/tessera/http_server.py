@@ -20,6 +20,8 @@ Rules (each per server process; the settings are PlatformSettings' `http_*` bloc
   only); a connection beyond either is answered 503 with Retry-After and closed before a byte of
   it is read, so one address cannot take the server's connections from everyone else.
 - keep-alive: an idle kept-alive connection is closed after `http_keep_alive_s`.
+- a request the parser rejects: uvicorn's 400, sent with the same lingering half-close as the
+  408 and 431 (not counted below: the client broke the protocol, no bound was reached).
 
 Every close for one of these reasons counts in `tessera_http_connections_refused_total{reason}`.
 A slow client costs the server a socket and a few timers, never a thread: the app runs only once
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 #: Reasons a connection is refused or closed early, the values of the counter's `reason` label.
 REASONS = ("header_timeout", "header_too_large", "body_timeout", "too_many_connections", "too_many_per_address")
-#: How long a connection answered 408 or 431 keeps reading (and dropping) what its client still
+#: How long a connection answered 400, 408 or 431 keeps reading (and dropping) what its client still
 #: sends before it is closed (unless the client closes first).
 LINGER_S = 2.0
 
@@ -233,10 +235,20 @@ class _GuardedProtocol(HttpToolsProtocol):
         client closes. Closed at once, the socket would answer the client's next bytes with a reset,
         which can reach the client before it has read the answer, and it would see only the reset."""
         _count(reason)
+        self._answer_and_linger(_plain(status, phrase, message))
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser rejects (it has logged it), sent as the 408
+        and 431 are: closed at once, a client still sending would often read only a reset."""
+        self._answer_and_linger(_plain(400, "Bad Request", msg))
+
+    def _answer_and_linger(self, answer: bytes) -> None:
+        """Write `answer` with a lingering half-close (`_close_early`); only close where a response
+        is still being sent."""
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()
             return
-        self.transport.write(_plain(status, phrase, message))
+        self.transport.write(answer)
         if not self.transport.can_write_eof():
             self.transport.close()
             return

@@ -1,8 +1,9 @@
 """Slow clients against a real `tessera serve` process (tessera/http_server.py): 200 connections
 sending their headers a byte at a time, each from its own loopback address, do not delay another
 tenant's request nor change its greedy output, and the server closes every one of them once the
-header timeout has passed (408, read by the client even while it is still sending); one address
-cannot hold more than its share of connections while another address is still served."""
+header timeout has passed (408, read by the client even while it is still sending; likewise the
+400 of a request that is not HTTP); one address cannot hold more than its share of connections
+while another address is still served."""
 from __future__ import annotations
 
 import asyncio
@@ -91,6 +92,9 @@ async def dripping_client(port: int, source: str, headers: bytes, interval_s: fl
     return answer
 
 
+#: A request whose headers end in time but hold a line that is not a header (1 MB of body follows).
+BAD_HEADER = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 1048576\r\nthis is not a header\r\n\r\n")
 SLOW_HEADERS = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" * 40
 
 
@@ -143,6 +147,33 @@ def test_a_client_still_sending_reads_its_408_not_a_reset(gateway):
 
     answers = asyncio.run(scenario())
     assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), sorted({a[:24] for a in answers})
+
+
+def test_a_malformed_request_with_a_body_reads_its_400_not_a_reset(gateway):
+    """A request the parser rejects is answered uvicorn's 400 with the same half-close: a client
+    whose request has a malformed header and a large body behind it reads the 400, where a plain
+    close with the body still unread makes the server's kernel send a reset that can reach the
+    client first; the server serves others meanwhile."""
+    url, port = gateway
+    sources = [f"127.0.4.{2 + i}" for i in range(50)]
+
+    async def sending_client(source: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        writer.write(BAD_HEADER + b"x" * (1 << 20))
+        try:
+            answer = await asyncio.wait_for(reader.read(), timeout=30)
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            answer = type(e).__name__.encode()
+        writer.close()
+        return answer
+
+    async def scenario():
+        return await asyncio.gather(*(sending_client(s) for s in sources))
+
+    answers = asyncio.run(scenario())
+    assert all(a.startswith(b"HTTP/1.1 400 ") for a in answers), sorted({a[:24] for a in answers})
+    assert all(a.endswith(b"Invalid HTTP request received.") for a in answers), answers[0]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
 def test_one_address_is_bounded_while_another_is_served(gateway):
