@@ -2,8 +2,8 @@
 sending their headers a byte at a time, each from its own loopback address, do not delay another
 tenant's request nor change its greedy output, and the server closes every one of them once the
 header timeout has passed (408, read by the client even while it is still sending; likewise the
-400 of a request that is not HTTP); one address cannot hold more than its share of connections
-while another address is still served."""
+400 of a malformed request with a body behind it); one address cannot hold more than its share of
+connections while another address is still served."""
 from __future__ import annotations
 
 import asyncio
