@@ -165,9 +165,10 @@ class EngineConfig:
     #: Weight storage for the base model's linear layers: "auto" (CPU: int8 weight-only up to a
     #: batch size set by the CPU's kind, fp32 dense for steps that prefill, bf16 dense for wider
     #: decode-only batches on CPUs whose bf16 GEMMs beat fp32's (else fp32; see
-    #: engine.backends.cpu.formats), "fp32" (exact), "bf16", "int8" (same as "auto" on CPU). The triton backend: "auto"/"w4a16" keep layer weights
-    #: 4-bit on the device (the checkpoint's Q4_0/Q4_1 blocks, else quantized at load), "fp32"/"bf16"
-    #: dense in `dtype`; "int8" is CPU-only and "w4a16" triton-only.
+    #: engine.backends.cpu.formats), "fp32" (exact), "bf16", "int8" (same as "auto" on CPU). The
+    #: triton backend: "auto"/"w4a16" keep layer weights 4-bit on the device (the checkpoint's
+    #: Q4_0/Q4_1 blocks, else quantized at load), "fp32"/"bf16" dense in `dtype`; "int8" is
+    #: CPU-only and "w4a16" triton-only.
     weight_format: str = "auto"
     #: Whether steps that prefill use the int8 format's exact fp32 dense copy (True) or its decode
     #: path (False: the AMX kernel, else the bf16 copy); None: the decode path on CPUs with AMX
