@@ -16,9 +16,10 @@ Rules (rows = a step's tokens through one linear):
 - decode-only batches past the int8 crossover: the AMX int8 kernel where it is packed, else a
   dense copy: bf16 where the CPU has AMX, or avx512_bf16 on an AMD core (oneDNN's bf16 GEMM ~3x
   fp32 there); fp32 on an Intel core with avx512_bf16 but no AMX (its bf16 GEMMs measured 1.5x
-  slower than fp32's on an Emerald Rapids whose hypervisor hides AMX: a bf16 dot product gains
-  less over Intel's two full-width 512-bit FMA units than over Zen 4's, which split a 512-bit FMA
-  in two; no flag tells the two apart) and without avx512_bf16 (bf16 ~5x slower with AVX2 alone);
+  slower than fp32's on an Emerald Rapids whose hypervisor hides AMX; likely because a bf16 dot
+  product gains less over Intel's two full-width 512-bit FMA units than over Zen 4's, which split
+  a 512-bit FMA in two, and no flag tells the two apart) and without avx512_bf16 (bf16 ~5x slower
+  with AVX2 alone);
 - int8 crossover, layers / lm_head: 1 / 1 where the AMX int8 kernel is packed (it wins from 2
   rows); 8 / 4 with a bf16 dense copy (the C int8 kernel against the packed bf16 copy); 12 / 8
   on an Intel core with avx512_bf16 whose dense copy is fp32 (against the fp32 copy); 16 / 16
