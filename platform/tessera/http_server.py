@@ -6,7 +6,7 @@ Rules (each per server process; the settings are PlatformSettings' `http_*` bloc
 - header read timeout: a request's line and headers must have arrived `http_header_timeout_s`
   after the connection opened (first request) or after the request's first byte (later requests
   on a kept-alive connection); else the client gets 408 and the connection is closed (after a
-  lingering half-close: see `_close_early`). uvicorn has no such timeout: a client sending its
+  lingering half-close: see `_answer_and_linger`). uvicorn has no such timeout: a client sending its
   headers a byte at a time would hold its connection forever.
 - header size: more than `http_max_header_bytes` of request line and headers is a 431, closed
   (uvicorn's httptools parser has no bound of its own; h11's is set to the same).
@@ -227,13 +227,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         self.transport.close()  # the app, waiting on the body, receives http.disconnect
 
     def _close_early(self, reason: str, status: int, phrase: str, message: str) -> None:
-        """Answer `status` and close; while a response of this connection is still being sent
-        (pipelining), only close: the two would interleave.
-
-        The answer goes out with a half-close: the server's side ends after it, and what the client
-        still sends (the rest of its headers) is read and dropped for up to LINGER_S, or until the
-        client closes. Closed at once, the socket would answer the client's next bytes with a reset,
-        which can reach the client before it has read the answer, and it would see only the reset."""
+        """Count `reason`, answer `status` and close (`_answer_and_linger`)."""
         _count(reason)
         self._answer_and_linger(_plain(status, phrase, message))
 
@@ -243,8 +237,14 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._answer_and_linger(_plain(400, "Bad Request", msg))
 
     def _answer_and_linger(self, answer: bytes) -> None:
-        """Write `answer` with a lingering half-close (`_close_early`); only close where a response
-        is still being sent."""
+        """Write `answer` and close; while a response of this connection is still being sent
+        (pipelining), only close: the two would interleave.
+
+        The answer goes out with a half-close: the server's side ends after it, and what the client
+        still sends (the rest of its headers or body) is read and dropped for up to LINGER_S, or
+        until the client closes. Closed at once, the socket would answer the client's next bytes
+        (or its unread ones) with a reset, which can reach the client before it has read the
+        answer, and it would see only the reset."""
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()
             return

@@ -65,6 +65,14 @@ def greedy(url: str, key: str) -> tuple[str, float]:
     return r.choices[0].message.content, time.monotonic() - start
 
 
+async def answer_of(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """All the server sends until it closes, or the name of the error the client gets instead."""
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=timeout_s)
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        return type(e).__name__.encode()
+
+
 async def dripping_client(port: int, source: str, headers: bytes, interval_s: float,
                           opened: list | None = None, closed: dict | None = None) -> bytes:
     """Connect from `source`, then send `headers` a byte every `interval_s`, never ending them;
@@ -81,10 +89,7 @@ async def dripping_client(port: int, source: str, headers: bytes, interval_s: fl
             await asyncio.sleep(interval_s)
 
     dripping = asyncio.ensure_future(drip())
-    try:
-        answer = await asyncio.wait_for(reader.read(), timeout=HEADER_TIMEOUT_S + 20)
-    except (ConnectionError, asyncio.TimeoutError) as e:
-        answer = type(e).__name__.encode()
+    answer = await answer_of(reader, HEADER_TIMEOUT_S + 20)
     if closed is not None:
         closed[source] = (time.monotonic() - start, answer)
     dripping.cancel()
@@ -160,10 +165,7 @@ def test_a_malformed_request_with_a_body_reads_its_400_not_a_reset(gateway):
     async def sending_client(source: str) -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
         writer.write(BAD_HEADER + b"x" * (1 << 20))
-        try:
-            answer = await asyncio.wait_for(reader.read(), timeout=30)
-        except (ConnectionError, asyncio.TimeoutError) as e:
-            answer = type(e).__name__.encode()
+        answer = await answer_of(reader, 30)
         writer.close()
         return answer
 

@@ -80,19 +80,21 @@ class CpuKind:
 def detect_cpu() -> CpuKind:
     """This CPU's kind, from torch's cpuinfo capabilities (Linux's /proc/cpuinfo flags where this
     torch does not expose them; no flags known: the plainest kind)."""
-    flags = _torch_flags() or _proc_flags()
+    caps, cpuinfo = _torch_caps(), _proc_cpuinfo()
+    flags = {k: bool(v) for k, v in caps.items() if isinstance(v, bool)} or _proc_flags(cpuinfo)
     return CpuKind(avx2=flags.get("avx2", False), avx512=flags.get("avx512_f", False),
                    avx512_bf16=flags.get("avx512_bf16", False),
                    amx=all(flags.get(f, False) for f in ("amx_tile", "amx_bf16", "amx_int8")),
-                   vendor=_vendor())
+                   vendor=vendor_of(cpuinfo, str(caps.get("cpu_name", ""))))
 
 
-def _torch_flags() -> dict[str, bool]:
+def _torch_caps() -> dict:
+    """torch's cpuinfo capabilities (flags as bools, "cpu_name", cache sizes); {} where this torch
+    has none."""
     try:
-        caps = torch._C._cpu._get_cpu_capability()
+        return dict(torch._C._cpu._get_cpu_capability())
     except (AttributeError, RuntimeError):
         return {}
-    return {k: bool(v) for k, v in caps.items() if isinstance(v, bool)}
 
 
 def _proc_cpuinfo() -> str:
@@ -102,8 +104,8 @@ def _proc_cpuinfo() -> str:
         return ""
 
 
-def _proc_flags() -> dict[str, bool]:
-    line = next((ln for ln in _proc_cpuinfo().splitlines() if ln.startswith("flags")), "")
+def _proc_flags(cpuinfo: str) -> dict[str, bool]:
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
     present = set(line.partition(":")[2].split())
     return {name: flag in present for flag, name in _PROC_FLAGS.items()}
 
@@ -116,18 +118,10 @@ def vendor_of(cpuinfo: str, cpu_name: str = "") -> str:
     torch's cpuinfo gives it ("Intel Xeon", "AMD EPYC ...")."""
     line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("vendor_id")), "")
     vendor = _VENDORS.get(line.partition(":")[2].strip(), "")
-    if vendor or not cpu_name:
+    if vendor:
         return vendor
-    first = cpu_name.split()[0].lower() if cpu_name.split() else ""
+    first = (cpu_name.split() or [""])[0].lower()
     return first if first in ("intel", "amd") else ""
-
-
-def _vendor() -> str:
-    try:
-        name = str(torch._C._cpu._get_cpu_capability().get("cpu_name", ""))
-    except (AttributeError, RuntimeError):
-        name = ""
-    return vendor_of(_proc_cpuinfo(), name)
 
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
