@@ -18,7 +18,12 @@ Rules (each per server process; the settings are PlatformSettings' `http_*` bloc
   bounds requests in flight) and at most `http_max_connections_per_address` from one client
   address (the peer's IP; the engine worker, whose clients are the gateways, applies the total
   only); a connection beyond either is answered 503 with Retry-After and closed before a byte of
-  it is read, so one address cannot take the server's connections from everyone else.
+  it is parsed, so one address cannot take the server's connections from everyone else. The 503
+  goes out with the lingering half-close too (a client sends its request as soon as it has
+  connected, and a plain close with that request unread answers it with a reset, which the client
+  reads instead of the 503), for at most MAX_LINGERING_REFUSALS refused connections of a server
+  at a time; beyond that (a flood) they are closed at once. A refused connection lingering does
+  not count as open.
 - keep-alive: an idle kept-alive connection is closed after `http_keep_alive_s`.
 - a request the parser rejects: uvicorn's 400, sent with the same lingering half-close as the
   408 and 431 (not counted below: the client broke the protocol, no bound was reached).
@@ -44,6 +49,9 @@ REASONS = ("header_timeout", "header_too_large", "body_timeout", "too_many_conne
 #: How long a connection answered 400, 408 or 431 keeps reading (and dropping) what its client still
 #: sends before it is closed (unless the client closes first).
 LINGER_S = 2.0
+#: How many refused connections (503) of one server may linger at a time: each holds a socket for
+#: at most LINGER_S, so a flood of connections costs the server at most this many more.
+MAX_LINGERING_REFUSALS = 256
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,7 @@ class GuardedHttp:
 
     def __init__(self, limits: ConnectionLimits):
         self.limits = limits
-        self._per_server: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._per_server: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # server state -> _ServerCounts
 
     def __getstate__(self) -> dict:
         return {"limits": self.limits}
@@ -105,19 +113,30 @@ class GuardedHttp:
         self.__init__(state["limits"])
 
     def __call__(self, *, config, server_state, app_state, _loop=None) -> asyncio.Protocol:
-        per_address = self._per_server.setdefault(server_state, {})
+        counts = self._per_server.setdefault(server_state, _ServerCounts())
         return _GuardedProtocol(config=config, server_state=server_state, app_state=app_state, _loop=_loop,
-                                limits=self.limits, per_address=per_address)
+                                limits=self.limits, counts=counts)
+
+
+class _ServerCounts:
+    """What one server's connections share: its open connections per client address and its
+    refused connections lingering now."""
+
+    def __init__(self):
+        self.per_address: dict[str, int] = {}
+        self.lingering_refusals = 0
 
 
 class _GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol plus the header/body timeouts, the header size bound and the
     connection bounds. Everything runs on the event loop: no locks."""
 
-    def __init__(self, *, limits: ConnectionLimits, per_address: dict[str, int], **kw: Any):
+    def __init__(self, *, limits: ConnectionLimits, counts: _ServerCounts, **kw: Any):
         super().__init__(**kw)
         self._limits = limits
-        self._per_address = per_address
+        self._counts = counts
+        self._per_address = counts.per_address
+        self._refused = False  # answered 503 and lingering (counted in counts.lingering_refusals)
         self._address: str | None = None  # counted in per_address while the connection is open
         self._header_timer: asyncio.TimerHandle | None = None
         self._in_headers = True
@@ -148,6 +167,9 @@ class _GuardedProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self._header_timer = self._body_timer = self._linger_timer = None
+        if self._refused:
+            self._refused = False
+            self._counts.lingering_refusals -= 1
         if self._address is not None:
             left = self._per_address.get(self._address, 1) - 1
             if left > 0:
@@ -157,9 +179,19 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._address = None
 
     def _refuse(self, reason: str, message: str) -> None:
+        """Count `reason` and answer 503: with the lingering half-close while fewer than
+        MAX_LINGERING_REFUSALS of this server's refusals linger, else closed at once. Either way
+        the connection no longer counts as open (uvicorn's set of connections)."""
         _count(reason)
-        self.transport.write(_plain(503, "Service Unavailable", message, retry_after=True))
-        self.transport.close()
+        self.connections.discard(self)
+        answer = _plain(503, "Service Unavailable", message, retry_after=True)
+        if self._counts.lingering_refusals >= MAX_LINGERING_REFUSALS:
+            self.transport.write(answer)
+            self.transport.close()
+            return
+        self._counts.lingering_refusals += 1
+        self._refused = True
+        self._answer_and_linger(answer)
 
     # -- headers
     def data_received(self, data: bytes) -> None:

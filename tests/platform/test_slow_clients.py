@@ -178,6 +178,40 @@ def test_a_malformed_request_with_a_body_reads_its_400_not_a_reset(gateway):
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
+def test_clients_refused_over_the_bound_read_the_503_not_a_reset(gateway):
+    """A client sends its request as soon as it has connected: refused over the per-address bound,
+    50 httpx clients posting a chat completion each read the 503 and its message (closed at once
+    with the request unread, every one of them read a reset instead); the address is served again
+    once its connections close."""
+    url, port = gateway
+    body = {"model": "base", "messages": [{"role": "user", "content": "hi " * 2000}]}
+
+    async def refused_client() -> str:
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.3.5", retries=0)
+        async with httpx.AsyncClient(transport=transport) as c:
+            try:
+                r = await c.post(f"{url}/v1/chat/completions", json=body, timeout=10)
+            except httpx.TransportError as e:
+                return type(e).__name__
+            return f"{r.status_code} {r.headers.get('retry-after')} {r.text}"
+
+    async def scenario():
+        held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.3.5", 0))
+                for _ in range(PER_ADDRESS)]
+        answers = await asyncio.gather(*(refused_client() for _ in range(50)))
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.3.5")) as c:
+            again = (await c.get(f"{url}/health", timeout=10)).status_code
+        return answers, again
+
+    answers, again = asyncio.run(scenario())
+    expected = "503 1 too many open connections from 127.0.3.5 (at most 8); close some or retry shortly"
+    assert all(a == expected for a in answers), sorted(set(answers))
+    assert again == 200
+
+
 def test_one_address_is_bounded_while_another_is_served(gateway):
     url, port = gateway
 
