@@ -93,9 +93,10 @@ def main() -> None:
     ap.add_argument("--simulate-bits", default="",
                     help="comma-separated bit widths of simulated row storages (e.g. 6,5,4); none by default")
     args = ap.parse_args()
-    bit_widths = [int(b) for b in args.simulate_bits.split(",") if b.strip()]
-    if any(not 2 <= b <= 8 for b in bit_widths):
-        raise SystemExit("bench/demo_adapters.py: --simulate-bits takes widths from 2 to 8")
+    widths = [b.strip() for b in args.simulate_bits.split(",") if b.strip()]
+    if not all(b.isdigit() and 2 <= int(b) <= 8 for b in widths):
+        raise SystemExit(f"bench/demo_adapters.py: --simulate-bits takes widths from 2 to 8; got {args.simulate_bits!r}")
+    bit_widths = [int(b) for b in widths]
     beh = json.loads((ADAPTERS / "behaviour.json").read_text())["eval"]
     prompts, max_tokens = beh["prompts"], beh["max_new_tokens"]
     names = sorted(METRICS)
