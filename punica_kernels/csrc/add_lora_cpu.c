@@ -434,11 +434,10 @@ ALWAYS_INLINE __m512i sum16_epi32(const __m512i v[16]) {
 /* The shrink of up to TOK_BLOCK tokens of one run for a block of 16 rows of a (rows past r
  * contribute nothing, results dropped). The rows go in groups of 16 (one token: the inputs are
  * read once for the block), 8 (two tokens) or 4 (three or four), at most 16 accumulators, one per
- * row and token: each step loads the tokens'
- * next 32 inputs once for all the group's rows and each row's next 32 weights once for all the
- * tokens, so a product costs far less than one load (the bound of a row at a time, which
- * reloads the inputs for every row). A group reads its rows side by side, one forward stream
- * each. */
+ * row and token: each step loads the tokens' next 32 inputs once for all the group's rows and each
+ * row's next 32 weights once for all the tokens, so a product costs far less than one load (the
+ * bound of a row at a time, which reloads the inputs for every row). A group reads its rows side
+ * by side, one forward stream each. */
 ALWAYS_INLINE void shrink_i8_16(int nt, const int16_t *const *xq, const float *xs, const int8_t *a, const float *rs,
                                 int64_t K, int64_t r, int64_t j0, float sc, float (*v)[64], pf_cursor_t *pf) {
     const int64_t K16 = K / 16 * 16, left = r - j0 < 16 ? r - j0 : 16;
