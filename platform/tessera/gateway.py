@@ -30,6 +30,9 @@ class Gateway:
     meter: Meter
     epoch: Epoch
     callers: EpochCache = field(default_factory=EpochCache)  # sha256(key) -> Caller
+    #: (tenant id, model) -> the registry lookup of that adapter reference in flight, shared by the
+    #: requests that name it meanwhile (api/model_resolution.py); an entry leaves when it ends.
+    adapter_lookups: dict = field(default_factory=dict, repr=False)
     #: (tenant id, month) pairs whose budget counter this process has seeded from usage_events.
     seeded_budgets: set = field(default_factory=set)
     #: (the engine's description it was made for, {base model name: whether it is served}).

@@ -1,7 +1,18 @@
 """Which model a tenant's `model` names: the base model, or one of the caller's own adapters by
 name (its current version) or name@version. Another tenant's adapter is the same 404 as an
-unknown name, so names never leak across tenants."""
+unknown name, so names never leak across tenants.
+
+Requests of one tenant naming the same model while its registry lookup is in flight share that
+lookup (`Gateway.adapter_lookups`): a burst of requests for a few adapters costs a few lookups,
+not one database session in a worker thread each. Those threads' Python work competes with the
+in-process engine's step for the CPU and the interpreter, and slowed the step that ran while a
+burst was admitted several times over (bench/RESULTS.md). Nothing is kept once a lookup ends, so
+the answer is never older than a lookup that began before the request arrived.
+"""
 from __future__ import annotations
+
+import asyncio
+import functools
 
 import anyio
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,15 +41,8 @@ async def resolve_adapter(*, gw: Gateway, caller: Caller, model: str, request_id
     fails (`request_id` is named in it)."""
     if model == gw.engine.model_name:
         return None
-
-    def resolve() -> tuple[str, str, str | None]:
-        with read_only_session(gw.session_factory) as session:
-            tenant = session.get(Tenant, caller.tenant_id)
-            v = registry.resolve_version(session=session, tenant=tenant, ref=model)
-            return v.sha256, v.ref, v.base_model
-
     try:
-        sha256, ref, base = await anyio.to_thread.run_sync(resolve)
+        sha256, ref, base = await _shared_lookup(gw, caller.tenant_id, model)
     except NotFound:
         raise model_not_found(model) from None
     except TesseraError as e:  # the registry's, the object store's
@@ -52,6 +56,37 @@ async def resolve_adapter(*, gw: Gateway, caller: Caller, model: str, request_id
                             f"{gw.engine.model_name}; upload a version trained for {gw.engine.model_name}",
                        param="model", code="adapter_base_not_served")
     return sha256
+
+
+def _lookup(session_factory, tenant_id: int, model: str) -> tuple[str, str, str | None]:
+    """(sha256, ref, base model) of the version `model` names for the tenant (a worker thread's
+    database session); the registry's NotFound / Conflict / errors as they come."""
+    with read_only_session(session_factory) as session:
+        tenant = session.get(Tenant, tenant_id)
+        v = registry.resolve_version(session=session, tenant=tenant, ref=model)
+        return v.sha256, v.ref, v.base_model
+
+
+async def _shared_lookup(gw: Gateway, tenant_id: int, model: str) -> tuple[str, str, str | None]:
+    """`_lookup` in a worker thread, shared by every request of the tenant naming `model` while it
+    runs (its result or its exception). A request that goes away (a client disconnect) leaves the
+    lookup running for the others (shielded)."""
+    key = (tenant_id, model)
+    task = gw.adapter_lookups.get(key)
+    if task is None:
+        task = asyncio.ensure_future(anyio.to_thread.run_sync(_lookup, gw.session_factory, tenant_id, model))
+        gw.adapter_lookups[key] = task
+        task.add_done_callback(functools.partial(_lookup_done, gw.adapter_lookups, key))
+    return await asyncio.shield(task)
+
+
+def _lookup_done(lookups: dict, key: tuple[int, str], task: asyncio.Future) -> None:
+    """Forget a finished lookup; its exception counts as retrieved (every request that awaited it
+    may have gone)."""
+    if lookups.get(key) is task:
+        del lookups[key]
+    if not task.cancelled():
+        task.exception()
 
 
 def model_card(id: str, owned_by: str, created: float | None = None) -> dict:
