@@ -265,8 +265,8 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser rejects (it has logged it), sent with the
-        lingering half-close of the 408 and 431 (`_answer_and_linger`): closed at once, a client
-        still sending would often read only a reset."""
+        lingering half-close of the 408 and 431 (`_answer_and_linger`): closed at once instead, a
+        client still sending would often read only a reset."""
         self._answer_and_linger(_plain(400, "Bad Request", msg))
 
     def _answer_and_linger(self, answer: bytes) -> None:

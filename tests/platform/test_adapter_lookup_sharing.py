@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
@@ -15,7 +14,8 @@ import pytest
 from adapter_registry import services as registry
 from tessera_core.context import build_context
 
-PIRATE = Path(__file__).resolve().parents[2] / "platform" / "tessera" / "demo_adapters" / "pirate"
+from .test_gateway_isolation import PIRATE, upload
+
 MSGS = [{"role": "user", "content": "Which color is a plum?"}]
 N = 8
 
@@ -56,21 +56,12 @@ def burst(ask, calls: list[str], gate: threading.Event) -> list:
         return [f.result() for f in futures]
 
 
-def upload_pirate(platform, tenant_name: str) -> None:
-    ctx = build_context(platform.settings)
-    with ctx.session_factory() as s:
-        tenant = registry.get_tenant(session=s, name=tenant_name)
-        v = registry.upload_adapter(session=s, store=ctx.store, settings=platform.gateway.registry_settings(),
-                                    tenant=tenant, name="pirate", source=PIRATE)
-        assert v.status == "ready", v.rejection_reason
-
-
 @pytest.fixture()
 def pirate_tenant(platform):
     if not PIRATE.is_dir():
         pytest.skip("demo adapter 'pirate' is not there")
     t = platform.tenant()
-    upload_pirate(platform, t.name)
+    upload(platform, t.name, "pirate", PIRATE)
     return t
 
 
