@@ -115,5 +115,5 @@ def test_avx512_bf16_without_amx_takes_bf16_copies_on_amd_cores_and_fp32_on_inte
     for vendor in ("intel", "amd"):
         assert choose(avx512_bf16=True, amx=True, vendor=vendor).dense == torch.bfloat16
         no_bf16 = choose(avx512_bf16=False, amx=False, vendor=vendor)
-        assert (no_bf16.dense, no_bf16.int8_max_rows) == (torch.float32, 16)
+        assert (no_bf16.dense, no_bf16.int8_max_rows, no_bf16.head_int8_max_rows) == (torch.float32, 12, 8)
         assert "Intel" not in no_bf16.summary()
