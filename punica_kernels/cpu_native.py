@@ -1,6 +1,6 @@
 """The hand-written CPU kernel (csrc/add_lora_cpu.c) for decode-shaped `add_lora` calls.
 
-Built on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`, ~0.3 s) into
+Built on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`, a few seconds) into
 a cache directory keyed by the source, the flags and the CPU's feature flags (punica_kernels.cbuild),
 and loaded with ctypes. Where it cannot be built (no compiler) or is switched off (TESSERA_CPU_LORA_KERNEL=0),
 `add_lora_f32` answers False and the caller takes the torch path (punica_kernels.cpu), which

@@ -324,15 +324,29 @@ ALWAYS_INLINE void pf_advance(pf_cursor_t *c, int64_t bytes) {
 static float quantize_i16(const float *src, int64_t n, int64_t pad, int16_t *q) {
     int64_t i = 0;
     float mx = 0.0f;
+    /* The maximum in four independent chains (a max's latency is several cycles; one chain would
+     * wait on it every vector); a maximum is exact in any order. */
 #ifdef __AVX512F__
-    __m512 mw = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) mw = _mm512_max_ps(mw, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
-    mx = _mm512_reduce_max_ps(mw);
+    __m512 mw0 = _mm512_setzero_ps(), mw1 = mw0, mw2 = mw0, mw3 = mw0;
+    for (; i + 64 <= n; i += 64) {
+        mw0 = _mm512_max_ps(mw0, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+        mw1 = _mm512_max_ps(mw1, _mm512_abs_ps(_mm512_loadu_ps(src + i + 16)));
+        mw2 = _mm512_max_ps(mw2, _mm512_abs_ps(_mm512_loadu_ps(src + i + 32)));
+        mw3 = _mm512_max_ps(mw3, _mm512_abs_ps(_mm512_loadu_ps(src + i + 48)));
+    }
+    for (; i + 16 <= n; i += 16) mw0 = _mm512_max_ps(mw0, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+    mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mw0, mw1), _mm512_max_ps(mw2, mw3)));
 #endif
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 mv = _mm256_setzero_ps();
+    __m256 mv = _mm256_setzero_ps(), mv1 = mv, mv2 = mv, mv3 = mv;
+    for (; i + 32 <= n; i += 32) {
+        mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+        mv1 = _mm256_max_ps(mv1, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i + 8)));
+        mv2 = _mm256_max_ps(mv2, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i + 16)));
+        mv3 = _mm256_max_ps(mv3, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i + 24)));
+    }
     for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
-    const float m8 = tessera_hmax8(mv);
+    const float m8 = tessera_hmax8(_mm256_max_ps(_mm256_max_ps(mv, mv1), _mm256_max_ps(mv2, mv3)));
     mx = m8 > mx ? m8 : mx;
     for (; i < n; i++) mx = fabsf(src[i]) > mx ? fabsf(src[i]) : mx;
     const float scale = mx / 32767.0f, inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
@@ -690,7 +704,10 @@ ALWAYS_INLINE void lora_block_i8(int nt, int64_t i0, const int16_t *xq, const fl
 
 /* The tokens [t0, t0 + n_tok) of one run, TOK_BLOCK at a time (xq, xs: the run's int16 x rows and
  * their scales); the prefetch cursor advances over the first block only (the later ones read the
- * same weights, now in cache). */
+ * same weights, now in cache). One-token blocks (a decode step's items, most of a many-adapter
+ * step's work) take the common ranks 8, 16 and 32 as constants: the loops over rank pairs unroll
+ * and the expand keeps the broadcast intermediate in registers across its outputs; other ranks
+ * take the same code with r at run time (the same bits either way). */
 ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const int16_t *xq, const float *xs,
                                int64_t K, const int8_t *a, const float *a_rs, const int8_t *b, const float *b_rs,
                                int64_t r, float sc, int64_t n_out, float *y, int64_t ldy, pf_cursor_t *pf) {
@@ -698,7 +715,13 @@ ALWAYS_INLINE void lora_run_i8(int64_t t0, int64_t n_tok, const float *x, const 
     for (int64_t i = t0; i < t0 + n_tok; i += TOK_BLOCK) {
         const int64_t nt = t0 + n_tok - i < TOK_BLOCK ? t0 + n_tok - i : TOK_BLOCK;
         pf_cursor_t *c = i == t0 ? pf : NULL;
-        if (nt == 1)
+        if (nt == 1 && r == 16)
+            lora_block_i8(1, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, 16, sc, n_out, y, ldy, c);
+        else if (nt == 1 && r == 8)
+            lora_block_i8(1, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, 8, sc, n_out, y, ldy, c);
+        else if (nt == 1 && r == 32)
+            lora_block_i8(1, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, 32, sc, n_out, y, ldy, c);
+        else if (nt == 1)
             lora_block_i8(1, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
         else if (nt == 2)
             lora_block_i8(2, i, xq + (i - t0) * K, xs + (i - t0), K, a, a_rs, b, b_rs, r, sc, n_out, y, ldy, c);
