@@ -67,12 +67,17 @@ def test_step_model_counts_a_decode_layers_launches_and_host_time():
 @pytest.mark.usefixtures("needs_c_compiler")
 def test_lora_kernel_ab_compares_a_revisions_kernel_with_the_trees():
     """bench/lora_kernel_ab.py builds the kernel from a git revision beside this tree's and reports
-    both on every case; against this tree's own revision the two give the same bits."""
+    both on every case; against this tree's own revision the two give the same bits, at the
+    default rank 16 and at an odd rank in a wider stack (`--rank`, `--stack-rank`)."""
     out = _run("lora_kernel_ab.py", "--against", "HEAD", "--rounds", "2", interpret=False)
-    assert out["against"] == "HEAD" and out["stack_rank"] == 16
+    assert out["against"] == "HEAD" and (out["rank"], out["stack_rank"], out["march"]) == (16, 16, "native")
     assert set(out["cases"]) == {"distinct", "two_slots", "one_layer", "8_tokens", "prompt"}
     for case in out["cases"].values():
         assert case["same_bits"] is True
         for label in ("HEAD", "tree"):
             assert 0 < case[label]["min_ms"] <= case[label]["median_ms"]
     assert out["machine"]["cores"] >= 1
+    odd = _run("lora_kernel_ab.py", "--against", "HEAD", "--rounds", "1", "--rank", "7", "--stack-rank", "32",
+               interpret=False)
+    assert (odd["rank"], odd["stack_rank"]) == (7, 32)
+    assert all(case["same_bits"] is True for case in odd["cases"].values())
