@@ -6,10 +6,9 @@ on one decode step's work: prints one JSON object (figures, never pass/fail).
 
 A step is SmolLM2-135M's 30 layers x 4 groups (qkv, o, gate_up, down) of int8 stacks, rank-16
 adapters (`--rank`: another rank, 1-64), called as the engine's CPU backend calls them
-(`cpu_native.StepCall`). The two builds
-take turns, step by step, so a host that slows down for a while slows both (on a shared 2-core VM
-the same step swings 2x within minutes); reported: min and median ms a step, per build, and
-whether both gave the same bits. Cases:
+(`cpu_native.StepCall`). The two builds take turns, step by step, so a host that slows down for a
+while slows both (on a shared 2-core VM the same step swings 2x within minutes); reported: min and
+median ms a step, per build, and whether both gave the same bits. Cases:
 - distinct: 32 tokens on 32 slots (weights from memory: 157 MB a step, the many-adapter step);
 - two slots: 32 one-token runs alternating between 2 slots (5 MB a layer, from L3);
 - one layer: the same, with one layer's stacks for all 30 (in L2: the kernel's compute);
