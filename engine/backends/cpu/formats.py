@@ -23,8 +23,9 @@ Rules (rows = a step's tokens through one linear):
 - int8 crossover, layers / lm_head: 1 / 1 where the AMX int8 kernel is packed (it wins from 2
   rows); 8 / 4 with a bf16 dense copy (the C int8 kernel against the packed bf16 copy); 12 / 8
   with AVX-512 and an fp32 dense copy, with avx512_bf16 or without (against the fp32 copy); 32 /
-  32 with AVX2 alone (the row-pair kernel against fp32 GEMMs); 8 / 8 where the C int8 kernel is not packed (torch's
-  `_weight_int8pack_mm`: 8-16 rows measured against bf16 copies, not measured against fp32);
+  32 with AVX2 alone (the row-pair kernel against fp32 GEMMs); 8 / 8 where the C int8 kernel is
+  not packed (torch's `_weight_int8pack_mm`: 8-16 rows measured against bf16 copies, not
+  measured against fp32);
 - Q4_1 blocks for 1-row batches wherever packed (faster with AMX and AVX-512, a tie on AVX2; the
   int8 kernel wins from 2 rows on all three);
 - steps that prefill stay on the exact fp32 copy unless the CPU has AMX (bf16 GEMMs 6x fp32 there,
